@@ -1,0 +1,81 @@
+"""Configuration: one dataclass per component, validated on construction.
+
+The CLI maps its flags one-to-one onto these fields; checkpoints and benchmark results store
+`asdict()` of the resolved configs.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from osd.errors import InvalidArgument
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy (token-identical to the target); > 0 = lossless sampling
+    top_k: int = 0  # 0 = off; applied to target and draft alike before acceptance
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
+    seed: int | None = None  # seed for sampling; None = nondeterministic
+
+    def __post_init__(self):
+        if self.temperature is None or self.temperature < 0:
+            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is None or self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.top_p is None or not (0.0 < self.top_p <= 1.0):
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens is None or self.max_new_tokens <= 0:
+            raise InvalidArgument(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            raise InvalidArgument("stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class SpeculationConfig:
+    k: int = 4  # proposal length; with adaptive=True the largest k the policy may pick
+    adaptive: bool = True  # choose k per step from live acceptance and measured costs (k = 0 allowed)
+    alpha_prior: float = 0.7  # acceptance assumed before anything is observed
+    alpha_ema: float = 0.9  # smoothing of the live acceptance estimate (per proposed token)
+
+    def __post_init__(self):
+        if self.k is None or self.k < 0:
+            raise InvalidArgument(f"k (proposal length) must be >= 0, got {self.k}")
+        if self.k > 32:
+            raise InvalidArgument(f"k (proposal length) must be <= 32, got {self.k}")
+        if not (0.0 <= self.alpha_prior < 1.0):
+            raise InvalidArgument(f"alpha_prior must be in [0, 1), got {self.alpha_prior}")
+        if not (0.0 <= self.alpha_ema < 1.0):
+            raise InvalidArgument(f"alpha_ema must be in [0, 1), got {self.alpha_ema}")
+
+
+@dataclass
+class ModelConfig:
+    target: str = "bundled:qwen2.5-coder-1.5b"  # hub id, local dir, .gguf file or bundled:<name>
+    draft: str = "bundled:qwen2.5-coder-0.5b"
+    dtype: str = "float32"  # target dtype (the baseline uses the same)
+    draft_dtype: str = "float32"  # dtype of the draft's master weights
+    draft_quantize: str = "int8"  # "none" | "int8": serving copy of the draft (dynamic int8 linears)
+    draft_vocab: int = 0  # 0 = full; N = draft proposes only among token ids < N (+ special tokens)
+    threads: int = 0  # torch threads; 0 = leave torch's default
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidArgument(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if self.draft_dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidArgument(f"draft_dtype must be float32, bfloat16 or float16, got {self.draft_dtype}")
+        if self.draft_quantize not in ("none", "int8"):
+            raise InvalidArgument(f"draft_quantize must be none or int8, got {self.draft_quantize}")
+        if self.draft_vocab < 0:
+            raise InvalidArgument(f"draft_vocab must be >= 0, got {self.draft_vocab}")
+
+
+def to_dict(*configs) -> dict:
+    return {type(c).__name__: asdict(c) for c in configs}

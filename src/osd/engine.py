@@ -1,0 +1,192 @@
+"""The speculative decoding step loop: propose -> verify -> commit -> observe (PAPER.md section 1).
+
+One request at a time (batch size 1). Observers (metrics, the online learner) receive every
+StepRecord, which already holds the target's logits at the proposed positions: learning from
+verification needs no extra target forward.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from osd.config import SamplingConfig, SpeculationConfig
+from osd.errors import ContextTooLong, InvalidArgument
+from osd.metrics import SpecCounters, SpecMetrics
+from osd.models.cached import CachedModel
+from osd.propose.base import Proposal, Proposer
+from osd.speed_model import KPolicy
+from osd.stopping import StopChecker
+from osd.verify import acceptance_beta, greedy_verify, rejection_verify, warp_probs
+
+
+@dataclass
+class StepRecord:
+    """Everything one verification step knows; what the learner and metrics observe."""
+
+    request_id: str
+    draft: tuple[str, int]  # (draft name, version) that proposed
+    context: list[int]  # committed tokens before the step; proposal i sits at position len(context)+i
+    proposed: list[int]  # (k,) draft tokens
+    n_accepted: int
+    next_token: int  # recovered (n_accepted < k) or bonus token
+    target_logits: torch.Tensor  # (k+1, V) raw target logits; row i predicts proposal i (row k: bonus)
+    draft_probs: torch.Tensor | None  # (k, V) warped draft probabilities (sampling only)
+    betas: list[float]  # exact acceptance probability at each on-trajectory proposal
+    temperature: float
+    t_draft: float
+    t_target: float
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    draft: tuple[str, int]
+    counters: SpecCounters
+    seconds: float
+    steps: list[tuple[int, int]] = field(default_factory=list)  # (k, n_accepted) per step
+
+    @property
+    def stats(self) -> dict:
+        s = self.counters.summary()
+        s.update(draft=self.draft[0], draft_version=self.draft[1], seconds=self.seconds,
+                 new_tokens=len(self.token_ids), wall_tokens_per_second=len(self.token_ids) / self.seconds if self.seconds else None)
+        return s
+
+
+class SpeculativeEngine:
+    """Serves one target with one proposer. Limitations: batch size 1; requests are serialised."""
+
+    def __init__(self, target_model, tokenizer, proposer: Proposer | None, spec: SpeculationConfig | None = None,
+                 metrics: SpecMetrics | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.spec = spec or SpeculationConfig()
+        self.target = CachedModel(target_model)
+        self.tokenizer, self.proposer, self.clock = tokenizer, proposer, clock
+        k_max = self.spec.k if proposer is not None else 0
+        self.policy = KPolicy(k_max, self.spec.adaptive, self.spec.alpha_prior, self.spec.alpha_ema)
+        self.metrics = metrics or SpecMetrics()
+        self.observers: list[Callable[[StepRecord], None]] = []
+        self.context_window = int(getattr(target_model.config, "max_position_embeddings", 0) or 0)
+        self.vocab_size = int(target_model.config.vocab_size)
+        self.eos_ids = _eos_ids(target_model, tokenizer)
+        self._lock = threading.Lock()
+
+    def generate(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str | None = None,
+                 on_text: Callable[[str], None] | None = None) -> GenerationResult:
+        self._check(prompt_ids, sampling)
+        with self._lock:
+            return self._generate(list(prompt_ids), sampling, request_id or uuid.uuid4().hex[:12], on_text)
+
+    def _generate(self, tokens, sampling, request_id, on_text) -> GenerationResult:
+        start = self.clock()
+        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        stopper = StopChecker(self.tokenizer, self.eos_ids, sampling.max_new_tokens, sampling.stop)
+        counters, steps, prompt, sent = SpecCounters(requests=1), [], list(tokens), ""
+        self.target.reset()
+        if len(tokens) > 1:
+            self.target.feed(tokens[:-1])  # prefill; the last prompt token is fed with the first proposal
+        draft = ("none", -1)
+        if self.proposer is not None:
+            self.proposer.begin(tokens)
+            draft = (self.proposer.name, self.proposer.version)
+        while stopper.finish_reason is None:
+            k = self.policy.choose_k(sampling.max_new_tokens - len(stopper.token_ids))
+            t0 = self.clock()
+            proposal = self.proposer.propose(tokens, k, sampling, generator) if k else Proposal([])
+            t1 = self.clock()
+            target_logits = self.target.feed(tokens[self.target.length:] + proposal.tokens, n_logits=k + 1)  # (k+1, V)
+            t2 = self.clock()
+            outcome, betas = self._verify(target_logits, proposal, sampling, generator)
+            emitted = proposal.tokens[: outcome.n_accepted] + [outcome.next_token]
+            record = StepRecord(request_id, draft, tokens[:], proposal.tokens, outcome.n_accepted, outcome.next_token,
+                                target_logits, proposal.draft_probs, betas, sampling.temperature, t1 - t0, t2 - t1)
+            tokens += emitted
+            self.target.rollback(len(tokens) - 1)  # keep the accepted prefix; the last token is pending
+            if k:
+                self.proposer.rollback(len(tokens) - 1)
+            self.policy.observe(k, outcome.n_accepted, t1 - t0, t2 - t1)
+            counters.add_step(k, outcome.n_accepted, len(emitted), betas, t1 - t0, t2 - t1)
+            steps.append((k, outcome.n_accepted))
+            for observe in self.observers:
+                observe(record)
+            stopper.extend(emitted)
+            if on_text is not None and len(text := stopper.stable_text()) > len(sent):
+                on_text(text[len(sent):])
+                sent = text
+        self.metrics.record(draft, counters)
+        return GenerationResult(request_id, prompt, stopper.token_ids, stopper.text, stopper.finish_reason, draft,
+                                counters, self.clock() - start, steps)
+
+    def _verify(self, target_logits, proposal: Proposal, sampling: SamplingConfig, generator):
+        """-> (VerifyOutcome, betas): greedy or lossless rejection sampling, plus exact acceptance."""
+        draft_tokens = torch.tensor(proposal.tokens, dtype=torch.long)  # (k,)
+        k = proposal.k
+        if sampling.greedy:
+            outcome = greedy_verify(target_logits, draft_tokens)
+            on_path = min(outcome.n_accepted + 1, k)
+            return outcome, [1.0] * outcome.n_accepted + [0.0] * (on_path - outcome.n_accepted)
+        target_probs = warp_probs(target_logits, sampling.temperature, sampling.top_k, sampling.top_p)  # (k+1, V)
+        if k == 0:
+            return rejection_verify(target_probs, target_probs[:0], draft_tokens, generator), []
+        outcome = rejection_verify(target_probs, proposal.draft_probs, draft_tokens, generator)
+        on_path = min(outcome.n_accepted + 1, k)
+        return outcome, acceptance_beta(target_probs[:on_path], proposal.draft_probs[:on_path]).tolist()
+
+    def _check(self, prompt_ids, sampling: SamplingConfig) -> None:
+        if not isinstance(sampling, SamplingConfig):
+            raise InvalidArgument("sampling must be a SamplingConfig")
+        if len(prompt_ids) == 0:
+            raise InvalidArgument("prompt is empty: give at least one token")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt_ids):
+            raise InvalidArgument(f"prompt holds token ids outside the vocabulary [0, {self.vocab_size})")
+        if self.context_window and len(prompt_ids) + sampling.max_new_tokens > self.context_window:
+            raise ContextTooLong(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the "
+                f"target's context window of {self.context_window} tokens"
+            )
+
+    @torch.inference_mode()
+    def calibrate(self, context_len: int = 64, repeats: int = 2) -> dict:
+        """Warm up and measure draft/target forward costs; feeds the k policy. Returns seconds."""
+        dummy = [int(t) for t in torch.randint(0, min(self.vocab_size, 1000), (context_len,), generator=torch.Generator().manual_seed(0))]
+        t_target = []
+        for n in range(1, self.policy.k_max + 2):
+            best = float("inf")
+            for _ in range(repeats + (1 if n == 1 else 0)):
+                self.target.reset()
+                self.target.feed(dummy[:-n])
+                t0 = self.clock()
+                self.target.feed(dummy[-n:], n_logits=n)
+                best = min(best, self.clock() - t0)
+            t_target.append(best)
+        t_draft = 0.0
+        if self.proposer is not None and self.policy.k_max > 0:
+            self.proposer.begin(dummy)
+            greedy = SamplingConfig(max_new_tokens=1)
+            self.proposer.propose(dummy, 1, greedy)  # prefill
+            t0 = self.clock()
+            self.proposer.propose(dummy + [0], 4, greedy)
+            t_draft = (self.clock() - t0) / 4
+        self.target.reset()
+        self.policy.calibrate(t_draft, t_target)
+        return {"t_draft": t_draft, "t_target": t_target, "c": t_draft / t_target[0],
+                "verify_cost": [t / t_target[0] for t in t_target]}
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+    return ids

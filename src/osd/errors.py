@@ -1,0 +1,28 @@
+"""Typed errors. Every user-facing failure is one of these, with a message that names the problem.
+
+The HTTP layer maps them to statuses in one table (serve/errors.py); the CLI prints the message.
+"""
+
+
+class OsdError(Exception):
+    """Base class for all osd errors."""
+
+
+class InvalidArgument(OsdError, ValueError):
+    """A request or config value is out of range or malformed (HTTP 400/422)."""
+
+
+class ContextTooLong(InvalidArgument):
+    """Prompt plus max_new_tokens does not fit the model's context window (HTTP 413/400)."""
+
+
+class TokenizerMismatch(OsdError):
+    """Draft and target tokenizers differ: speculative decoding would be wrong."""
+
+
+class ModelNotFound(OsdError, FileNotFoundError):
+    """A model path, hub id or bundled model cannot be found (with what to install)."""
+
+
+class ModelIntegrityError(OsdError):
+    """Assembled model bytes have the wrong size or checksum."""

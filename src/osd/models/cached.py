@@ -1,0 +1,37 @@
+"""A causal LM plus its KV cache over one sequence. Rollback is a crop: no prefix is re-encoded."""
+from __future__ import annotations
+
+import torch
+
+
+class CachedModel:
+    """Feeds tokens into a model whose KV cache holds the first `length` tokens of one sequence.
+
+    Limitations: batch size 1; the cache is a transformers DynamicCache (cropping is O(1) views).
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.cache = None
+        self.length = 0  # tokens whose keys/values are in the cache
+
+    def reset(self) -> None:
+        self.cache, self.length = None, 0
+
+    @torch.inference_mode()
+    def feed(self, token_ids: list[int], n_logits: int = 1) -> torch.Tensor:
+        """Append tokens to the cache; return float32 logits (n_logits, V) for the last positions."""
+        from transformers import DynamicCache
+
+        if self.cache is None:
+            self.cache = DynamicCache()
+        input_ids = torch.tensor([token_ids], dtype=torch.long)  # (1, T)
+        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=n_logits)
+        self.length += len(token_ids)
+        return out.logits[0, -n_logits:].float()  # (n_logits, V)
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first `length` cached tokens."""
+        if length < self.length:
+            self.cache.crop(length)
+            self.length = length

@@ -1,0 +1,67 @@
+"""Resolve a model spec and load it.
+
+A spec is one of: `bundled:<name>` (see bundled.py), a local HF directory, a local `.gguf` file
+(converted once to a cached safetensors dir), or a hub id (used from the local HF cache when the
+hub is unreachable).
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from osd.errors import ModelNotFound
+from osd.models.bundled import bundled_model_dir, cache_root, convert_gguf_to_dir
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_dir(spec: str) -> str:
+    """Spec -> something `from_pretrained` accepts (a local dir, or a hub id)."""
+    if not spec or not isinstance(spec, str):
+        raise ModelNotFound("empty model spec: give a hub id, a local directory, a .gguf file or bundled:<name>")
+    if spec.startswith("bundled:"):
+        return str(bundled_model_dir(spec.split(":", 1)[1]))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.exists():
+            raise ModelNotFound(f"GGUF file not found: {path}")
+        digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:16]
+        out = cache_root() / "hf" / f"{path.stem}-{digest}"
+        if not (out / "model.safetensors").exists():
+            convert_gguf_to_dir(path, out)
+        return str(out)
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ModelNotFound(f"{path} exists but holds no config.json: not a Hugging Face model directory")
+        return str(path)
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise ModelNotFound(f"model directory not found: {spec}")
+    return spec  # hub id
+
+
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer
+
+    where = resolve_model_dir(spec)
+    try:
+        return AutoTokenizer.from_pretrained(where)
+    except OSError as e:
+        raise ModelNotFound(f"cannot load tokenizer for {spec!r}: {e}") from e
+
+
+def load_model(spec: str, dtype: str = "float32"):
+    """Load a causal LM in eval mode, no grad, with the given dtype."""
+    from transformers import AutoModelForCausalLM
+
+    where = resolve_model_dir(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=DTYPES[dtype])
+    except OSError as e:
+        raise ModelNotFound(
+            f"cannot load model {spec!r}: {e}\n(the Hugging Face hub is used only if reachable; "
+            "give a local directory or .gguf file otherwise)"
+        ) from e
+    model.eval().requires_grad_(False)
+    return model

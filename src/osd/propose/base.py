@@ -1,0 +1,34 @@
+"""The proposer interface. Variation in drafting (draft model, n-gram, heads) lives behind it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from osd.config import SamplingConfig
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]  # k proposed ids
+    draft_probs: torch.Tensor | None = None  # (k, V) warped draft probabilities (sampling only)
+    draft_logits: torch.Tensor | None = None  # (k, V') raw draft logits (V' = draft vocab), kept for learning
+
+    @property
+    def k(self) -> int:
+        return len(self.tokens)
+
+
+class Proposer(Protocol):
+    name: str
+    version: int
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """Start a new sequence (pick up the latest draft version, drop old caches)."""
+
+    def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator) -> Proposal:
+        """Propose k tokens continuing `tokens` (the whole committed sequence)."""
+
+    def rollback(self, length: int) -> None:
+        """Discard cached state beyond the first `length` tokens."""

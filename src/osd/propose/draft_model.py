@@ -1,0 +1,58 @@
+"""Draft-model proposer: k autoregressive draft forwards over a KV cache kept across steps."""
+from __future__ import annotations
+
+import torch
+
+from osd.config import SamplingConfig
+from osd.drafts import DraftRegistry
+from osd.models.cached import CachedModel
+from osd.propose.base import Proposal
+from osd.verify.sampling import sample_from, warp_probs
+
+
+class DraftModelProposer:
+    """Proposes with the latest published snapshot of one named draft.
+
+    The snapshot is taken in `begin` (once per request): a newer version is picked up by the next
+    request, and its KV cache starts empty (caches built with old weights are never reused).
+    """
+
+    def __init__(self, registry: DraftRegistry, name: str, vocab_size: int):
+        self.registry, self.name, self.vocab_size = registry, name, vocab_size
+        self.version = -1
+        self.runner: CachedModel | None = None
+        self.vocab_ids: torch.Tensor | None = None
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        snap = self.registry.get(self.name)
+        if self.runner is None or snap.version != self.version or self.runner.model is not snap.model:
+            self.runner = CachedModel(snap.model)
+            self.version, self.vocab_ids = snap.version, snap.vocab_ids
+        self.runner.reset()
+
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """(V',) draft logits -> (V,) logits over the target's vocabulary (-inf where not covered)."""
+        if self.vocab_ids is None and logits.shape[-1] == self.vocab_size:
+            return logits
+        full = torch.full((self.vocab_size,), float("-inf"))
+        ids = self.vocab_ids if self.vocab_ids is not None else torch.arange(min(logits.shape[-1], self.vocab_size))
+        full[ids] = logits[: len(ids)]
+        return full
+
+    def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator=None) -> Proposal:
+        proposed, probs = [], []
+        pending = tokens[self.runner.length :]
+        for _ in range(k):
+            logits = self._full_vocab(self.runner.feed(pending)[0])  # (V,)
+            if sampling.greedy:
+                token = int(logits.argmax())
+            else:
+                q = warp_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+                token = sample_from(q, generator)
+                probs.append(q)
+            proposed.append(token)
+            pending = [token]
+        return Proposal(proposed, torch.stack(probs) if probs else None)
+
+    def rollback(self, length: int) -> None:
+        self.runner.rollback(length)

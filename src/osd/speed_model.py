@@ -1,0 +1,87 @@
+"""The expected-speedup model of PAPER.md section 2, as pure functions, and the per-step k policy.
+
+alpha: token acceptance rate; k: proposal length; t_draft: seconds per draft forward;
+t_target(n): seconds for one target forward over n tokens (verification of k proposals is n = k+1).
+"""
+from __future__ import annotations
+
+import math
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens emitted per step (bonus included), i.i.d. acceptance: (1-a^(k+1))/(1-a)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, k: int, c: float, v: float) -> float:
+    """Speedup over target-only decoding: E / (k*c + v), c = draft/target cost, v = verify cost."""
+    return expected_tokens(alpha, k) / (k * c + v)
+
+
+def best_k(alpha: float, t_draft: float, t_target: list[float], k_max: int) -> int:
+    """k in 0..k_max maximising expected tokens per second; t_target[n-1] = time for n tokens."""
+    def rate(k: int) -> float:
+        return expected_tokens(alpha, k) / (k * t_draft + t_target[k])
+
+    return max(range(k_max + 1), key=rate)
+
+
+class KPolicy:
+    """Chooses k each step from a live acceptance estimate and measured costs.
+
+    alpha is estimated by the truncated-geometric MLE accepted / (accepted + rejections), smoothed
+    with an EMA; costs are EMAs of measured seconds. With adaptive=False it always returns k_max.
+    Steps at k = 0 teach nothing about alpha, so every `probe_every` such steps it tries k = 1.
+    """
+
+    def __init__(self, k_max: int, adaptive: bool = True, alpha_prior: float = 0.7, ema: float = 0.9, probe_every: int = 16):
+        self.k_max, self.adaptive, self.ema, self.probe_every = k_max, adaptive, ema, probe_every
+        self.accepted, self.rejected = alpha_prior * 10, (1 - alpha_prior) * 10  # prior worth ~10 tokens
+        self.t_draft: float | None = None
+        self.t_target: list[float | None] = [None] * (k_max + 1)
+        self._zero_steps = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / max(self.accepted + self.rejected, 1e-9)
+
+    def calibrate(self, t_draft: float, t_target: list[float]) -> None:
+        self.t_draft = t_draft
+        self.t_target = list(t_target[: self.k_max + 1]) + [None] * max(0, self.k_max + 1 - len(t_target))
+
+    def _target_costs(self) -> list[float] | None:
+        known = [(n, t) for n, t in enumerate(self.t_target) if t is not None]
+        if not known:
+            return None
+        # unmeasured n: linear extrapolation from the nearest measured point (verification grows with n)
+        n0, t0 = known[0]
+        slope = (known[-1][1] - t0) / (known[-1][0] - n0) if len(known) > 1 else 0.25 * t0
+        return [t if t is not None else t0 + slope * (n - n0) for n, t in enumerate(self.t_target)]
+
+    def choose_k(self, remaining: int) -> int:
+        cap = max(0, min(self.k_max, remaining - 1))
+        if not self.adaptive or cap == 0:
+            return cap
+        costs = self._target_costs()
+        if costs is None or self.t_draft is None:
+            return cap
+        k = best_k(self.alpha, self.t_draft, costs, cap)
+        if k == 0:
+            self._zero_steps += 1
+            if self._zero_steps % self.probe_every == 0:
+                return 1
+        return k
+
+    def observe(self, k: int, n_accepted: int, t_draft: float, t_target: float) -> None:
+        if k > 0:
+            rejected = 1 if n_accepted < k else 0
+            self.accepted = self.ema * self.accepted + n_accepted
+            self.rejected = self.ema * self.rejected + rejected
+            per_forward = t_draft / k
+            self.t_draft = per_forward if self.t_draft is None else 0.8 * self.t_draft + 0.2 * per_forward
+        old = self.t_target[k]
+        if not math.isfinite(t_target):
+            return
+        self.t_target[k] = t_target if old is None else 0.8 * old + 0.2 * t_target

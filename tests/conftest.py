@@ -1,0 +1,69 @@
+"""Tiny seeded models built in-process, and a toy tokenizer. No network, no files."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+
+VOCAB = 48
+EOS = 1
+
+
+class ToyTokenizer:
+    """Token id i <-> one character; id 1 is EOS. Enough for decoding, stop strings and templates."""
+
+    eos_token_id = EOS
+    bos_token_id = None
+    pad_token_id = 0
+    alphabet = "_$abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTU"[:VOCAB]
+
+    def __init__(self, vocab=None):
+        self._vocab = vocab or {c: i for i, c in enumerate(self.alphabet)}
+
+    def get_vocab(self):
+        return dict(self._vocab)
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.alphabet[i] for i in ids if not (skip_special_tokens and i == EOS))
+
+    def encode(self, text, add_special_tokens=False):
+        return [self._vocab[c] for c in text]
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": self.encode(text)}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **kw):
+        text = "".join(f"${m['role'][0]}{m['content']}" for m in messages) + ("$a" if add_generation_prompt else "")
+        return self.encode(text) if tokenize else text
+
+
+def tiny_qwen2(seed: int, layers: int = 2, hidden: int = 32, vocab: int = VOCAB):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=EOS, bos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # sharpen the output distribution so greedy text is not uniform noise
+        model.lm_head.weight.mul_(8.0)
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture
+def tokenizer():
+    return ToyTokenizer()
+
+
+@pytest.fixture
+def target_model():
+    return tiny_qwen2(seed=0)
+
+
+@pytest.fixture
+def draft_model():
+    return tiny_qwen2(seed=1, layers=1)

@@ -1,0 +1,146 @@
+"""The engine's invariants on tiny seeded models."""
+import copy
+import itertools
+
+import pytest
+import torch
+from conftest import EOS, VOCAB, tiny_qwen2
+from helpers import make_engine, plain_greedy
+
+from osd.config import SamplingConfig, SpeculationConfig
+from osd.engine import SpeculativeEngine
+from osd.errors import ContextTooLong, InvalidArgument
+
+PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15], [20]]
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_equals_target_greedy_with_random_draft(target_model, draft_model, tokenizer, k):
+    engine, _ = make_engine(target_model, draft_model, tokenizer, k=k)
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, SamplingConfig(max_new_tokens=40))
+        assert result.token_ids == plain_greedy(target_model, prompt, 40, eos=EOS)
+
+
+def test_greedy_with_draft_equal_to_target_accepts_everything(target_model, tokenizer):
+    engine, _ = make_engine(target_model, copy.deepcopy(target_model), tokenizer, k=4)
+    result = engine.generate([5, 6, 7], SamplingConfig(max_new_tokens=31))
+    assert result.token_ids == plain_greedy(target_model, [5, 6, 7], 31, eos=EOS)
+    summary = result.counters.summary()
+    assert summary["acceptance_rate"] == 1.0 and summary["alpha"] == 1.0
+    assert summary["tokens_per_step"] > 4.0
+
+
+def test_adaptive_k_keeps_output_identical(target_model, draft_model, tokenizer):
+    engine, _ = make_engine(target_model, draft_model, tokenizer, k=5, adaptive=True)
+    engine.calibrate(context_len=16, repeats=1)
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, SamplingConfig(max_new_tokens=30)).token_ids == plain_greedy(target_model, prompt, 30, eos=EOS)
+
+
+def test_k_zero_is_plain_target_decoding(target_model, draft_model, tokenizer):
+    engine, _ = make_engine(target_model, draft_model, tokenizer, k=0)
+    result = engine.generate([5, 6, 7], SamplingConfig(max_new_tokens=20))
+    assert result.token_ids == plain_greedy(target_model, [5, 6, 7], 20, eos=EOS)
+    assert all(k == 0 for k, _ in result.steps)
+    target_only = SpeculativeEngine(target_model, tokenizer, None)
+    assert target_only.generate([5, 6, 7], SamplingConfig(max_new_tokens=20)).token_ids == result.token_ids
+
+
+def test_kv_rollback_matches_fresh_forward_after_many_steps(target_model, draft_model, tokenizer):
+    engine, _ = make_engine(target_model, draft_model, tokenizer, k=4)
+    prompt = [5, 6, 7]
+    records = []
+    engine.observers.append(records.append)
+    result = engine.generate(prompt, SamplingConfig(max_new_tokens=60))
+    assert len(result.steps) > 10 and any(n < k for k, n in result.steps)  # rollbacks happened
+    last = records[-1]
+    seq = last.context + last.proposed[: last.n_accepted] + [last.next_token]
+    assert engine.target.length == len(seq) - 1
+    cached = engine.target.feed([seq[-1]], n_logits=1)[0]  # continue on the rolled-back cache
+    seq = seq + [0]
+    with torch.no_grad():
+        fresh = target_model(torch.tensor([seq[: engine.target.length]])).logits[0, -1]
+    assert torch.allclose(cached, fresh, atol=1e-4)
+
+
+def test_steps_record_target_distributions_at_proposed_positions(target_model, draft_model, tokenizer):
+    engine, _ = make_engine(target_model, draft_model, tokenizer, k=3)
+    records = []
+    engine.observers.append(records.append)
+    engine.generate([5, 6, 7], SamplingConfig(max_new_tokens=20))
+    rec = next(r for r in records if r.n_accepted < len(r.proposed))
+    seq = rec.context + rec.proposed
+    with torch.no_grad():
+        full = target_model(torch.tensor([seq])).logits[0]  # (T, V)
+    n = len(rec.context)
+    assert torch.allclose(rec.target_logits, full[n - 1 : n + len(rec.proposed)], atol=1e-4)
+    assert rec.next_token == int(full[n - 1 + rec.n_accepted].argmax())
+
+
+def test_eos_stop_strings_and_max_new_tokens(target_model, draft_model, tokenizer):
+    engine, _ = make_engine(target_model, draft_model, tokenizer, k=3)
+    free = engine.generate([5, 6, 7], SamplingConfig(max_new_tokens=12))
+    assert len(free.token_ids) <= 12
+    if free.finish_reason == "length":
+        assert len(free.token_ids) == 12
+    stop = free.text[3:5]
+    if stop:
+        stopped = engine.generate([5, 6, 7], SamplingConfig(max_new_tokens=12, stop=[stop]))
+        assert stopped.finish_reason == "stop" and stop not in stopped.text
+        assert free.text.startswith(stopped.text)
+    streamed = []
+    result = engine.generate([5, 6, 7], SamplingConfig(max_new_tokens=12), on_text=streamed.append)
+    assert "".join(streamed) == result.text
+
+
+def _exact_two_token_distribution(model, prompt, temperature):
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        joint = torch.zeros(VOCAB, VOCAB)
+        for a in range(VOCAB):
+            second = torch.softmax(model(torch.tensor([prompt + [a]])).logits[0, -1] / temperature, -1)
+            joint[a] = first[a] * second
+    return joint
+
+
+def test_sampled_output_follows_target_distribution(tokenizer):
+    target = tiny_qwen2(seed=0, vocab=VOCAB)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.15)  # flatter: many outcomes have visible mass
+    draft = tiny_qwen2(seed=3, layers=1)
+    engine, _ = make_engine(target, draft, tokenizer, k=2)
+    engine.eos_ids = set()  # count every pair, EOS included
+    prompt, temperature, n = [5, 6, 7], 1.0, 3000
+    exact = _exact_two_token_distribution(target, prompt, temperature)
+    counts = torch.zeros(VOCAB, VOCAB)
+    for seed in range(n):
+        out = engine.generate(prompt, SamplingConfig(temperature=temperature, max_new_tokens=2, seed=seed)).token_ids
+        counts[out[0], out[1]] += 1
+    tv = 0.5 * (counts / n - exact).abs().sum().item()
+    # TV of an n-sample empirical distribution of ~VOCAB^2 support from the truth is ~0.35 here;
+    # a wrong sampler (e.g. plain draft sampling) sits far above. Compare marginals tightly too.
+    assert (counts.sum(1) / n - exact.sum(1)).abs().max() < 0.03
+    draft_exact = _exact_two_token_distribution(draft, prompt, temperature)
+    assert tv < 0.5 * 0.5 * (draft_exact - exact).abs().sum().item() + 0.4
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(max_new_tokens=0), dict(top_k=-1)])
+def test_bad_sampling_arguments_raise_clear_errors(kwargs):
+    with pytest.raises(InvalidArgument, match=next(iter(kwargs))):
+        SamplingConfig(**kwargs)
+
+
+def test_bad_k_raises():
+    with pytest.raises(InvalidArgument, match="k"):
+        SpeculationConfig(k=-1)
+
+
+def test_empty_and_too_long_prompts(target_model, draft_model, tokenizer):
+    engine, _ = make_engine(target_model, draft_model, tokenizer)
+    with pytest.raises(InvalidArgument, match="empty"):
+        engine.generate([], SamplingConfig())
+    with pytest.raises(ContextTooLong, match="context window"):
+        engine.generate([5] * 250, SamplingConfig(max_new_tokens=10))
+    with pytest.raises(InvalidArgument, match="vocabulary"):
+        engine.generate([VOCAB + 3], SamplingConfig())

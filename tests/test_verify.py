@@ -1,0 +1,65 @@
+"""Acceptance rules on hand-built logits and distributions."""
+import pytest
+import torch
+
+from osd.verify import acceptance_beta, greedy_verify, rejection_verify, warp_probs
+
+
+def one_hot_logits(ids, vocab=6):
+    logits = torch.full((len(ids), vocab), -5.0)
+    logits[torch.arange(len(ids)), torch.tensor(ids)] = 5.0
+    return logits
+
+
+@pytest.mark.parametrize("target_ids,draft_ids,n_acc,next_tok", [
+    ([1, 2, 3, 4], [1, 2, 3], 3, 4),  # all accepted: bonus is the target's last argmax
+    ([1, 2, 3, 4], [1, 5, 3], 1, 2),  # mismatch at 1: recovered = target argmax there
+    ([1, 2, 3, 4], [0, 2, 3], 0, 1),  # first token rejected
+    ([3], [], 0, 3),                  # k = 0: plain target step
+])
+def test_greedy_verify_exact_cases(target_ids, draft_ids, n_acc, next_tok):
+    out = greedy_verify(one_hot_logits(target_ids), torch.tensor(draft_ids, dtype=torch.long))
+    assert (out.n_accepted, out.next_token) == (n_acc, next_tok)
+
+
+def test_rejection_accepts_when_draft_equals_target():
+    probs = torch.softmax(torch.randn(4, 6, generator=torch.Generator().manual_seed(0)), -1)
+    tokens = torch.tensor([0, 1, 2])
+    for seed in range(20):
+        out = rejection_verify(probs, probs[:3], tokens, torch.Generator().manual_seed(seed))
+        assert out.n_accepted == 3
+
+
+def test_rejection_rejects_impossible_token_and_recovers_from_residual():
+    target = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    draft = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    for seed in range(20):
+        out = rejection_verify(target, draft, torch.tensor([0]), torch.Generator().manual_seed(seed))
+        assert out.n_accepted == 0 and out.next_token in (1, 2)
+
+
+def test_rejection_sampling_first_token_follows_target_distribution():
+    g = torch.Generator().manual_seed(0)
+    target = torch.softmax(torch.randn(2, 5, generator=g) * 2, -1)
+    draft = torch.softmax(torch.randn(1, 5, generator=g) * 2, -1)
+    counts = torch.zeros(5)
+    n = 20000
+    for _ in range(n):
+        token = int(torch.multinomial(draft[0], 1, generator=g))
+        out = rejection_verify(target, draft, torch.tensor([token]), g)
+        counts[token if out.n_accepted == 1 else out.next_token] += 1
+    assert (counts / n - target[0]).abs().max() < 0.015
+
+
+def test_beta_is_one_minus_total_variation():
+    p = torch.tensor([[0.5, 0.5, 0.0]])
+    q = torch.tensor([[0.25, 0.25, 0.5]])
+    assert acceptance_beta(p, q).item() == pytest.approx(1 - 0.5 * (p - q).abs().sum().item())
+
+
+def test_warp_probs_top_k_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.allclose(warp_probs(logits, 1.0, top_k=2), torch.tensor([0.625, 0.375, 0, 0]), atol=1e-6)
+    assert torch.allclose(warp_probs(logits, 1.0, top_p=0.7), torch.tensor([0.625, 0.375, 0, 0]), atol=1e-6)
+    assert torch.allclose(warp_probs(logits, 1.0, top_p=0.5), torch.tensor([1.0, 0, 0, 0]), atol=1e-6)
+    assert torch.allclose(warp_probs(logits, 1.0), torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=1e-6)
