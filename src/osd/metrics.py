@@ -89,6 +89,10 @@ class SpecMetrics:
         with self._lock:
             self.by_draft[draft].merge(counters)
 
+    def reset(self) -> None:
+        with self._lock:
+            self.by_draft.clear()
+
     def total(self) -> SpecCounters:
         out = SpecCounters()
         with self._lock:

@@ -1,0 +1,64 @@
+"""Recording benchmark results: JSON with config, git revision and machine; a row in BENCHMARKS.md."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5).stdout.strip()
+        return rev + ("-dirty" if dirty else "") if rev else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = None
+    try:
+        mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "memory_gib": mem,
+            "python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform()}
+
+
+def write_result(result: dict, out: str | Path) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"command": " ".join(["osd"] + sys.argv[1:]), "git_revision": git_revision(), "machine": machine(),
+              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result}
+    out.write_text(json.dumps(result, indent=2, default=str))
+    return out
+
+
+def append_markdown(section: str, lines: list[str], path: str | Path = "BENCHMARKS.md") -> None:
+    """Append a dated block under a section heading of BENCHMARKS.md."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nEvery figure here was produced by the command shown with it.\n"
+    block = "\n".join(lines) + "\n"
+    heading = f"\n## {section}\n"
+    if heading in text:
+        head, rest = text.split(heading, 1)
+        nxt = rest.find("\n## ")
+        body, tail = (rest, "") if nxt < 0 else (rest[:nxt], rest[nxt:])
+        text = head + heading + body.rstrip("\n") + "\n\n" + block + tail
+    else:
+        text = text.rstrip("\n") + "\n" + heading + "\n" + block
+    path.write_text(text)

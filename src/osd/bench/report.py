@@ -1,0 +1,38 @@
+"""Turning benchmark results into JSON files, console tables and BENCHMARKS.md blocks."""
+from __future__ import annotations
+
+from osd.bench.record import append_markdown, git_revision, machine, write_result
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    cells = [header] + [[("-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)) for v in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells[1:]])
+
+
+def report_speed(result: dict, out: str, markdown: str) -> None:
+    path = write_result(result, out)
+    rates, speedups = result["tokens_per_second"], result["speedup_vs_target_hf"]
+    diffs = result["outputs_differing_from_reference"]
+    rows = [[name, rates[name], speedups[name], diffs[name]] for name in rates]
+    t = table(rows, ["config", "tokens/s", "x vs target_hf", "outputs != reference"])
+    s, cal = result["osd_spec_stats"], result["calibration"]
+    notes = (f"osd: alpha {s['alpha']:.3f}, tokens/step {s['tokens_per_step']:.2f}, acceptance {s['acceptance_rate']:.3f}, "
+             f"draft time share {s['draft_time_share']:.2f}; osd vs osd_target {result['speedup_osd_vs_osd_target']:.2f}x; "
+             f"measured c = {cal['c']:.3f}, verify cost (k+1 tokens / 1) = "
+             + ", ".join(f"{v:.2f}" for v in cal["verify_cost"]))
+    print(t)
+    print(notes)
+    print(f"result written to {path}")
+    if markdown:
+        cfg = result["config"]
+        m = machine()
+        append_markdown("Speed (`osd bench speed`)", [
+            f"### {result.get('timestamp', '')} rev {git_revision()}",
+            f"`{' '.join(['osd', 'bench', 'speed'])}` per_domain={cfg['per_domain']} max_new_tokens={cfg['max_new_tokens']} "
+            f"k={cfg['spec']['k']} adaptive={cfg['spec']['adaptive']} draft_quantize={cfg['models']['draft_quantize']} "
+            f"draft_vocab={cfg['models']['draft_vocab']} prepack_target={cfg['models']['prepack_target']}; "
+            f"machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}; JSON: `{path}`",
+            "", t, "", notes,
+        ], markdown)

@@ -1,0 +1,114 @@
+"""`osd ...`: parse -> config -> call the library. No logic here.
+
+Flags map one-to-one onto the config dataclasses' fields (osd/config.py).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
+from osd.errors import OsdError
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls, skip=()) -> None:
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if isinstance(default, bool):
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+        elif isinstance(default, list):
+            group.add_argument(flag, dest=f.name, action="append", default=None, help=f"(repeatable) default {default}")
+        else:
+            kind = type(default) if default is not None else int
+            group.add_argument(flag, dest=f.name, type=kind, default=default, help=f"default {default}")
+
+
+def config_from(args, cls):
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    values = {k: v for k, v in values.items() if v is not None}
+    return cls(**values)
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+def cmd_generate(args) -> None:
+    from osd.build import build_system
+    from osd.data import prompt_ids
+
+    system = build_system(config_from(args, ModelConfig), config_from(args, SpeculationConfig))
+    sampling = config_from(args, SamplingConfig)
+    system.engine.calibrate()
+    ids = prompt_ids(system.tokenizer, args.prompt, chat=not args.raw)
+    result = system.engine.generate(ids, sampling, on_text=lambda t: print(t, end="", flush=True))
+    print()
+    _print_json(result.stats)
+
+
+def cmd_demo(args) -> None:
+    from osd.bench.demo import run_demo
+
+    run_demo(config_from(args, ModelConfig), config_from(args, SpeculationConfig), args.max_new_tokens)
+
+
+def cmd_bench_speed(args) -> None:
+    from osd.bench.speed import run_speed
+    from osd.bench.report import report_speed
+
+    result = run_speed(config_from(args, ModelConfig), config_from(args, SpeculationConfig), args.per_domain,
+                       args.max_new_tokens, baselines=not args.no_baselines)
+    report_speed(result, args.out, args.markdown)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="osd", description="Online speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate for one prompt (chat template) and print speculative stats")
+    p.add_argument("prompt", help="the user message (or raw text with --raw)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    for cls in (ModelConfig, SpeculationConfig, SamplingConfig):
+        add_config_flags(p, cls)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="the main job on the bundled pair: a few real prompts, osd vs target-only")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    for cls in (ModelConfig, SpeculationConfig):
+        add_config_flags(p, cls)
+    p.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("speed", help="tokens/s: target-only vs transformers assisted vs osd, one run")
+    p.add_argument("--per-domain", type=int, default=2, help="prompts per domain (code, gsm8k, spider, chat)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--no-baselines", action="store_true", help="skip the transformers baselines")
+    p.add_argument("--out", default="runs/bench-speed.json")
+    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    for cls in (ModelConfig, SpeculationConfig):
+        add_config_flags(p, cls)
+    p.set_defaults(func=cmd_bench_speed)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except OsdError as e:
+        print(f"osd: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("osd: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
