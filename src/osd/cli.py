@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     for cls in (ModelConfig, SpeculationConfig):
         add_config_flags(p, cls)
     p.set_defaults(func=cmd_bench_speed)
+    from osd.serve.cli import register as register_serve  # `osd serve`, `osd bench serve`
+
+    register_serve(sub, bench)
     return parser
 
 
