@@ -73,7 +73,8 @@ class SpeculativeEngine:
         k_max = self.spec.k if proposer is not None else 0
         self.policy = KPolicy(k_max, self.spec.adaptive, self.spec.alpha_prior, self.spec.alpha_ema)
         self.metrics = metrics or SpecMetrics()
-        self.observers: list[Callable[[StepRecord], None]] = []
+        self.observers: list[Callable[[StepRecord], None]] = []  # called after every step
+        self.request_observers: list[Callable[[GenerationResult], None]] = []  # called after every request
         self.context_window = int(getattr(target_model.config, "max_position_embeddings", 0) or 0)
         self.vocab_size = int(target_model.config.vocab_size)
         self.eos_ids = _eos_ids(target_model, tokenizer)
@@ -83,7 +84,14 @@ class SpeculativeEngine:
                  on_text: Callable[[str], None] | None = None) -> GenerationResult:
         self._check(prompt_ids, sampling)
         with self._lock:
-            return self._generate(list(prompt_ids), sampling, request_id or uuid.uuid4().hex[:12], on_text)
+            result = self._generate(list(prompt_ids), sampling, request_id or uuid.uuid4().hex[:12], on_text)
+        for observe in self.request_observers:
+            observe(result)
+        return result
+
+    def busy(self) -> bool:
+        """True while a request is being decoded."""
+        return self._lock.locked()
 
     def _generate(self, tokens, sampling, request_id, on_text) -> GenerationResult:
         start = self.clock()

@@ -1,0 +1,88 @@
+"""Replay buffer fed only by verification results (no extra target forward).
+
+An item is one step's training signal: the token sequence the draft saw and, at chosen positions P,
+the target's distribution for the token at P (compact top-K + tail). The draft logits that produced
+the proposal at P sit at index P-1 of a forward over `tokens`: the loss is aligned there.
+Eviction: FIFO by position count (oldest items go first when capacity is exceeded).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from osd.learn.compact import CompactDist, compress
+
+MODES = ("mismatch", "all")
+
+
+@dataclass
+class ReplayItem:
+    tokens: list[int]  # context the draft saw (left-truncated to max_context), ending at max(positions) - 1
+    positions: list[int]  # index P (in tokens' frame) of each supervised token; draft logits index P - 1
+    target: CompactDist  # (len(positions), K) target distribution at each P
+    request_id: str
+    draft_version: int
+    created_at: float
+
+
+def item_from_step(record, mode: str = "mismatch", top_k: int = 64, max_context: int = 512,
+                   now: float | None = None) -> ReplayItem | None:
+    """Turn a StepRecord into a ReplayItem, or None when it carries no signal.
+
+    mismatch: only the first rejected proposal (the paper's choice).
+    all: every proposal on the output trajectory (accepted ones and the first rejected one).
+    Bonus positions are never stored: nothing was proposed there.
+    """
+    if mode not in MODES:
+        raise ValueError(f"replay mode must be one of {MODES}, got {mode!r}")
+    k, n_acc = len(record.proposed), record.n_accepted
+    if k == 0 or (mode == "mismatch" and n_acc == k):
+        return None
+    rows = [n_acc] if mode == "mismatch" else list(range(min(n_acc + 1, k)))
+    base = len(record.context)
+    tokens = record.context + record.proposed[: max(rows)]  # the draft saw proposals before each row
+    cut = max(0, len(tokens) - max_context)
+    target = compress(record.target_logits[rows], top_k)  # row j predicts the token at base + j
+    return ReplayItem(tokens[cut:], [base + j - cut for j in rows], target, record.request_id,
+                      record.draft[1], time.monotonic() if now is None else now)
+
+
+class ReplayBuffer:
+    """Thread-safe FIFO of ReplayItems bounded by the number of supervised positions."""
+
+    def __init__(self, capacity: int = 4096, clock=time.monotonic):
+        self.capacity, self.clock = capacity, clock
+        self._items: deque[ReplayItem] = deque()
+        self._positions = 0
+        self._lock = threading.Lock()
+        self.added = 0  # monotonic counters
+        self.evicted = 0
+
+    def add(self, item: ReplayItem) -> None:
+        with self._lock:
+            self._items.append(item)
+            self._positions += len(item.positions)
+            self.added += len(item.positions)
+            while self._positions > self.capacity and len(self._items) > 1:
+                old = self._items.popleft()
+                self._positions -= len(old.positions)
+                self.evicted += len(old.positions)
+
+    def __len__(self) -> int:
+        """Supervised positions held."""
+        return self._positions
+
+    def oldest_age(self) -> float:
+        with self._lock:
+            return self.clock() - self._items[0].created_at if self._items else 0.0
+
+    def snapshot(self) -> list[ReplayItem]:
+        with self._lock:
+            return list(self._items)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._positions = 0

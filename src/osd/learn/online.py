@@ -1,0 +1,230 @@
+"""The online learner: observe verification -> buffer -> distill -> guard -> publish (PAPER.md section 4).
+
+It touches the engine through two seams only: it observes StepRecords (which already hold the target's
+logits) and it publishes new draft weights with a version through a `publish(master) -> snapshot`
+callable. Training runs on its own fp32 master copy of the draft; serving uses published snapshots.
+
+Schedules: "sync" trains inside `after_request` (deterministic; stream replay, tests); "background"
+trains in its own thread, taking optimizer steps only while the engine is idle ("idle windows") so
+that serving latency suffers least on a 2-core CPU.
+Limitation: a rejected update restores the weights but keeps the optimizer moments it produced.
+"""
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from osd.errors import InvalidArgument
+from osd.learn.batch import acceptance_on, items_loss
+from osd.learn.buffer import MODES, ReplayBuffer, item_from_step
+from osd.learn.checkpoint import load_checkpoint, save_checkpoint
+from osd.learn.losses import LOSSES
+from osd.learn.triggers import UpdateTrigger
+
+
+@dataclass
+class LearnConfig:
+    mode: str = "mismatch"  # which positions feed the buffer: mismatch | all
+    top_k: int = 64  # target distribution kept per position (top-K + tail)
+    capacity: int = 4096  # buffer capacity in positions (FIFO eviction)
+    every_requests: int = 8  # I: update every I requests (0 = off)
+    min_positions: int = 0  # S: update when the buffer holds S positions (0 = off)
+    max_age_seconds: float = 0.0  # T: update when the oldest entry is T seconds old (0 = off)
+    loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd | tv | reference_mix
+    beta: float = 0.5  # JSD beta
+    lr: float = 3e-5
+    batch_size: int = 8  # items per optimizer step
+    steps_per_update: int = 8  # optimizer steps per update (sampled from the buffer)
+    max_context: int = 384  # tokens of context kept per item
+    train_embeddings: bool = False  # False: freeze embeddings / LM head (less memory, steadier)
+    guard: bool = True  # publish only if acceptance on held-out recent items does not drop
+    guard_holdout: float = 0.2  # newest fraction of items held out for the guard
+    guard_tolerance: float = 0.0  # allowed drop in held-out greedy agreement
+    schedule: str = "sync"  # sync | background
+    checkpoint_dir: str = ""  # "" = no checkpoints
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise InvalidArgument(f"learn mode must be one of {MODES}, got {self.mode!r}")
+        if self.loss not in LOSSES:
+            raise InvalidArgument(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if not 0.0 <= self.beta <= 1.0:
+            raise InvalidArgument(f"beta must be in [0, 1], got {self.beta}")
+        if self.lr <= 0 or self.batch_size <= 0 or self.steps_per_update <= 0 or self.capacity <= 0 or self.top_k <= 0:
+            raise InvalidArgument("lr, batch_size, steps_per_update, capacity and top_k must be > 0")
+        if not 0.0 <= self.guard_holdout < 1.0:
+            raise InvalidArgument(f"guard_holdout must be in [0, 1), got {self.guard_holdout}")
+        if self.schedule not in ("sync", "background"):
+            raise InvalidArgument(f"schedule must be sync or background, got {self.schedule!r}")
+
+
+class OnlineLearner:
+    def __init__(self, master, publish, config: LearnConfig | None = None, engine_busy=lambda: False,
+                 clock=time.monotonic):
+        self.config = config or LearnConfig()
+        self.master, self.publish, self.engine_busy, self.clock = master, publish, engine_busy, clock
+        self.buffer = ReplayBuffer(self.config.capacity, clock)
+        self.trigger = UpdateTrigger(self.config.every_requests, self.config.min_positions, self.config.max_age_seconds)
+        self.master.requires_grad_(False)
+        for name, p in self.master.named_parameters():
+            p.requires_grad_(self.config.train_embeddings or not ("embed" in name or "lm_head" in name))
+        self.params = [p for p in self.master.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, weight_decay=0.0)
+        self.rng = random.Random(self.config.seed)
+        self.version = 0
+        self.counters = {"requests": 0, "requests_since_update": 0, "updates_published": 0, "updates_rejected": 0,
+                         "steps_skipped_nonfinite": 0, "optimizer_steps": 0, "train_seconds": 0.0}
+        self.last_update: dict = {}
+        self._lock = threading.RLock()  # one update (or checkpoint) at a time
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.training = False
+
+    # --- seam 1: observing the engine ---------------------------------------------------------
+    def observe(self, record) -> None:
+        item = item_from_step(record, self.config.mode, self.config.top_k, self.config.max_context, self.clock())
+        if item is not None:
+            self.buffer.add(item)
+
+    def after_request(self, result=None) -> None:
+        self.counters["requests"] += 1
+        self.counters["requests_since_update"] += 1
+        if self.config.schedule == "sync":
+            self.maybe_update()
+        else:
+            self._wake.set()
+
+    def attach(self, engine) -> "OnlineLearner":
+        engine.observers.append(self.observe)
+        engine.request_observers.append(self.after_request)
+        self.engine_busy = engine.busy
+        return self
+
+    # --- updating -------------------------------------------------------------------------------
+    def maybe_update(self) -> dict | None:
+        reason = self.trigger.due(self.counters["requests_since_update"], len(self.buffer), self.buffer.oldest_age())
+        return self.update(reason) if reason else None
+
+    def update(self, reason: str = "manual") -> dict:
+        """Distill on the buffer; publish if the guard agrees. Never leaves a broken draft serving."""
+        with self._lock:
+            self.training = True
+            start = self.clock()
+            try:
+                report = self._update(reason)
+            finally:
+                self.training = False
+            self.counters["train_seconds"] += self.clock() - start
+            self.counters["requests_since_update"] = 0
+            self.last_update = report
+            return report
+
+    def _update(self, reason: str) -> dict:
+        cfg = self.config
+        items = self.buffer.snapshot()
+        n_hold = int(len(items) * cfg.guard_holdout) if cfg.guard and len(items) >= 5 else 0
+        train, holdout = (items[:-n_hold], items[-n_hold:]) if n_hold else (items, [])
+        before = acceptance_on(self.master, holdout) if holdout else None
+        backup = [p.detach().clone() for p in self.params]
+        self.master.train()
+        losses = []
+        for _ in range(cfg.steps_per_update):
+            self._wait_idle()
+            batch = self.rng.sample(train, min(cfg.batch_size, len(train)))
+            loss = items_loss(self.master, batch, cfg.loss, cfg.beta)
+            if not math.isfinite(loss.item()):
+                self.counters["steps_skipped_nonfinite"] += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                continue
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grads_ok = all(p.grad is None or torch.isfinite(p.grad).all() for p in self.params)
+            if not grads_ok:
+                self.counters["steps_skipped_nonfinite"] += 1
+                continue
+            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+            self.optimizer.step()
+            self.counters["optimizer_steps"] += 1
+            losses.append(loss.item())
+        self.master.eval()
+        after = acceptance_on(self.master, holdout) if holdout else None
+        finite = all(torch.isfinite(p).all() for p in self.params)
+        worse = before is not None and after["greedy_agreement"] < before["greedy_agreement"] - cfg.guard_tolerance
+        report = {"reason": reason, "items": len(items), "train_items": len(train), "losses": losses,
+                  "holdout_before": before, "holdout_after": after, "published": False}
+        if not losses or not finite or worse:
+            with torch.no_grad():
+                for p, saved in zip(self.params, backup):
+                    p.copy_(saved)
+            self.counters["updates_rejected"] += 1
+            report["rejected_because"] = "no finite step" if not losses else "non-finite weights" if not finite else "guard"
+            return report
+        snapshot = self.publish(self.master)
+        self.version = snapshot.version
+        self.counters["updates_published"] += 1
+        report.update(published=True, version=self.version)
+        if cfg.checkpoint_dir:
+            self.save()
+        return report
+
+    def _wait_idle(self, max_wait: float = 30.0) -> None:
+        """In background mode, let in-flight decoding finish before taking a training step."""
+        if self.config.schedule != "background":
+            return
+        deadline = self.clock() + max_wait
+        while self.engine_busy() and self.clock() < deadline and not self._stop.is_set():
+            time.sleep(0.005)
+
+    # --- background thread --------------------------------------------------------------------
+    def start(self) -> None:
+        if self.config.schedule != "background" or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="osd-learner", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.maybe_update()
+            except Exception as e:  # a failed update never takes serving down
+                self.counters["updates_rejected"] += 1
+                self.last_update = {"error": repr(e)}
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=120)
+            self._thread = None
+        if self.config.checkpoint_dir:
+            self.save()
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def save(self) -> None:
+        with self._lock:
+            save_checkpoint(self.config.checkpoint_dir, self.master, self.optimizer,
+                            {"version": self.version, "counters": self.counters, "config": asdict(self.config)})
+
+    def resume(self) -> bool:
+        """Load the last checkpoint (if any) and publish it at its saved version."""
+        state = load_checkpoint(self.config.checkpoint_dir, self.master, self.optimizer) if self.config.checkpoint_dir else None
+        if state is None:
+            return False
+        self.counters.update(state["counters"])
+        self.version = self.publish(self.master, version=state["version"]).version
+        return True
+
+    def stats(self) -> dict:
+        return {"version": self.version, "buffer_positions": len(self.buffer), "buffer_added": self.buffer.added,
+                "buffer_evicted": self.buffer.evicted, "training": int(self.training), **self.counters}

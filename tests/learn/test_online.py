@@ -1,0 +1,169 @@
+"""Replay buffer, triggers, guard, atomic swaps, checkpoints and a stream where alpha rises."""
+import copy
+import threading
+
+import pytest
+import torch
+from conftest import EOS, tiny_qwen2
+from helpers import make_engine, plain_greedy
+
+from osd.config import SamplingConfig
+from osd.engine import StepRecord
+from osd.learn.batch import acceptance_on
+from osd.learn.buffer import ReplayBuffer, item_from_step
+from osd.learn.online import LearnConfig, OnlineLearner
+from osd.learn.triggers import UpdateTrigger
+
+
+def record(context, proposed, n_accepted, target_logits):
+    return StepRecord("r1", ("draft", 0), context, proposed, n_accepted, 0, target_logits, None, [], 0.0, 0.0, 0.0)
+
+
+def test_buffer_stores_rejected_position_and_its_target_distribution():
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))  # k = 3 proposals + bonus row
+    rec = record([5, 6, 7, 8], [1, 2, 3], 1, logits)  # proposal 1 (token 2, position 5) rejected
+    item = item_from_step(rec, "mismatch", top_k=10)
+    assert item.tokens == [5, 6, 7, 8, 1]  # what the draft saw when it proposed position 5
+    assert item.positions == [5]  # draft logits index 4 produced the rejected proposal
+    assert torch.allclose(item.target.probs[0].sum(), torch.tensor(1.0))
+    assert int(item.target.ids[0, 0]) == int(logits[1].argmax())
+    every = item_from_step(rec, "all", top_k=10)
+    assert every.positions == [4, 5] and every.tokens == [5, 6, 7, 8, 1]
+    assert item_from_step(record([5], [1, 2], 2, logits[:3]), "mismatch") is None  # all accepted: no mismatch
+    cut = item_from_step(rec, "mismatch", top_k=10, max_context=3)
+    assert cut.tokens == [7, 8, 1] and cut.positions == [3]
+
+
+def test_buffer_fifo_capacity():
+    buffer = ReplayBuffer(capacity=3)
+    logits = torch.randn(2, 10)
+    for i in range(5):
+        buffer.add(item_from_step(record([i + 1], [9], 0, logits), "mismatch"))
+    assert len(buffer) == 3 and buffer.evicted == 2
+    assert [it.tokens[0] for it in buffer.snapshot()] == [3, 4, 5]
+
+
+def test_triggers_fire_on_count_size_and_age():
+    now = [100.0]
+    buffer = ReplayBuffer(clock=lambda: now[0])
+    logits = torch.randn(2, 10)
+    trigger = UpdateTrigger(every_requests=3, min_positions=4, max_age_seconds=60)
+    assert trigger.due(0, 0, 0.0) is None
+    buffer.add(item_from_step(record([1], [9], 0, logits), "mismatch", now=now[0]))
+    assert trigger.due(2, len(buffer), buffer.oldest_age()) is None
+    assert trigger.due(3, len(buffer), buffer.oldest_age()) == "requests"
+    assert trigger.due(0, 4, 0.0) == "size"
+    now[0] += 61
+    assert trigger.due(0, len(buffer), buffer.oldest_age()) == "age"
+
+
+def _learner(system_target, draft, tokenizer, **cfg):
+    engine, registry = make_engine(system_target, copy.deepcopy(draft), tokenizer, k=4)
+    publish = lambda master, version=None: registry.publish("draft", copy.deepcopy(master).eval(), None, version)
+    learner = OnlineLearner(draft, publish, LearnConfig(**cfg)).attach(engine)
+    return engine, registry, learner
+
+
+STREAM = [[5 + i % 7, 9 + i % 5, 20 + i % 3] for i in range(24)]
+
+
+def test_alpha_rises_on_a_stream_with_online_updates(target_model, tokenizer):
+    draft = tiny_qwen2(seed=1, layers=1)
+    engine, registry, learner = _learner(target_model, draft, tokenizer, mode="all", every_requests=4, lr=3e-3,
+                                         steps_per_update=30, train_embeddings=True, guard=False)
+    eval_items = []
+    collect = lambda rec: eval_items.append(item_from_step(rec, "all", 64)) if rec.proposed else None
+    engine.observers.insert(0, collect)
+    sampling = SamplingConfig(max_new_tokens=24)
+    for prompt in STREAM:
+        result = engine.generate(prompt, sampling)
+        assert result.token_ids == plain_greedy(target_model, prompt, 24, eos=EOS)  # learning never changes output
+    assert learner.counters["updates_published"] >= 4 and registry.get("draft").version >= 4
+    by_version = engine.metrics.snapshot()
+    served = sorted(int(key.split("@v")[1]) for key in by_version)
+    first, last = by_version["draft@v0"]["alpha"], by_version[f"draft@v{served[-1]}"]["alpha"]
+    assert last > first + 0.1, by_version
+    original = acceptance_on(tiny_qwen2(seed=1, layers=1), [i for i in eval_items if i])
+    trained = acceptance_on(learner.master, [i for i in eval_items if i])
+    assert trained["greedy_agreement"] > original["greedy_agreement"] + 0.1
+
+
+def test_guard_keeps_old_draft_when_update_hurts(target_model, tokenizer):
+    draft = copy.deepcopy(target_model)  # perfect draft: a wild update can only hurt
+    engine, registry, learner = _learner(target_model, draft, tokenizer, mode="all", every_requests=0, lr=5.0,
+                                         steps_per_update=5, train_embeddings=True, guard=True, guard_holdout=0.5)
+    for prompt in STREAM[:8]:
+        engine.generate(prompt, SamplingConfig(max_new_tokens=16))
+    before = {n: p.clone() for n, p in learner.master.named_parameters()}
+    report = learner.update("manual")
+    assert not report["published"] and report["rejected_because"] == "guard", report
+    assert registry.get("draft").version == 0 and learner.counters["updates_rejected"] == 1
+    assert all(torch.equal(before[n], p) for n, p in learner.master.named_parameters())
+
+
+def test_nonfinite_losses_are_skipped(target_model, tokenizer):
+    draft = tiny_qwen2(seed=1, layers=1)
+    engine, registry, learner = _learner(target_model, draft, tokenizer, mode="all", every_requests=0)
+    engine.generate(STREAM[0], SamplingConfig(max_new_tokens=16))
+    for item in learner.buffer.snapshot():
+        item.target.probs[:] = float("nan")
+    report = learner.update()
+    assert not report["published"] and learner.counters["steps_skipped_nonfinite"] > 0
+    assert registry.get("draft").version == 0
+
+
+def test_swaps_are_atomic_and_versions_consistent_within_a_request(target_model, tokenizer):
+    draft = tiny_qwen2(seed=1, layers=1)
+    engine, registry = make_engine(target_model, draft, tokenizer, k=3)
+    stop = threading.Event()
+
+    def publisher():
+        g = torch.Generator().manual_seed(0)
+        while not stop.is_set():
+            new = copy.deepcopy(draft)
+            with torch.no_grad():
+                for p in new.parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.5)
+            registry.publish("draft", new)
+
+    thread = threading.Thread(target=publisher)
+    thread.start()
+    try:
+        versions = set()
+        for prompt in STREAM[:10]:
+            steps = []
+            engine.observers[:] = [steps.append]
+            result = engine.generate(prompt, SamplingConfig(max_new_tokens=20))
+            assert {s.draft for s in steps} == {result.draft}  # one version per request
+            assert result.token_ids == plain_greedy(target_model, prompt, 20, eos=EOS)
+            versions.add(result.draft[1])
+    finally:
+        stop.set()
+        thread.join()
+    assert len(versions) > 1
+
+
+def test_checkpoint_restart_resumes_version_and_counters(target_model, tokenizer, tmp_path):
+    draft = tiny_qwen2(seed=1, layers=1)
+    cfg = dict(mode="all", every_requests=2, lr=3e-3, steps_per_update=5, train_embeddings=True, guard=False,
+               checkpoint_dir=str(tmp_path / "ckpt"))
+    engine, registry, learner = _learner(target_model, draft, tokenizer, **cfg)
+    for prompt in STREAM[:6]:
+        engine.generate(prompt, SamplingConfig(max_new_tokens=12))
+    learner.stop()
+    assert learner.version >= 2
+    fresh = tiny_qwen2(seed=1, layers=1)
+    engine2, registry2, learner2 = _learner(target_model, fresh, tokenizer, **cfg)
+    assert learner2.resume()
+    assert learner2.version == learner.version == registry2.get("draft").version
+    assert learner2.counters["requests"] == 6 and learner2.counters["updates_published"] == learner.counters["updates_published"]
+    assert all(torch.equal(a, b) for a, b in zip(learner.master.state_dict().values(), learner2.master.state_dict().values()))
+
+
+def test_bad_learn_config():
+    from osd.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="loss"):
+        LearnConfig(loss="l2")
+    with pytest.raises(InvalidArgument, match="mode"):
+        LearnConfig(mode="bonus")
