@@ -65,3 +65,16 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
         proposer = DraftModelProposer(registry, DEFAULT_DRAFT, target_model.config.vocab_size)
     system.engine = SpeculativeEngine(target_model, tokenizer, proposer, spec)
     return system
+
+
+def attach_learner(system: System, learn) -> "OnlineLearner":
+    """Create the online learner over the system's draft master and hook it into the engine."""
+    from osd.learn.online import OnlineLearner
+
+    if system.draft_master is None:
+        raise ValueError("online learning needs a draft model")
+    publish = lambda master, version=None: system.publish_draft(master, version=version)
+    learner = OnlineLearner(system.draft_master, publish, learn).attach(system.engine)
+    learner.resume()
+    learner.start()
+    return learner

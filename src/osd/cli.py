@@ -67,6 +67,19 @@ def cmd_bench_speed(args) -> None:
     report_speed(result, args.out, args.markdown)
 
 
+def cmd_replay(args) -> None:
+    from tqdm import tqdm
+
+    from osd.bench.report import report_replay
+    from osd.bench.replay import run_replay
+    from osd.learn.online import LearnConfig
+
+    result = run_replay(config_from(args, ModelConfig), config_from(args, SpeculationConfig), config_from(args, LearnConfig),
+                        args.stream, args.split, args.per_segment, args.max_new_tokens, not args.no_baseline,
+                        progress=lambda it: tqdm(it, desc="replay", unit="req"))
+    report_replay(result, args.out, args.markdown, args.window)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="osd", description="Online speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
     for cls in (ModelConfig, SpeculationConfig):
         add_config_flags(p, cls)
     p.set_defaults(func=cmd_demo)
+
+    from osd.learn.online import LearnConfig
+
+    p = sub.add_parser("replay", help="replay a prompt stream through the online system; alpha vs requests")
+    p.add_argument("--stream", default="gsm8k", help="dataset, or a comma list for a sharp shift (gsm8k,spider,code)")
+    p.add_argument("--split", default="train")
+    p.add_argument("--per-segment", type=int, default=40, help="requests per dataset")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--no-baseline", action="store_true", help="skip the static original-draft baseline")
+    p.add_argument("--window", type=int, default=10, help="moving-average window of the plot")
+    p.add_argument("--out", default="runs/replay.json")
+    p.add_argument("--markdown", default="BENCHMARKS.md")
+    for cls in (ModelConfig, SpeculationConfig, LearnConfig):
+        add_config_flags(p, cls)
+    p.set_defaults(func=cmd_replay)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("speed", help="tokens/s: target-only vs transformers assisted vs osd, one run")

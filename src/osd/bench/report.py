@@ -36,3 +36,38 @@ def report_speed(result: dict, out: str, markdown: str) -> None:
             f"machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}; JSON: `{path}`",
             "", t, "", notes,
         ], markdown)
+
+
+def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> None:
+    from pathlib import Path
+
+    from osd.bench.replay import plot_replay
+
+    path = write_result(result, out)
+    png = plot_replay(result, str(Path(out).with_suffix(".png")), window)
+    rows = result["requests"]
+    q = max(1, len(rows) // 4)
+    mean = lambda key, part: (sum(r[key] or 0 for r in part) / len(part)) if part else None
+    has_static = rows and "static_alpha" in rows[0]
+    table_rows = []
+    for name, part in (("first quarter", rows[:q]), ("last quarter", rows[-q:]), ("all", rows)):
+        table_rows.append([name, mean("alpha", part), mean("static_alpha", part) if has_static else None,
+                           mean("tokens_per_step", part), mean("tokens_per_second", part),
+                           mean("static_tokens_per_second", part) if has_static else None])
+    t = table(table_rows, ["requests", "alpha online", "alpha static", "tokens/step online", "tok/s online", "tok/s static"])
+    learner = result["learner"]
+    notes = (f"updates published {learner['updates_published']}, rejected {learner['updates_rejected']}, "
+             f"final draft version {learner['version']}, train seconds {learner['train_seconds']:.0f}")
+    print(t)
+    print(notes)
+    print(f"result written to {path}" + (f", plot {png}" if png else ""))
+    if markdown:
+        cfg = result["config"]
+        append_markdown("Online replay (`osd replay`)", [
+            f"### {result.get('timestamp', '')} rev {git_revision()}",
+            f"`osd replay --stream {cfg['stream']} --split {cfg['split']} --per-segment {cfg['per_segment']} "
+            f"--max-new-tokens {cfg['max_new_tokens']}` k={cfg['spec']['k']} loss={cfg['learn']['loss']} "
+            f"mode={cfg['learn']['mode']} every_requests={cfg['learn']['every_requests']} lr={cfg['learn']['lr']}; "
+            f"machine: {machine()['cpu']}; JSON: `{path}`" + (f", plot: `{png}`" if png else ""),
+            "", t, "", notes,
+        ], markdown)

@@ -1,0 +1,94 @@
+"""`osd replay`: replay a prompt stream through the online system (live mode: real decoding).
+
+Per request it records alpha, tokens per step, tokens/s and the draft version; in the same run a
+static copy of the original draft can serve the same stream side by side (--baseline) so both
+curves come from one machine state. Output: JSON, a PNG of moving-average alpha vs requests, a table.
+"""
+from __future__ import annotations
+
+from osd.build import attach_learner, build_system
+from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
+from osd.data import load_records, prompt_ids
+from osd.learn.online import LearnConfig
+
+
+def parse_stream(spec: str, split: str, per_segment: int) -> list[dict]:
+    """'gsm8k' or 'gsm8k,spider,code' (a sharp shift: per_segment requests of each, in order)."""
+    out = []
+    for name in spec.split(","):
+        out += load_records(name.strip(), split=split or None, limit=per_segment)
+    return out
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    out, acc = [], []
+    for v in values:
+        acc.append(v)
+        if len(acc) > window:
+            acc.pop(0)
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig, stream: str, split: str,
+               per_segment: int, max_new_tokens: int, baseline: bool = True, progress=None) -> dict:
+    system = build_system(models, spec)
+    system.engine.calibrate()
+    static = None
+    if baseline:  # the original draft, never updated, served on the same stream for comparison
+        from osd.engine import SpeculativeEngine
+        from osd.propose import DraftModelProposer
+
+        system.publish_draft(name="static")
+        static = SpeculativeEngine(system.target_model, system.tokenizer,
+                                   DraftModelProposer(system.registry, "static", system.target_model.config.vocab_size), spec)
+        static.policy = system.engine.policy.__class__(spec.k, False)  # fixed k: alpha comparable to online
+    system.engine.policy.adaptive = False  # the replay measures acceptance at fixed k
+    learner = attach_learner(system, learn)
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens)
+    records = parse_stream(stream, split, per_segment)
+    rows = []
+    iterator = progress(records) if progress else records
+    for i, record in enumerate(iterator):
+        ids = prompt_ids(system.tokenizer, record["prompt"])
+        result = system.engine.generate(ids, sampling)
+        s = result.stats
+        row = {"i": i, "id": record["id"], "domain": record["domain"], "draft_version": result.draft[1],
+               "alpha": s["alpha"], "tokens_per_step": s["tokens_per_step"], "tokens_per_second": s["wall_tokens_per_second"]}
+        if static is not None:
+            b = static.generate(ids, sampling).stats
+            row.update(static_alpha=b["alpha"], static_tokens_per_step=b["tokens_per_step"],
+                       static_tokens_per_second=b["wall_tokens_per_second"])
+        rows.append(row)
+        if progress and hasattr(iterator, "set_postfix"):
+            iterator.set_postfix(alpha=f"{row['alpha'] or 0:.2f}", v=row["draft_version"])
+    learner.stop()
+    return {"config": {"models": vars(models), "spec": vars(spec), "learn": vars(learn), "stream": stream, "split": split,
+                       "per_segment": per_segment, "max_new_tokens": max_new_tokens},
+            "requests": rows, "learner": learner.stats(), "metrics_by_draft_version": system.engine.metrics.snapshot()}
+
+
+def plot_replay(result: dict, path: str, window: int = 10) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = result["requests"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(moving_average([r["alpha"] or 0 for r in rows], window), label="online (osd)")
+    if rows and "static_alpha" in rows[0]:
+        ax.plot(moving_average([r["static_alpha"] or 0 for r in rows], window), label="original draft (static)")
+    for i in range(1, len(rows)):
+        if rows[i]["domain"] != rows[i - 1]["domain"]:
+            ax.axvline(i, color="grey", linestyle=":")
+    ax.set_xlabel("request")
+    ax.set_ylabel(f"alpha (moving average, {window})")
+    ax.set_title(f"osd replay: {result['config']['stream']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,191 @@
+"""OpenAI-compatible app factory. Routes translate HTTP <-> library; the engine works on one worker thread.
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models,
+GET /health, GET /metrics (Prometheus text). Every completion carries an `osd` extension field
+with its own speculative decoding figures (accepted, proposed, alpha, tokens_per_step, draft, ...).
+
+Limitations: batch size 1 (requests queue in arrival order); n = 1; no logprobs, penalties or tools.
+A request whose streaming client disconnects is aborted at its next text delta; its speculative
+counters are then not recorded.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from osd.engine import GenerationResult
+from osd.serve import errors
+from osd.serve.errors import BadJSON, Unauthorized
+from osd.serve.middleware import BodyLimit, CountRequests
+from osd.serve.prom import ServeMetrics
+from osd.serve.schemas import ChatCompletionRequest, CompletionRequest
+from osd.serve.settings import ServeSettings
+from osd.serve.translate import (Shapes, chat_prompt, check_common, completion_prompt, osd_stats,
+                                 sampling_from)
+from osd.serve.worker import Job, Worker
+
+ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+
+
+class Lifecycle:
+    """Starts and stops the worker and the optional learner, once each (idempotent)."""
+
+    def __init__(self, worker: Worker, learner=None):
+        self.worker, self.learner = worker, learner
+        self._lock, self._started, self._stopped = threading.Lock(), False, False
+
+    def start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        self.worker.start()
+        if self.learner is not None:
+            self.learner.start()
+
+    def stop(self) -> None:
+        """Finish the running request, then stop the learner (it writes its checkpoint)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self.worker.stop()
+        if self.learner is not None and self._started:
+            self.learner.stop()
+
+
+def create_app(engine, tokenizer, model_name: str, learner=None, settings: ServeSettings | None = None) -> FastAPI:
+    settings = settings or ServeSettings()
+    model_name = settings.model_name or model_name
+    worker, metrics = Worker(engine), ServeMetrics()
+    lifecycle = Lifecycle(worker, learner)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        lifecycle.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(lifecycle.stop)
+
+    app = FastAPI(title="osd", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan)
+    app.state.lifecycle, app.state.settings, app.state.metrics = lifecycle, settings, metrics
+    errors.install(app)
+    auth = [Depends(_api_key_check(settings.api_key))]
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request):
+        arrived = time.perf_counter()
+        req = await _parse(request, ChatCompletionRequest)
+        check_common(req, model_name)
+        max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+        sampling = sampling_from(req, settings, max_tokens)
+        job = worker.submit(chat_prompt(req, tokenizer), sampling, stream=bool(req.stream))
+        return await _respond(job, req, Shapes(chat=True, model=model_name), metrics, arrived)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request):
+        arrived = time.perf_counter()
+        req = await _parse(request, CompletionRequest)
+        check_common(req, model_name)
+        sampling = sampling_from(req, settings, req.max_tokens)
+        job = worker.submit(completion_prompt(req, tokenizer), sampling, stream=bool(req.stream))
+        return await _respond(job, req, Shapes(chat=False, model=model_name), metrics, arrived)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "osd"}]}
+
+    @app.get("/health")
+    async def health():
+        ok = worker.alive
+        body = {"status": "ok" if ok else "unavailable", "model": model_name, "queue_depth": worker.depth}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        text = metrics.render(engine.metrics, learner, worker.depth)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS)  # outermost: counts 413s too
+    return app
+
+
+def _api_key_check(api_key: str | None):
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise Unauthorized("invalid or missing API key (send 'Authorization: Bearer <key>')")
+
+    return check
+
+
+async def _parse(request: Request, model_cls):
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadJSON(f"request body is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise BadJSON("request body must be a JSON object")
+    return model_cls.model_validate(data)
+
+
+async def _next(job: Job):
+    try:
+        return await job.next()
+    except asyncio.CancelledError:
+        job.cancelled = True
+        raise
+
+
+async def _respond(job: Job, req, shapes: Shapes, metrics: ServeMetrics, arrived: float):
+    kind, payload = await _next(job)
+    if kind == "error":
+        raise payload
+    if not req.stream:
+        _observe(metrics, job, payload, arrived)
+        return JSONResponse(shapes.response(payload))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    events = _stream(job, (kind, payload), shapes, metrics, arrived, include_usage)
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _stream(job: Job, first, shapes: Shapes, metrics: ServeMetrics, arrived: float, include_usage: bool):
+    """SSE: (role chunk for chat), text chunks, a finish chunk with `osd` stats, (usage), [DONE]."""
+    try:
+        if shapes.chat:
+            yield _sse(shapes.chunk(text="", role=True))
+        kind, payload = first
+        while kind == "text":
+            yield _sse(shapes.chunk(text=payload))
+            kind, payload = await job.next()
+        if kind == "error":
+            yield errors.sse_error(payload)
+        else:
+            _observe(metrics, job, payload, arrived)
+            yield _sse(shapes.chunk(finish_reason=payload.finish_reason, osd=osd_stats(payload)))
+            if include_usage:
+                yield _sse(shapes.usage_chunk(payload))
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled = True  # the client is gone (or we are done): stop generating for it
+
+
+def _observe(metrics: ServeMetrics, job: Job, result: GenerationResult, arrived: float) -> None:
+    ttft = job.first_text_at - arrived if job.first_text_at is not None else None
+    metrics.observe(time.perf_counter() - arrived, ttft, len(result.prompt_ids), len(result.token_ids), result.seconds)
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"

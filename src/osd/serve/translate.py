@@ -1,0 +1,136 @@
+"""HTTP <-> library translation: request bodies -> (prompt ids, SamplingConfig); results -> OpenAI shapes."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from osd.config import SamplingConfig
+from osd.data import chat_ids
+from osd.engine import GenerationResult
+from osd.errors import InvalidArgument
+from osd.serve.errors import BadParam, UnknownModel
+from osd.serve.schemas import ChatCompletionRequest, CompletionRequest, _Request
+from osd.serve.settings import ServeSettings
+
+# SamplingConfig field -> request field (for error messages that name what the client sent)
+FIELD_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "max_new_tokens": "max_tokens",
+               "stop": "stop", "seed": "seed"}
+
+
+def check_common(req: _Request, model_name: str) -> None:
+    if req.model is not None and req.model != model_name:
+        raise UnknownModel(f"model {req.model!r} does not exist; this server serves {model_name!r}", param="model")
+    if req.n not in (None, 1):
+        raise BadParam(f"n must be 1 (one completion per request), got {req.n}", param="n")
+    bad = req.unsupported()
+    if bad:
+        raise BadParam(f"not supported by this server: {', '.join(bad)}", param=bad[0])
+
+
+def sampling_from(req: _Request, settings: ServeSettings, max_tokens: int | None = None) -> SamplingConfig:
+    values = {
+        "temperature": settings.default_temperature if req.temperature is None else req.temperature,
+        "top_k": req.top_k or 0,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "max_new_tokens": settings.default_max_tokens if max_tokens is None else max_tokens,
+        "stop": [] if req.stop is None else req.stop,
+        "seed": req.seed,
+    }
+    try:
+        return SamplingConfig(**values)
+    except InvalidArgument as e:
+        param = _offending_field(values)
+        raise BadParam(f"invalid {param}: {e}" if param else str(e), param=param) from e
+
+
+def _offending_field(values: dict) -> str | None:
+    """The first field that SamplingConfig refuses on its own (error path only)."""
+    for name, value in values.items():
+        try:
+            SamplingConfig(**{name: value})
+        except InvalidArgument:
+            return FIELD_NAMES[name]
+    return None
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
+    messages = []
+    for i, m in enumerate(req.messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise BadParam(f"messages[{i}] must be an object with a string role and a content", param="messages")
+        messages.append({"role": m["role"], "content": _text_content(m["content"], i)})
+    try:
+        return chat_ids(tokenizer, messages)
+    except InvalidArgument as e:
+        raise BadParam(str(e), param="messages") from e
+
+
+def _text_content(content, i: int) -> str:
+    """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise BadParam(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+
+
+def completion_prompt(req: CompletionRequest, tokenizer) -> list[int]:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise BadParam("prompt: one prompt per request (a list of several strings is not supported)", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return list(prompt)  # token ids; the engine checks the range
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(result: GenerationResult) -> dict:
+    n_prompt, n_new = len(result.prompt_ids), len(result.token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
+
+
+def osd_stats(result: GenerationResult) -> dict:
+    """The `osd` extension field: this request's own speculative decoding figures."""
+    s = result.stats
+    return {"accepted": s["accepted"], "proposed": s["proposed"], "steps": s["steps"], "alpha": s["alpha"],
+            "acceptance_rate": s["acceptance_rate"], "tokens_per_step": s["tokens_per_step"],
+            "draft": s["draft"], "draft_version": s["draft_version"], "seconds": s["seconds"]}
+
+
+class Shapes:
+    """OpenAI response and chunk bodies for one request (chat or text completion)."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+
+    def _body(self, obj: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
+
+    def response(self, result: GenerationResult) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                      "logprobs": None, "finish_reason": result.finish_reason}
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        obj = "chat.completion" if self.chat else "text_completion"
+        return self._body(obj, [choice], usage=usage(result), osd=osd_stats(result))
+
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False, **extra) -> dict:
+        if self.chat:
+            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return self._body("chat.completion.chunk", [choice], **extra)
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._body("text_completion", [choice], **extra)
+
+    def usage_chunk(self, result: GenerationResult) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._body(obj, [], usage=usage(result))

