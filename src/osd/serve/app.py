@@ -51,13 +51,14 @@ class Lifecycle:
             self.learner.start()
 
     def stop(self) -> None:
-        """Finish the running request, then stop the learner (it writes its checkpoint)."""
+        """Stop the worker (cancelling a generation whose connection uvicorn has already closed at
+        shutdown), then the learner (it writes its checkpoint)."""
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
-        self.worker.stop()
-        if self.learner is not None and self._started:
+        self.worker.stop(timeout=120, cancel_running=True)
+        if self.learner is not None:  # also when it was started by its builder (attach_learner)
             self.learner.stop()
 
 

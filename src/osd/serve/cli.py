@@ -1,5 +1,97 @@
-"""CLI entries for serving: `osd serve` and `osd bench serve` (filled in by the serving work)."""
+"""CLI entries for serving: `osd serve` and `osd bench serve`. Parse -> config -> call the library."""
+from __future__ import annotations
+
+import os
+import sys
+
+from osd.serve.settings import ServeSettings
 
 
 def register(sub, bench) -> None:
     """Add the serving subcommands to the `osd` parser (sub) and the `osd bench` parser (bench)."""
+    from osd.cli import add_config_flags
+    from osd.config import ModelConfig, SpeculationConfig
+    from osd.learn.online import LearnConfig
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding")
+    add_config_flags(p, ServeSettings, skip=("api_key", "model_name"))
+    p.add_argument("--api-key", default=os.environ.get("OSD_API_KEY"),
+                   help="require 'Authorization: Bearer <key>' on /v1/* (default $OSD_API_KEY; none = open)")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
+    p.add_argument("--learn", action="store_true", help="distill the draft online from served traffic (LearnConfig flags)")
+    for cls in (ModelConfig, SpeculationConfig, LearnConfig):
+        add_config_flags(p, cls)
+    p.set_defaults(func=cmd_serve)
+
+    p = bench.add_parser("serve", help="load a running server: throughput, TTFT, TPOT at several concurrencies")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of a running `osd serve`")
+    p.add_argument("--prompts", default="chat", help="dataset name (shared/datasets) or JSONL path")
+    p.add_argument("--split", default="test")
+    p.add_argument("--limit", type=int, default=8, help="prompts per concurrency level")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--raw", action="store_true", help="use /v1/completions instead of the chat endpoint")
+    p.add_argument("--api-key", default=os.environ.get("OSD_API_KEY"))
+    p.add_argument("--out", default="runs/bench-serve.json")
+    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.set_defaults(func=cmd_bench_serve)
+
+
+def default_model_name(target: str) -> str:
+    return target.removeprefix("bundled:")
+
+
+def cmd_serve(args) -> None:
+    from osd.build import attach_learner, build_system
+    from osd.cli import config_from
+    from osd.config import ModelConfig, SpeculationConfig
+    from osd.learn.online import LearnConfig
+
+    settings = config_from(args, ServeSettings)
+    models = config_from(args, ModelConfig)
+    system = build_system(models, config_from(args, SpeculationConfig))
+    system.engine.calibrate()
+    learner = attach_learner(system, config_from(args, LearnConfig)) if args.learn else None
+    name = settings.model_name or default_model_name(models.target)
+    serve(system.engine, system.tokenizer, name, settings, learner)
+
+
+def serve(engine, tokenizer, model_name: str, settings: ServeSettings, learner=None) -> None:
+    """Run the server until SIGINT/SIGTERM; shutdown finishes the running request, then stops the learner."""
+    import uvicorn
+
+    from osd.serve.app import create_app
+
+    app = create_app(engine, tokenizer, model_name, learner=learner, settings=settings)
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=30)
+    finally:
+        app.state.lifecycle.stop()  # idempotent: normally done already by the lifespan shutdown
+
+
+def cmd_bench_serve(args) -> None:
+    from osd.data import load_records
+    from osd.errors import InvalidArgument
+    from osd.serve.loadgen import run_load
+    from osd.serve.report import report_load
+
+    prompts = [r["prompt"] for r in load_records(args.prompts, split=args.split or None, limit=args.limit)]
+    if not prompts or min(args.concurrency) < 1:
+        raise InvalidArgument("bench serve needs at least one prompt and concurrency levels >= 1")
+    result = run_load(args.url, prompts, args.max_tokens, tuple(args.concurrency), chat=not args.raw,
+                      api_key=args.api_key)
+    result["command"] = redacted_command(sys.argv[1:])  # overrides write_result's raw argv: no key on disk
+    report_load(result, args.out, args.markdown)
+
+
+def redacted_command(argv: list[str]) -> str:
+    out, hide_next = ["osd"], False
+    for arg in argv:
+        if hide_next:
+            out.append("***")
+        elif arg.startswith("--api-key="):
+            out.append("--api-key=***")
+        else:
+            out.append(arg)
+        hide_next = arg == "--api-key"
+    return " ".join(out)

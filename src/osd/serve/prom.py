@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import bisect
 import math
+import logging
 import threading
 from collections import Counter
+
+log = logging.getLogger("osd.serve")
 
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
@@ -79,7 +82,10 @@ class ServeMetrics:
         lines += _family("osd_queue_depth", "gauge", "Requests waiting for the model.", [({}, queue_depth)])
         lines += spec_lines(spec_metrics)
         if learner is not None:
-            lines += learner_lines(learner.stats())
+            try:
+                lines += learner_lines(learner.stats())
+            except Exception:  # a learner fault must not take /metrics down
+                log.exception("learner.stats() failed")
         return "\n".join(lines) + "\n"
 
 

@@ -54,16 +54,23 @@ class Worker:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._gate = threading.RLock()  # no job can slip in behind the stop sentinel
+        self._current: Job | None = None
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="osd-serve-worker", daemon=True)
-            self._thread.start()
+        with self._gate:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="osd-serve-worker", daemon=True)
+                self._thread.start()
 
-    def stop(self, timeout: float | None = 60.0) -> None:
-        """Refuse new jobs, fail the queued ones, let the running one finish."""
-        self._closing = True
-        self._queue.put(None)
+    def stop(self, timeout: float | None = 60.0, cancel_running: bool = False) -> None:
+        """Refuse new jobs and fail the queued ones; the running one finishes unless cancel_running
+        (the server's shutdown cancels: by then its client connection is closed)."""
+        with self._gate:
+            self._closing = True
+            self._queue.put(None)
+            if cancel_running and self._current is not None:
+                self._current.cancelled = True
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -76,17 +83,20 @@ class Worker:
         return self._queue.qsize()
 
     def submit(self, prompt_ids: list[int], sampling: SamplingConfig, stream: bool = False) -> Job:
-        if self._closing:
-            raise ShuttingDown("the server is shutting down")
-        self.start()  # normally started by the app's lifespan; harmless when already running
         job = Job(prompt_ids, sampling, asyncio.get_running_loop(), stream)
-        self._queue.put(job)
+        with self._gate:
+            if self._closing:
+                raise ShuttingDown("the server is shutting down")
+            self.start()  # normally started by the app's lifespan; harmless when already running
+            self._queue.put(job)
         return job
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
             if not job.cancelled:
+                self._current = job
                 self._run_job(job)
+                self._current = None
         while True:  # closing: answer whatever is still queued
             try:
                 job = self._queue.get_nowait()
@@ -107,7 +117,7 @@ class Worker:
         job.started_at = time.perf_counter()
         try:
             job.emit("done", self.engine.generate(job.prompt_ids, job.sampling, on_text=on_text))
-        except _Cancelled:
-            pass
+        except _Cancelled:  # nobody should be waiting; answer anyway so no waiter can hang
+            job.emit("error", ShuttingDown("request cancelled (client gone or server shutting down)"))
         except Exception as e:  # a bad request never kills the worker; the handler maps the error
             job.emit("error", e)

@@ -1,0 +1,90 @@
+"""A real uvicorn server on 127.0.0.1 (a free port) serving tiny seeded models, for the serve tests.
+
+Named serve_testing (not conftest) so `from conftest import ...` keeps meaning tests/conftest.py.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+from conftest import ToyTokenizer, tiny_qwen2
+from helpers import make_engine
+from openai import OpenAI
+
+from osd.serve.app import create_app
+from osd.serve.settings import ServeSettings
+
+MODEL = "tiny-target"
+
+
+class FakeLearner:
+    """Duck-typed stand-in for the online learner: start/stop/stats."""
+
+    def __init__(self):
+        self.started = self.stopped = 0
+
+    def start(self):
+        self.started += 1
+
+    def stop(self):
+        self.stopped += 1
+
+    def stats(self) -> dict:
+        return {"buffer_size": 7, "updates_published": 2, "updates_rejected": 0, "version": 2,
+                "training": 1, "note": "not numeric: skipped"}
+
+
+@dataclass
+class Served:
+    url: str
+    target: object
+    tokenizer: ToyTokenizer
+    engine: object
+    registry: object
+    learner: FakeLearner | None
+    api_key: str | None
+
+    def client(self, api_key: str | None = None) -> OpenAI:
+        return OpenAI(base_url=self.url + "/v1", api_key=api_key or self.api_key or "unused", max_retries=0, timeout=60)
+
+    def http(self) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=60)
+
+
+@contextmanager
+def live_server(app, ready_timeout: float = 20.0):
+    """Run `app` under uvicorn on a thread; yield its base URL; shut down gracefully (lifespan included)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + ready_timeout
+    while not server.started:  # a readiness poll, not a sleep that correctness depends on
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("test server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@contextmanager
+def tiny_server(api_key: str | None = None, learner: FakeLearner | None = None, k: int = 4, **settings):
+    target, draft, tokenizer = tiny_qwen2(seed=0), tiny_qwen2(seed=1, layers=1), ToyTokenizer()
+    engine, registry = make_engine(target, draft, tokenizer, k=k)
+    settings = ServeSettings(api_key=api_key, **settings)
+    app = create_app(engine, tokenizer, MODEL, learner=learner, settings=settings)
+    with live_server(app) as url:
+        yield Served(url, target, tokenizer, engine, registry, learner, api_key)

@@ -1,0 +1,174 @@
+"""The serving layer's small parts: error table, request translation, Prometheus text, worker, CLI, load generator."""
+import asyncio
+
+import pytest
+from pydantic import ValidationError
+from serve_testing import MODEL, tiny_server
+
+from osd.errors import ContextTooLong, InvalidArgument
+from osd.serve import errors
+from osd.serve.loadgen import percentile, run_load
+from osd.serve.prom import Histogram, learner_lines
+from osd.serve.report import load_table
+from osd.serve.schemas import ChatCompletionRequest, CompletionRequest
+from osd.serve.settings import ServeSettings
+from osd.serve.translate import sampling_from
+from osd.serve.worker import Worker
+
+
+@pytest.mark.parametrize("exc,status,code", [
+    (ContextTooLong("x"), 400, "context_length_exceeded"),
+    (InvalidArgument("x"), 400, None),
+    (errors.BadParam("x", param="top_p"), 400, None),
+    (errors.UnknownModel("x"), 404, "model_not_found"),
+    (errors.Unauthorized("x"), 401, "invalid_api_key"),
+    (errors.BodyTooLarge("x"), 413, "request_too_large"),
+    (errors.BadJSON("x"), 400, "invalid_json"),
+    (errors.ShuttingDown("x"), 503, "shutting_down"),
+    (KeyError("secret detail"), 500, None),
+])
+def test_error_table(exc, status, code):
+    got_status, body = errors.error_body(exc)
+    assert got_status == status and body["error"]["code"] == code
+    if status == 500:
+        assert "secret" not in body["error"]["message"]  # internals are logged, not sent
+
+
+def test_validation_error_is_422_with_the_field():
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"messages": "abc"})
+    status, body = errors.error_body(info.value)
+    assert status == 422 and body["error"]["param"] == "messages"
+
+
+def test_sampling_from_defaults_and_field_names():
+    settings = ServeSettings(default_max_tokens=17, default_temperature=0.7)
+    s = sampling_from(CompletionRequest(prompt="a", stop="x"), settings)
+    assert (s.max_new_tokens, s.temperature, s.top_p, s.stop) == (17, 0.7, 1.0, ["x"])
+    with pytest.raises(errors.BadParam) as info:
+        sampling_from(CompletionRequest(prompt="a", max_tokens=0), settings, 0)
+    assert info.value.param == "max_tokens" and "max_tokens" in str(info.value)
+
+
+def test_settings_validate():
+    with pytest.raises(InvalidArgument):
+        ServeSettings(max_body_bytes=0)
+    assert ServeSettings(api_key="").api_key is None
+
+
+def test_histogram_buckets_are_cumulative():
+    h = Histogram("h", "help", (1.0, 2.0))
+    for v in (0.5, 1.5, 1.7, 5.0):
+        h.observe(v)
+    lines = h.lines()
+    assert 'h_bucket{le="1.0"} 1' in lines and 'h_bucket{le="2.0"} 3' in lines and 'h_bucket{le="+Inf"} 4' in lines
+    assert "h_count 4" in lines
+
+
+def test_learner_lines_keep_numbers_only():
+    text = "\n".join(learner_lines({"buffer_size": 3, "training": True, "loss": float("nan"), "name": "x"}))
+    assert "osd_learner_buffer_size 3" in text and "osd_learner_training 1" in text
+    assert "loss" not in text and "name" not in text
+
+
+class _FailingEngine:
+    def __init__(self):
+        self.calls = 0
+
+    def generate(self, prompt_ids, sampling, on_text=None):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("boom")
+        on_text("ok")
+        return "result"
+
+
+def test_worker_survives_a_failing_request():
+    async def main():
+        worker = Worker(_FailingEngine())
+        try:
+            first = worker.submit([1], None)
+            second = worker.submit([1], None, stream=True)
+            return [await first.next(), await second.next(), await second.next()]
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    (kind1, err), text, done = asyncio.run(main())
+    assert kind1 == "error" and isinstance(err, RuntimeError)
+    assert text == ("text", "ok") and done == ("done", "result")
+
+
+def test_worker_refuses_jobs_after_stop():
+    async def main():
+        worker = Worker(_FailingEngine())
+        worker.start()
+        await asyncio.to_thread(worker.stop)
+        with pytest.raises(errors.ShuttingDown):
+            worker.submit([1], None)
+
+    asyncio.run(main())
+
+
+def test_cli_registers_serve_commands():
+    from osd.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--port", "9001", "--api-key", "k", "--k", "3"])
+    assert (args.port, args.api_key, args.k, args.host) == (9001, "k", 3, "127.0.0.1")
+    args = build_parser().parse_args(["bench", "serve", "--concurrency", "1", "2", "--max-tokens", "8"])
+    assert args.concurrency == [1, 2] and args.max_tokens == 8
+
+
+def test_percentile():
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0, 2.0], 95) == pytest.approx(1.95)
+
+
+def test_load_generator_against_live_server():
+    with tiny_server(api_key="k") as served:
+        result = run_load(served.url, ["abc", "defg", "hij"], max_tokens=8, concurrency=(1, 2), api_key="k")
+    assert result["config"]["model"] == MODEL and result["warmup_ok"]
+    for level in result["levels"]:
+        assert level["errors"] == 0 and level["requests"] == 3
+        assert level["completion_tokens"] > 0 and level["tokens_per_second"] > 0
+        assert level["ttft_p50"] > 0 and level["tpot_p95"] >= level["tpot_p50"] >= 0
+        assert 0 <= level["acceptance_rate"] <= 1
+    assert "TTFT p50" in load_table(result)
+
+
+def test_recorded_command_hides_the_api_key():
+    from osd.serve.cli import redacted_command
+
+    cmd = redacted_command(["bench", "serve", "--api-key", "s3cret", "--api-key=s3cret", "--limit", "2"])
+    assert "s3cret" not in cmd and cmd.endswith("--limit 2")
+
+
+class _EndlessEngine:
+    """Streams text until on_text raises (the worker's cancellation)."""
+
+    def __init__(self):
+        self.aborted = False
+
+    def generate(self, prompt_ids, sampling, on_text=None):
+        try:
+            while True:
+                on_text("x")
+        except Exception:
+            self.aborted = True
+            raise
+
+
+def test_worker_aborts_a_cancelled_generation():
+    engine = _EndlessEngine()
+
+    async def main():
+        worker = Worker(engine)
+        job = worker.submit([1], None, stream=True)
+        assert await job.next() == ("text", "x")
+        job.cancelled = True  # what the stream does when its client disconnects
+        while (event := await job.next())[0] == "text":
+            pass
+        await asyncio.to_thread(worker.stop)
+        return event
+
+    kind, err = asyncio.run(main())
+    assert engine.aborted and kind == "error" and isinstance(err, errors.ShuttingDown)
