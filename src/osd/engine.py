@@ -120,7 +120,7 @@ class SpeculativeEngine:
             self.target.rollback(len(tokens) - 1)  # keep the accepted prefix; the last token is pending
             if k:
                 self.proposer.rollback(len(tokens) - 1)
-            self.policy.observe(k, outcome.n_accepted, t1 - t0, t2 - t1)
+            self.policy.observe(k, outcome.n_accepted, proposal.single_token_seconds or [], t2 - t1)
             counters.add_step(k, outcome.n_accepted, len(emitted), betas, t1 - t0, t2 - t1)
             steps.append((k, outcome.n_accepted))
             for observe in self.observers:
@@ -180,9 +180,10 @@ class SpeculativeEngine:
             self.proposer.begin(dummy)
             greedy = SamplingConfig(max_new_tokens=1)
             self.proposer.propose(dummy, 1, greedy)  # prefill
-            t0 = self.clock()
-            self.proposer.propose(dummy + [0], 4, greedy)
-            t_draft = (self.clock() - t0) / 4
+            self.proposer.propose(dummy + [0], 2, greedy)  # warm-up
+            self.proposer.rollback(len(dummy))
+            timings = self.proposer.propose(dummy + [0], 8, greedy).single_token_seconds  # first forward feeds 1 token
+            t_draft = sorted(timings)[len(timings) // 2]  # median: robust to a noisy neighbour
         self.target.reset()
         self.policy.calibrate(t_draft, t_target)
         return {"t_draft": t_draft, "t_target": t_target, "c": t_draft / t_target[0],

@@ -74,13 +74,14 @@ class KPolicy:
                 return 1
         return k
 
-    def observe(self, k: int, n_accepted: int, t_draft: float, t_target: float) -> None:
+    def observe(self, k: int, n_accepted: int, draft_forward_seconds: list[float], t_target: float) -> None:
+        """draft_forward_seconds: timings of single-token draft forwards (catch-up forwards excluded)."""
         if k > 0:
             rejected = 1 if n_accepted < k else 0
             self.accepted = self.ema * self.accepted + n_accepted
             self.rejected = self.ema * self.rejected + rejected
-            per_forward = t_draft / k
-            self.t_draft = per_forward if self.t_draft is None else 0.8 * self.t_draft + 0.2 * per_forward
+        for t in draft_forward_seconds:
+            self.t_draft = t if self.t_draft is None else 0.8 * self.t_draft + 0.2 * t
         old = self.t_target[k]
         if not math.isfinite(t_target):
             return

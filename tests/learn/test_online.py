@@ -90,7 +90,7 @@ def test_alpha_rises_on_a_stream_with_online_updates(target_model, tokenizer):
 
 def test_guard_keeps_old_draft_when_update_hurts(target_model, tokenizer):
     draft = copy.deepcopy(target_model)  # perfect draft: a wild update can only hurt
-    engine, registry, learner = _learner(target_model, draft, tokenizer, mode="all", every_requests=0, lr=5.0,
+    engine, registry, learner = _learner(target_model, draft, tokenizer, mode="all", every_requests=0, lr=0.5,
                                          steps_per_update=5, train_embeddings=True, guard=True, guard_holdout=0.5)
     for prompt in STREAM[:8]:
         engine.generate(prompt, SamplingConfig(max_new_tokens=16))

@@ -14,6 +14,7 @@ class Proposal:
     tokens: list[int]  # k proposed ids
     draft_probs: torch.Tensor | None = None  # (k, V) warped draft probabilities (sampling only)
     draft_logits: torch.Tensor | None = None  # (k, V') raw draft logits (V' = draft vocab), kept for learning
+    single_token_seconds: list[float] | None = None  # timings of forwards that fed exactly one token (cost model)
 
     @property
     def k(self) -> int:

@@ -1,6 +1,8 @@
 """Draft-model proposer: k autoregressive draft forwards over a KV cache kept across steps."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from osd.config import SamplingConfig
@@ -40,10 +42,13 @@ class DraftModelProposer:
         return full
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator=None) -> Proposal:
-        proposed, probs = [], []
+        proposed, probs, timings = [], [], []
         pending = tokens[self.runner.length :]
         for _ in range(k):
+            t0 = time.perf_counter()
             logits = self._full_vocab(self.runner.feed(pending)[0])  # (V,)
+            if len(pending) == 1:  # catch-up forwards (several pending tokens) would skew the cost model
+                timings.append(time.perf_counter() - t0)
             if sampling.greedy:
                 token = int(logits.argmax())
             else:
@@ -52,7 +57,7 @@ class DraftModelProposer:
                 probs.append(q)
             proposed.append(token)
             pending = [token]
-        return Proposal(proposed, torch.stack(probs) if probs else None)
+        return Proposal(proposed, torch.stack(probs) if probs else None, single_token_seconds=timings)
 
     def rollback(self, length: int) -> None:
         self.runner.rollback(length)

@@ -1,6 +1,7 @@
 """CLI entries for serving: `osd serve` and `osd bench serve`. Parse -> config -> call the library."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -18,9 +19,11 @@ def register(sub, bench) -> None:
     p.add_argument("--api-key", default=os.environ.get("OSD_API_KEY"),
                    help="require 'Authorization: Bearer <key>' on /v1/* (default $OSD_API_KEY; none = open)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
-    p.add_argument("--learn", action="store_true", help="distill the draft online from served traffic (LearnConfig flags)")
+    p.add_argument("--learn", action=argparse.BooleanOptionalAction, default=True,
+                   help="distill the draft online from served traffic (on by default; LearnConfig flags)")
     for cls in (ModelConfig, SpeculationConfig, LearnConfig):
         add_config_flags(p, cls)
+    p.set_defaults(schedule="background", checkpoint_dir="runs/draft-checkpoint")  # serving: learn in idle windows, resume on restart
     p.set_defaults(func=cmd_serve)
 
     p = bench.add_parser("serve", help="load a running server: throughput, TTFT, TPOT at several concurrencies")
