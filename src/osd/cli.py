@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--no-baseline", action="store_true", help="skip the static original-draft baseline")
     p.add_argument("--window", type=int, default=10, help="moving-average window of the plot")
-    p.add_argument("--out", default="runs/replay.json")
+    p.add_argument("--out", default="benchmarks/replay.json")
     p.add_argument("--markdown", default="BENCHMARKS.md")
     for cls in (ModelConfig, SpeculationConfig, LearnConfig):
         add_config_flags(p, cls)
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-domain", type=int, default=2, help="prompts per domain (code, gsm8k, spider, chat)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-baselines", action="store_true", help="skip the transformers baselines")
-    p.add_argument("--out", default="runs/bench-speed.json")
+    p.add_argument("--out", default="benchmarks/bench-speed.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
     for cls in (ModelConfig, SpeculationConfig):
         add_config_flags(p, cls)

@@ -1,6 +1,8 @@
 """Turning benchmark results into JSON files, console tables and BENCHMARKS.md blocks."""
 from __future__ import annotations
 
+import time
+
 from osd.bench.record import append_markdown, git_revision, machine, write_result
 
 
@@ -29,7 +31,7 @@ def report_speed(result: dict, out: str, markdown: str) -> None:
         cfg = result["config"]
         m = machine()
         append_markdown("Speed (`osd bench speed`)", [
-            f"### {result.get('timestamp', '')} rev {git_revision()}",
+            f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} rev {git_revision()}",
             f"`{' '.join(['osd', 'bench', 'speed'])}` per_domain={cfg['per_domain']} max_new_tokens={cfg['max_new_tokens']} "
             f"k={cfg['spec']['k']} adaptive={cfg['spec']['adaptive']} draft_quantize={cfg['models']['draft_quantize']} "
             f"draft_vocab={cfg['models']['draft_vocab']} prepack_target={cfg['models']['prepack_target']}; "
@@ -64,7 +66,7 @@ def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> No
     if markdown:
         cfg = result["config"]
         append_markdown("Online replay (`osd replay`)", [
-            f"### {result.get('timestamp', '')} rev {git_revision()}",
+            f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} rev {git_revision()}",
             f"`osd replay --stream {cfg['stream']} --split {cfg['split']} --per-segment {cfg['per_segment']} "
             f"--max-new-tokens {cfg['max_new_tokens']}` k={cfg['spec']['k']} loss={cfg['learn']['loss']} "
             f"mode={cfg['learn']['mode']} every_requests={cfg['learn']['every_requests']} lr={cfg['learn']['lr']}; "

@@ -35,7 +35,7 @@ def register(sub, bench) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--raw", action="store_true", help="use /v1/completions instead of the chat endpoint")
     p.add_argument("--api-key", default=os.environ.get("OSD_API_KEY"))
-    p.add_argument("--out", default="runs/bench-serve.json")
+    p.add_argument("--out", default="benchmarks/bench-serve.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
     p.set_defaults(func=cmd_bench_serve)
 
