@@ -120,7 +120,7 @@ def convert_gguf_to_dir(gguf_path: Path, out_dir: Path) -> Path:
     print(f"[osd] converting {gguf_path.name} to safetensors (once; about a minute) ...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
+    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # handles tied embeddings
     model.config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
