@@ -1,6 +1,5 @@
 """The engine's invariants on tiny seeded models."""
 import copy
-import itertools
 
 import pytest
 import torch

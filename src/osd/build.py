@@ -67,7 +67,7 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
     return system
 
 
-def attach_learner(system: System, learn) -> "OnlineLearner":
+def attach_learner(system: System, learn):
     """Create the online learner over the system's draft master and hook it into the engine."""
     from osd.learn.online import OnlineLearner
 

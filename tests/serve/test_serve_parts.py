@@ -136,7 +136,7 @@ def test_load_generator_against_live_server():
 
 
 def test_recorded_command_hides_the_api_key():
-    from osd.serve.cli import redacted_command
+    from osd.bench.record import redacted_command
 
     cmd = redacted_command(["bench", "serve", "--api-key", "s3cret", "--api-key=s3cret", "--limit", "2"])
     assert "s3cret" not in cmd and cmd.endswith("--limit 2")

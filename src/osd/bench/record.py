@@ -39,10 +39,24 @@ def machine() -> dict:
             "python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform()}
 
 
+def redacted_command(argv: list[str]) -> str:
+    """The command line with secrets (--api-key values) replaced by ***."""
+    out, hide_next = ["osd"], False
+    for arg in argv:
+        if hide_next:
+            out.append("***")
+        elif arg.startswith("--api-key="):
+            out.append("--api-key=***")
+        else:
+            out.append(arg)
+        hide_next = arg == "--api-key"
+    return " ".join(out)
+
+
 def write_result(result: dict, out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"command": " ".join(["osd"] + sys.argv[1:]), "git_revision": git_revision(), "machine": machine(),
+    result = {"command": redacted_command(sys.argv[1:]), "git_revision": git_revision(), "machine": machine(),
               "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result}
     out.write_text(json.dumps(result, indent=2, default=str))
     return out

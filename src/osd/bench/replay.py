@@ -10,6 +10,7 @@ from osd.build import attach_learner, build_system
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.data import load_records, prompt_ids
 from osd.learn.online import LearnConfig
+from osd.speed_model import KPolicy
 
 
 def parse_stream(spec: str, split: str, per_segment: int) -> list[dict]:
@@ -42,7 +43,7 @@ def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig,
         system.publish_draft(name="static")
         static = SpeculativeEngine(system.target_model, system.tokenizer,
                                    DraftModelProposer(system.registry, "static", system.target_model.config.vocab_size), spec)
-        static.policy = system.engine.policy.__class__(spec.k, False)  # fixed k: alpha comparable to online
+        static.policy = KPolicy(spec.k, adaptive=False)  # fixed k: alpha comparable to online
     system.engine.policy.adaptive = False  # the replay measures acceptance at fixed k
     learner = attach_learner(system, learn)
     sampling = SamplingConfig(max_new_tokens=max_new_tokens)

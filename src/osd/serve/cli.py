@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from osd.serve.settings import ServeSettings
 
@@ -83,18 +82,4 @@ def cmd_bench_serve(args) -> None:
         raise InvalidArgument("bench serve needs at least one prompt and concurrency levels >= 1")
     result = run_load(args.url, prompts, args.max_tokens, tuple(args.concurrency), chat=not args.raw,
                       api_key=args.api_key)
-    result["command"] = redacted_command(sys.argv[1:])  # overrides write_result's raw argv: no key on disk
     report_load(result, args.out, args.markdown)
-
-
-def redacted_command(argv: list[str]) -> str:
-    out, hide_next = ["osd"], False
-    for arg in argv:
-        if hide_next:
-            out.append("***")
-        elif arg.startswith("--api-key="):
-            out.append("--api-key=***")
-        else:
-            out.append(arg)
-        hide_next = arg == "--api-key"
-    return " ".join(out)
