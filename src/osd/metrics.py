@@ -14,6 +14,7 @@ acceptance_rate = accepted / proposed, tokens_per_step = emitted / steps.
 """
 from __future__ import annotations
 
+import copy
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -42,20 +43,21 @@ class SpecCounters:
         self.beta_n += len(betas)
         self.draft_seconds += t_draft
         self.target_seconds += t_target
-        while len(self.proposed_at) < k:
-            self.proposed_at.append(0)
-            self.accepted_at.append(0)
+        self._grow(k)
         for i in range(k):
             self.proposed_at[i] += 1
             self.accepted_at[i] += int(i < n_accepted)
 
+    def _grow(self, k: int) -> None:
+        while len(self.proposed_at) < k:
+            self.proposed_at.append(0)
+            self.accepted_at.append(0)
+
     def merge(self, other: "SpecCounters") -> None:
         for name in ("steps", "proposed", "accepted", "emitted", "beta_sum", "beta_n", "draft_seconds", "target_seconds", "requests"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self._grow(len(other.proposed_at))
         for i in range(len(other.proposed_at)):
-            if i >= len(self.proposed_at):
-                self.proposed_at.append(0)
-                self.accepted_at.append(0)
             self.proposed_at[i] += other.proposed_at[i]
             self.accepted_at[i] += other.accepted_at[i]
 
@@ -92,6 +94,11 @@ class SpecMetrics:
     def reset(self) -> None:
         with self._lock:
             self.by_draft.clear()
+
+    def counters(self) -> dict[tuple[str, int], SpecCounters]:
+        """A consistent copy of the raw counters per (draft name, version)."""
+        with self._lock:
+            return {key: copy.deepcopy(c) for key, c in self.by_draft.items()}
 
     def total(self) -> SpecCounters:
         out = SpecCounters()

@@ -99,7 +99,7 @@ SPEC_COUNTERS = {  # SpecCounters field -> help
 
 
 def spec_lines(spec_metrics) -> list[str]:
-    items = sorted(list(spec_metrics.by_draft.items()))  # (draft name, version) -> SpecCounters
+    items = sorted(spec_metrics.counters().items())  # (draft name, version) -> SpecCounters
     labels = lambda key: {"draft": key[0], "draft_version": key[1]}
     lines = []
     for name, help_text in SPEC_COUNTERS.items():
