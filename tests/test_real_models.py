@@ -13,9 +13,7 @@ from osd.data import load_records, prompt_ids
 from osd.errors import ModelNotFound, TokenizerMismatch
 from osd.models.loading import load_model, load_tokenizer
 
-import os
-
-pytestmark = [pytest.mark.real, pytest.mark.skipif(os.environ.get("OSD_REAL_TESTS") != "1", reason="real-model tests not yet green: set OSD_REAL_TESTS=1 (smollm2 prepack hits a meta tensor; see note)")]
+pytestmark = pytest.mark.real
 
 
 def hf_greedy(model, ids, n, eos):

@@ -112,7 +112,7 @@ def assemble_gguf(model: BundledModel) -> Path:
 def convert_gguf_to_dir(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantise a GGUF with transformers and save a float32 safetensors dir (atomic rename)."""
     import torch
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = out_dir.with_name(out_dir.name + ".partial")
@@ -120,7 +120,10 @@ def convert_gguf_to_dir(gguf_path: Path, out_dir: Path) -> Path:
     print(f"[osd] converting {gguf_path.name} to safetensors (once; about a minute) ...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # handles tied embeddings
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:  # transformers re-ties lm_head to the input embeddings on load
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     model.config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

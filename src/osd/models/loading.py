@@ -63,5 +63,9 @@ def load_model(spec: str, dtype: str = "float32"):
             f"cannot load model {spec!r}: {e}\n(the Hugging Face hub is used only if reachable; "
             "give a local directory or .gguf file otherwise)"
         ) from e
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ModelNotFound(f"model {spec!r} loaded without weights for {', '.join(missing[:3])}: the files are "
+                            "incomplete (for a converted GGUF, delete its cache dir under ~/.cache/osd/hf to rebuild)")
     model.eval().requires_grad_(False)
     return model
