@@ -5,7 +5,7 @@ import json
 import os
 from pathlib import Path
 
-from osd.errors import InvalidArgument, ModelNotFound
+from osd.errors import DatasetNotFound, InvalidArgument
 
 
 def datasets_dir() -> Path:
@@ -17,7 +17,7 @@ def datasets_dir() -> Path:
     for c in candidates:
         if c and Path(c).is_dir():
             return Path(c)
-    raise ModelNotFound("prompt datasets not found: set OSD_DATASETS to the folder holding *.jsonl")
+    raise DatasetNotFound("prompt datasets not found: set OSD_DATASETS to the folder holding *.jsonl")
 
 
 def load_records(name: str, split: str | None = None, limit: int | None = None, offset: int = 0) -> list[dict]:

@@ -26,3 +26,7 @@ class ModelNotFound(OsdError, FileNotFoundError):
 
 class ModelIntegrityError(OsdError):
     """Assembled model bytes have the wrong size or checksum."""
+
+
+class DatasetNotFound(OsdError, FileNotFoundError):
+    """The prompt datasets folder or a dataset file cannot be found."""
