@@ -7,9 +7,9 @@ from serve_testing import MODEL, tiny_server
 
 from osd.errors import ContextTooLong, InvalidArgument
 from osd.serve import errors
-from osd.serve.loadgen import percentile, run_load
+from osd.bench.serve_load import percentile, run_load
 from osd.serve.prom import Histogram, learner_lines
-from osd.serve.report import load_table
+from osd.bench.serve_report import load_table
 from osd.serve.schemas import ChatCompletionRequest, CompletionRequest
 from osd.serve.settings import ServeSettings
 from osd.serve.translate import sampling_from

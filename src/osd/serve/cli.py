@@ -74,8 +74,8 @@ def serve(engine, tokenizer, model_name: str, settings: ServeSettings, learner=N
 def cmd_bench_serve(args) -> None:
     from osd.data import load_records
     from osd.errors import InvalidArgument
-    from osd.serve.loadgen import run_load
-    from osd.serve.report import report_load
+    from osd.bench.serve_load import run_load
+    from osd.bench.serve_report import report_load
 
     prompts = [r["prompt"] for r in load_records(args.prompts, split=args.split or None, limit=args.limit)]
     if not prompts or min(args.concurrency) < 1:
