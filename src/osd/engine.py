@@ -115,7 +115,8 @@ class SpeculativeEngine:
             outcome, betas = self._verify(target_logits, proposal, sampling, generator)
             emitted = proposal.tokens[: outcome.n_accepted] + [outcome.next_token]
             record = StepRecord(request_id, draft, tokens[:], proposal.tokens, outcome.n_accepted, outcome.next_token,
-                                target_logits, proposal.draft_probs, betas, sampling.temperature, t1 - t0, t2 - t1)
+                                target_logits, proposal.draft_probs, betas, sampling.temperature, t1 - t0,
+                                t2 - t1) if self.observers else None  # the context copy only when someone observes
             tokens += emitted
             self.target.rollback(len(tokens) - 1)  # keep the accepted prefix; the last token is pending
             if k:

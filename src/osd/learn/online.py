@@ -141,7 +141,6 @@ class OnlineLearner:
             loss = items_loss(self.master, batch, cfg.loss, cfg.beta)
             if not math.isfinite(loss.item()):
                 self.counters["steps_skipped_nonfinite"] += 1
-                self.optimizer.zero_grad(set_to_none=True)
                 continue
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()

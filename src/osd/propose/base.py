@@ -13,7 +13,6 @@ from osd.config import SamplingConfig
 class Proposal:
     tokens: list[int]  # k proposed ids
     draft_probs: torch.Tensor | None = None  # (k, V) warped draft probabilities (sampling only)
-    draft_logits: torch.Tensor | None = None  # (k, V') raw draft logits (V' = draft vocab), kept for learning
     single_token_seconds: list[float] | None = None  # timings of forwards that fed exactly one token (cost model)
 
     @property
