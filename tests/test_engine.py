@@ -143,3 +143,18 @@ def test_empty_and_too_long_prompts(target_model, draft_model, tokenizer):
         engine.generate([5] * 250, SamplingConfig(max_new_tokens=10))
     with pytest.raises(InvalidArgument, match="vocabulary"):
         engine.generate([VOCAB + 3], SamplingConfig())
+
+
+def test_truncated_draft_vocabulary_keeps_output_identical(target_model, draft_model, tokenizer):
+    from osd.models.serving_draft import make_serving_draft
+
+    serving, vocab_ids = make_serving_draft(draft_model, "int8", draft_vocab=20, keep_ids=[EOS])
+    assert vocab_ids.tolist() == list(range(20))
+    engine, _ = make_engine(target_model, serving, tokenizer, k=3, vocab_ids=vocab_ids)
+    proposed = []
+    engine.observers.append(lambda rec: proposed.extend(rec.proposed))
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, SamplingConfig(max_new_tokens=30))
+        assert result.token_ids == plain_greedy(target_model, prompt, 30, eos=EOS)
+        engine.generate(prompt, SamplingConfig(temperature=1.0, max_new_tokens=10, seed=0))
+    assert proposed and max(proposed) < 20  # the draft only proposes ids its LM head covers
