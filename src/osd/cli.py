@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     from osd.serve.cli import register as register_serve  # `osd serve`, `osd bench serve`
 
     register_serve(sub, bench)
+    from osd.distill.cli import register as register_distill  # `osd teacher`, `osd distill`, `osd eval`
+
+    register_distill(sub)
     return parser
 
 

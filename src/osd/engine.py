@@ -77,7 +77,7 @@ class SpeculativeEngine:
         self.request_observers: list[Callable[[GenerationResult], None]] = []  # called after every request
         self.context_window = int(getattr(target_model.config, "max_position_embeddings", 0) or 0)
         self.vocab_size = int(target_model.config.vocab_size)
-        self.eos_ids = _eos_ids(target_model, tokenizer)
+        self.eos_ids = eos_token_ids(target_model, tokenizer)
         self._lock = threading.Lock()
 
     def generate(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str | None = None,
@@ -191,7 +191,7 @@ class SpeculativeEngine:
                 "verify_cost": [t / t_target[0] for t in t_target]}
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
+def eos_token_ids(model, tokenizer) -> set[int]:
     ids = set()
     for source in (getattr(model, "generation_config", None), model.config, tokenizer):
         eos = getattr(source, "eos_token_id", None)

@@ -70,7 +70,7 @@ STREAM = [[5 + i % 7, 9 + i % 5, 20 + i % 3] for i in range(24)]
 def test_alpha_rises_on_a_stream_with_online_updates(target_model, tokenizer):
     draft = tiny_qwen2(seed=1, layers=1)
     engine, registry, learner = _learner(target_model, draft, tokenizer, mode="all", every_requests=4, lr=3e-3,
-                                         steps_per_update=30, train_embeddings=True, guard=False)
+                                         steps_per_update=30, trainable="all", guard=False)
     eval_items = []
     collect = lambda rec: eval_items.append(item_from_step(rec, "all", 64)) if rec.proposed else None
     engine.observers.insert(0, collect)
@@ -91,7 +91,7 @@ def test_alpha_rises_on_a_stream_with_online_updates(target_model, tokenizer):
 def test_guard_keeps_old_draft_when_update_hurts(target_model, tokenizer):
     draft = copy.deepcopy(target_model)  # perfect draft: a wild update can only hurt
     engine, registry, learner = _learner(target_model, draft, tokenizer, mode="all", every_requests=0, lr=0.5,
-                                         steps_per_update=5, train_embeddings=True, guard=True, guard_holdout=0.5)
+                                         steps_per_update=5, trainable="all", guard=True, guard_holdout=0.5)
     for prompt in STREAM[:8]:
         engine.generate(prompt, SamplingConfig(max_new_tokens=16))
     before = {n: p.clone() for n, p in learner.master.named_parameters()}
@@ -145,7 +145,7 @@ def test_swaps_are_atomic_and_versions_consistent_within_a_request(target_model,
 
 def test_checkpoint_restart_resumes_version_and_counters(target_model, tokenizer, tmp_path):
     draft = tiny_qwen2(seed=1, layers=1)
-    cfg = dict(mode="all", every_requests=2, lr=3e-3, steps_per_update=5, train_embeddings=True, guard=False,
+    cfg = dict(mode="all", every_requests=2, lr=3e-3, steps_per_update=5, trainable="all", guard=False,
                checkpoint_dir=str(tmp_path / "ckpt"))
     engine, registry, learner = _learner(target_model, draft, tokenizer, **cfg)
     for prompt in STREAM[:6]:

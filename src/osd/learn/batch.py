@@ -10,10 +10,15 @@ import torch
 from osd.learn.buffer import ReplayItem
 from osd.learn.compact import CompactDist
 from osd.learn.losses import bucket_log_probs, distill_loss, tv_distance
+from osd.learn.trainable import head_logits_at, trunk_features
 
 
-def draft_logits_at(draft_model, items: list[ReplayItem]) -> torch.Tensor:
-    """(sum of positions, V) draft logits aligned with the items' targets (index P-1 for token P)."""
+def draft_logits_at(draft_model, items: list[ReplayItem], split: int = 0) -> torch.Tensor:
+    """(sum of positions, V) draft logits aligned with the items' targets (index P-1 for token P).
+
+    split > 0: layers below `split` are frozen; their output is taken from item.features when an item
+    holds it, else computed (no grad) and kept on the item for the next time.
+    """
     width = max(len(it.tokens) for it in items)
     input_ids = torch.zeros(len(items), width, dtype=torch.long)  # (B, T) right-padded
     mask = torch.zeros(len(items), width, dtype=torch.long)
@@ -23,24 +28,34 @@ def draft_logits_at(draft_model, items: list[ReplayItem]) -> torch.Tensor:
         mask[b, : len(it.tokens)] = 1
         rows += [b] * len(it.positions)
         cols += [p - 1 for p in it.positions]
-    hidden = draft_model.model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # (B, T, H)
-    picked = hidden[torch.tensor(rows), torch.tensor(cols)]  # (N, H)
-    return draft_model.lm_head(picked).float()  # (N, V)
+    rows, cols = torch.tensor(rows), torch.tensor(cols)
+    if split == 0:
+        hidden = draft_model.model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # (B, T, H)
+        return draft_model.lm_head(hidden[rows, cols]).float()  # (N, V)
+    missing = [b for b, it in enumerate(items) if it.features is None]
+    if missing:
+        computed = trunk_features(draft_model, input_ids[missing], split)
+        for j, b in enumerate(missing):
+            items[b].features = computed[j, : len(items[b].tokens)].to(torch.bfloat16)
+    features = torch.zeros(len(items), width, items[0].features.shape[-1])
+    for b, it in enumerate(items):
+        features[b, : len(it.tokens)] = it.features[: len(it.tokens)].float()
+    return head_logits_at(draft_model, features, split, rows, cols)
 
 
 def items_loss(draft_model, items: list[ReplayItem], loss: str = "forward_kl", beta: float = 0.5,
-               temperature: float = 1.0) -> torch.Tensor:
+               temperature: float = 1.0, split: int = 0) -> torch.Tensor:
     target = CompactDist.cat([it.target for it in items])
-    return distill_loss(draft_logits_at(draft_model, items), target, loss, beta, temperature=temperature)
+    return distill_loss(draft_logits_at(draft_model, items, split), target, loss, beta, temperature=temperature)
 
 
 @torch.no_grad()
-def acceptance_on(draft_model, items: list[ReplayItem], batch_size: int = 8) -> dict:
+def acceptance_on(draft_model, items: list[ReplayItem], batch_size: int = 8, split: int = 0) -> dict:
     """Greedy agreement (draft argmax == target argmax) and expected acceptance 1 - TV on items."""
     agree, beta, n = 0.0, 0.0, 0
     for i in range(0, len(items), batch_size):
         chunk = items[i : i + batch_size]
-        logits = draft_logits_at(draft_model, chunk)
+        logits = draft_logits_at(draft_model, chunk, split)
         target = CompactDist.cat([it.target for it in chunk])
         agree += (logits.argmax(-1) == target.ids[:, 0]).float().sum().item()
         t, d = bucket_log_probs(logits, target)

@@ -4,6 +4,8 @@ An item is one step's training signal: the token sequence the draft saw and, at 
 the target's distribution for the token at P (compact top-K + tail). The draft logits that produced
 the proposal at P sit at index P-1 of a forward over `tokens`: the loss is aligned there.
 Eviction: FIFO by position count (oldest items go first when capacity is exceeded).
+Consecutive items of one request are merged (their contexts nest), so one draft forward trains on all
+of a request's positions instead of one forward per step.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+
+import torch
 
 from osd.learn.compact import CompactDist, compress
 
@@ -25,6 +29,17 @@ class ReplayItem:
     request_id: str
     draft_version: int
     created_at: float
+    features: torch.Tensor | None = None  # frozen-trunk hidden states for `tokens` (see learn/trainable.py)
+
+    def extends(self, earlier: "ReplayItem") -> bool:
+        """Same request, and `earlier`'s context is a prefix of this one's (a later step of it)."""
+        n = len(earlier.tokens)
+        return earlier.request_id == self.request_id and n <= len(self.tokens) and earlier.tokens == self.tokens[:n]
+
+    def merged_into(self, earlier: "ReplayItem") -> "ReplayItem":
+        """One item for both: one forward over the longer context supervises every position."""
+        return ReplayItem(self.tokens, earlier.positions + self.positions, CompactDist.cat([earlier.target, self.target]),
+                          self.request_id, self.draft_version, earlier.created_at)
 
 
 def item_from_step(record, mode: str = "mismatch", top_k: int = 64, max_context: int = 512,
@@ -62,9 +77,14 @@ class ReplayBuffer:
 
     def add(self, item: ReplayItem) -> None:
         with self._lock:
+            new_positions = len(item.positions)
+            if self._items and item.extends(self._items[-1]):
+                earlier = self._items.pop()
+                self._positions -= len(earlier.positions)
+                item = item.merged_into(earlier)
             self._items.append(item)
             self._positions += len(item.positions)
-            self.added += len(item.positions)
+            self.added += new_positions
             while self._positions > self.capacity and len(self._items) > 1:
                 old = self._items.popleft()
                 self._positions -= len(old.positions)

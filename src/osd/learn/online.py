@@ -24,6 +24,7 @@ from osd.learn.batch import acceptance_on, items_loss
 from osd.learn.buffer import MODES, ReplayBuffer, item_from_step
 from osd.learn.checkpoint import load_checkpoint, save_checkpoint
 from osd.learn.losses import LOSSES
+from osd.learn.trainable import configure_trainable, split_index
 from osd.learn.triggers import UpdateTrigger
 
 
@@ -41,7 +42,9 @@ class LearnConfig:
     batch_size: int = 8  # items per optimizer step
     steps_per_update: int = 8  # optimizer steps per update (sampled from the buffer)
     max_context: int = 384  # tokens of context kept per item
-    train_embeddings: bool = False  # False: freeze embeddings / LM head (less memory, steadier)
+    trainable: str = "no_embeddings"  # all | no_embeddings | lora (learn/trainable.py)
+    train_layers: int = 0  # 0 = all decoder layers train; N = only the top N (the rest frozen, outputs cached)
+    lora_rank: int = 8
     guard: bool = True  # publish only if acceptance on held-out recent items does not drop
     guard_holdout: float = 0.2  # newest fraction of items held out for the guard
     guard_tolerance: float = 0.0  # allowed drop in held-out greedy agreement
@@ -71,10 +74,8 @@ class OnlineLearner:
         self.master, self.publish, self.engine_busy, self.clock = master, publish, engine_busy, clock
         self.buffer = ReplayBuffer(self.config.capacity, clock)
         self.trigger = UpdateTrigger(self.config.every_requests, self.config.min_positions, self.config.max_age_seconds)
-        self.master.requires_grad_(False)
-        for name, p in self.master.named_parameters():
-            p.requires_grad_(self.config.train_embeddings or not ("embed" in name or "lm_head" in name))
-        self.params = [p for p in self.master.parameters() if p.requires_grad]
+        self.params = configure_trainable(master, self.config.trainable, self.config.train_layers, self.config.lora_rank)
+        self.split = split_index(master, self.config.train_layers)
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, weight_decay=0.0)
         self.rng = random.Random(self.config.seed)
         self.version = 0
@@ -92,6 +93,10 @@ class OnlineLearner:
         item = item_from_step(record, self.config.mode, self.config.top_k, self.config.max_context, self.clock())
         if item is not None:
             self.buffer.add(item)
+
+    def observe_item(self, item) -> None:
+        """An item built elsewhere (the greedy fast-path replay builds them from cached target outputs)."""
+        self.buffer.add(item)
 
     def after_request(self, result=None) -> None:
         self.counters["requests"] += 1
@@ -131,14 +136,14 @@ class OnlineLearner:
         items = self.buffer.snapshot()
         n_hold = int(len(items) * cfg.guard_holdout) if cfg.guard and len(items) >= 5 else 0
         train, holdout = (items[:-n_hold], items[-n_hold:]) if n_hold else (items, [])
-        before = acceptance_on(self.master, holdout) if holdout else None
+        before = acceptance_on(self.master, holdout, split=self.split) if holdout else None
         backup = [p.detach().clone() for p in self.params]
         self.master.train()
         losses = []
         for _ in range(cfg.steps_per_update):
             self._wait_idle()
             batch = self.rng.sample(train, min(cfg.batch_size, len(train)))
-            loss = items_loss(self.master, batch, cfg.loss, cfg.beta)
+            loss = items_loss(self.master, batch, cfg.loss, cfg.beta, split=self.split)
             if not math.isfinite(loss.item()):
                 self.counters["steps_skipped_nonfinite"] += 1
                 continue
@@ -153,7 +158,7 @@ class OnlineLearner:
             self.counters["optimizer_steps"] += 1
             losses.append(loss.item())
         self.master.eval()
-        after = acceptance_on(self.master, holdout) if holdout else None
+        after = acceptance_on(self.master, holdout, split=self.split) if holdout else None
         finite = all(torch.isfinite(p).all() for p in self.params)
         worse = before is not None and after["greedy_agreement"] < before["greedy_agreement"] - cfg.guard_tolerance
         report = {"reason": reason, "items": len(items), "train_items": len(train), "losses": losses,

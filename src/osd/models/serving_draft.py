@@ -40,7 +40,10 @@ def quantize_int8(model):
 
 def make_serving_draft(master, quantize: str = "none", draft_vocab: int = 0, keep_ids: list[int] = ()):
     """Return (serving_model, vocab_ids or None): a frozen, possibly quantised/truncated copy."""
+    from osd.learn.trainable import merge_lora
+
     model = copy.deepcopy(master).float().eval().requires_grad_(False)
+    merge_lora(model)  # a LoRA-trained master serves as a plain model
     vocab_ids = None
     if draft_vocab:
         vocab_ids = truncate_lm_head(model, draft_vocab, list(keep_ids))

@@ -1,0 +1,114 @@
+"""CLI entries for distillation: `osd teacher`, `osd distill`, `osd eval`. Parse -> config -> call the library."""
+from __future__ import annotations
+
+import json
+import time
+
+
+def add_stream_flags(p, split: str = "train", limit: int = 200) -> None:
+    p.add_argument("--dataset", default="gsm8k", help="dataset name (shared/datasets) or JSONL path")
+    p.add_argument("--split", default=split)
+    p.add_argument("--limit", type=int, default=limit, help="records to use (in file order)")
+    p.add_argument("--offset", type=int, default=0, help="records to skip first")
+    p.add_argument("--batch-size-generate", dest="batch_size_generate", type=int, default=8,
+                   help="prompts per target forward when filling the teacher cache")
+    p.add_argument("--cache-dir", default=None, help="teacher cache root (default $OSD_CACHE/teacher)")
+
+
+def register(sub) -> None:
+    from osd.cli import add_config_flags
+    from osd.config import ModelConfig
+    from osd.distill.cache import DecodeSettings
+
+    p = sub.add_parser("teacher", help="fill the teacher cache (target outputs + distributions) for a dataset")
+    add_stream_flags(p)
+    for cls in (ModelConfig, DecodeSettings):
+        add_config_flags(p, cls)
+    p.set_defaults(func=cmd_teacher)
+
+    from osd.distill.trainer import DistillConfig
+
+    p = sub.add_parser("distill", help="distill the draft offline on target samples -> a draft checkpoint directory")
+    add_stream_flags(p)
+    p.add_argument("--out", required=True, help="output directory (rerun with the same one to resume)")
+    p.add_argument("--eval-split", default="test")
+    p.add_argument("--eval-limit", type=int, default=0, help="also measure alpha before/after on this many held-out prompts")
+    for cls in (ModelConfig, DecodeSettings, DistillConfig):
+        add_config_flags(p, cls)
+    p.set_defaults(func=cmd_distill)
+
+    p = sub.add_parser("eval", help="alpha and tokens/step of drafts against the target on held-out prompts")
+    add_stream_flags(p, split="test", limit=40)
+    p.add_argument("--drafts", nargs="+", default=None, help="draft specs to compare (default: --draft)")
+    p.add_argument("--k", type=int, default=4, help="proposal length for tokens/step")
+    p.add_argument("--calibration", default="", help="an `osd bench speed` JSON for c and verify costs "
+                   "(default: the newest benchmarks/bench-speed-*.json)")
+    p.add_argument("--out", default="benchmarks/eval.json")
+    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    for cls in (ModelConfig, DecodeSettings):
+        add_config_flags(p, cls)
+    p.set_defaults(func=cmd_eval)
+
+
+def progress_bar(desc: str):
+    from tqdm import tqdm
+
+    return lambda **kw: tqdm(desc=desc, unit="req", **kw)
+
+
+def teacher_from_args(args, limit=None, split=None, offset=None):
+    from osd.cli import config_from
+    from osd.config import ModelConfig
+    from osd.distill.cache import DecodeSettings
+    from osd.distill.teacher import dataset_samples
+
+    return dataset_samples(config_from(args, ModelConfig), args.dataset, split or args.split,
+                           args.limit if limit is None else limit, config_from(args, DecodeSettings),
+                           args.offset if offset is None else offset, args.batch_size_generate, args.cache_dir,
+                           progress_bar("teacher"))
+
+
+def cmd_teacher(args) -> None:
+    start = time.perf_counter()
+    samples, _ = teacher_from_args(args)
+    tokens = sum(len(s.response_ids) for s in samples)
+    print(json.dumps({"dataset": args.dataset, "split": args.split, "samples": len(samples), "response_tokens": tokens,
+                      "seconds": round(time.perf_counter() - start, 1)}, indent=2))
+
+
+def cmd_distill(args) -> None:
+    from osd.cli import config_from
+    from osd.config import ModelConfig
+    from osd.distill.cache import DecodeSettings
+    from osd.distill.run import run_distill
+    from osd.distill.trainer import DistillConfig
+
+    metrics = run_distill(config_from(args, ModelConfig), config_from(args, DecodeSettings), config_from(args, DistillConfig),
+                          args.dataset, args.split, args.limit, args.out, args.offset, args.eval_split, args.eval_limit,
+                          args.batch_size_generate, args.cache_dir, progress_bar("teacher"))
+    print(json.dumps({k: v for k, v in metrics.items() if k != "losses"}, indent=2, default=str))
+
+
+def newest_calibration(path: str = "") -> dict | None:
+    from pathlib import Path
+
+    files = [Path(path)] if path else sorted(Path("benchmarks").glob("bench-speed-*.json"), key=lambda f: f.stat().st_mtime)
+    for f in reversed(files):
+        data = json.loads(f.read_text())
+        if "calibration" in data:
+            return {**data["calibration"], "source": str(f)}
+    return None
+
+
+def cmd_eval(args) -> None:
+    from osd.cli import config_from
+    from osd.config import ModelConfig
+    from osd.distill.cache import DecodeSettings
+    from osd.distill.report import report_eval
+    from osd.distill.run import run_eval
+
+    models = config_from(args, ModelConfig)
+    result = run_eval(models, args.drafts or [models.draft], config_from(args, DecodeSettings), args.dataset, args.split,
+                      args.limit, args.k, newest_calibration(args.calibration), args.batch_size_generate, args.cache_dir,
+                      progress_bar("teacher"))
+    report_eval(result, args.out, args.markdown)

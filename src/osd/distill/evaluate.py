@@ -1,0 +1,78 @@
+"""Acceptance of a draft against cached target outputs, without running the target again.
+
+Greedy is exact: the target's greedy response is fixed, and a speculative step accepts draft proposals
+while they equal it. One teacher-forced draft forward over prompt + response gives the draft's argmax at
+every position; the first mismatch in a step ends it (later proposals would be rejected anyway), so
+`greedy_steps` reproduces every step's accepted count. For sampling (T = 1) the expected acceptance of
+one proposal is sum_x min(p, q) = 1 - TV(p, q) (PAPER.md section 2), from the stored top-K + tail.
+"""
+from __future__ import annotations
+
+import torch
+
+from osd.distill.cache import TeacherSample
+from osd.learn.batch import draft_logits_at
+from osd.learn.buffer import ReplayItem
+from osd.learn.compact import CompactDist
+from osd.learn.losses import bucket_log_probs, tv_distance
+from osd.speed_model import expected_speedup
+
+
+def greedy_steps(matches: list[bool], k: int) -> list[tuple[int, int]]:
+    """(start, accepted) of each greedy speculative step (proposal length k) over a fixed response."""
+    steps, i = [], 0
+    while i < len(matches):
+        accepted = 0
+        while accepted < k and i + accepted < len(matches) and matches[i + accepted]:
+            accepted += 1
+        steps.append((i, accepted))
+        i += accepted + 1  # accepted tokens plus the target's own token (correction or bonus)
+    return steps
+
+
+def sample_item(sample: TeacherSample) -> ReplayItem:
+    """Every response position of a sample, as one item (context = prompt + response minus its last token)."""
+    n = len(sample.prompt_ids)
+    return ReplayItem(sample.tokens[:-1], [n + j for j in range(len(sample.response_ids))], sample.target,
+                      "sample", 0, 0.0)
+
+
+@torch.no_grad()
+def position_stats(draft, items: list[ReplayItem], samples: list[TeacherSample], split: int = 0,
+                   batch_size: int = 8) -> list[dict]:
+    """Per sample: greedy matches (draft argmax == target token) and 1 - TV at each response position."""
+    out = []
+    for s in range(0, len(items), batch_size):
+        chunk = items[s : s + batch_size]
+        logits = draft_logits_at(draft, chunk, split)
+        target_logp, draft_logp = bucket_log_probs(logits, CompactDist.cat([it.target for it in chunk]))
+        beta = 1 - tv_distance(target_logp, draft_logp)
+        offset = 0
+        for item, sample in zip(chunk, samples[s : s + batch_size]):
+            n = len(item.positions)
+            pred = logits[offset : offset + n].argmax(-1)
+            out.append({"matches": (pred == torch.tensor(sample.response_ids)).tolist(),
+                        "beta": beta[offset : offset + n].tolist()})
+            offset += n
+    return out
+
+
+def summarize(stats: list[dict], k: int, calibration: dict | None = None) -> dict:
+    """alpha (greedy agreement), accepted/proposed, tokens per step at k, 1 - TV, implied speedups."""
+    matches = [m for s in stats for m in s["matches"]]
+    steps = [(len(s["matches"]), start, accepted) for s in stats for start, accepted in greedy_steps(s["matches"], k)]
+    proposed = sum(min(k, n - start) for n, start, _ in steps)
+    beta = [b for s in stats for b in s["beta"]]
+    out = {"requests": len(stats), "positions": len(matches), "k": k,
+           "alpha_greedy": sum(matches) / max(1, len(matches)),
+           "acceptance_greedy": sum(a for _, _, a in steps) / max(1, proposed),
+           "tokens_per_step_greedy": len(matches) / max(1, len(steps)),
+           "alpha_sampling_t1": sum(beta) / max(1, len(beta))}
+    if calibration:
+        c, v = calibration["c"], calibration["verify_cost"]
+        for name, alpha in (("greedy", out["alpha_greedy"]), ("sampling_t1", out["alpha_sampling_t1"])):
+            best = max(range(len(v)), key=lambda j: expected_speedup(alpha, j, c, v[j]))
+            out[f"implied_speedup_{name}"] = expected_speedup(alpha, best, c, v[best])
+            out[f"implied_best_k_{name}"] = best
+    return out
+

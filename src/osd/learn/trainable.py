@@ -1,0 +1,109 @@
+"""Which draft parameters train, and the frozen-trunk split that makes CPU training cheap.
+
+trainable: "all" | "no_embeddings" (freeze embeddings and LM head, which Qwen2.5 ties) | "lora".
+train_layers: 0 = every decoder layer trains; N = only the top N layers (and the final norm) train.
+With N > 0 the bottom layers are frozen, so their output for a token sequence never changes:
+`trunk_features` computes it once (no grad) and items keep it, and every later forward / backward
+runs only the top N layers (`head_logits_at`). On the 24-layer 0.5B draft, N = 2 trains at ~1/12
+of the full cost.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from osd.errors import InvalidArgument
+
+TRAINABLE = ("all", "no_embeddings", "lora")
+
+
+class LoRALinear(nn.Module):
+    """y = W x + (alpha / r) * B A x, with W frozen; B starts at zero so the wrapped layer is unchanged."""
+
+    def __init__(self, base: nn.Linear, rank: int = 8, alpha: float = 16.0):
+        super().__init__()
+        self.base, self.scale = base, alpha / rank
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features))
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scale
+
+    def merged(self) -> nn.Linear:
+        with torch.no_grad():
+            self.base.weight += (self.lora_b @ self.lora_a) * self.scale
+        return self.base
+
+
+def decoder_layers(model) -> nn.ModuleList:
+    return model.model.layers
+
+
+def split_index(model, train_layers: int) -> int:
+    n = len(decoder_layers(model))
+    if train_layers < 0 or train_layers > n:
+        raise InvalidArgument(f"train_layers must be in 0..{n} for this draft, got {train_layers}")
+    return 0 if train_layers == 0 else n - train_layers
+
+
+def configure_trainable(model, trainable: str = "no_embeddings", train_layers: int = 0, lora_rank: int = 8) -> list:
+    """Set requires_grad (and insert LoRA adapters); returns the parameters to optimise."""
+    if trainable not in TRAINABLE:
+        raise InvalidArgument(f"trainable must be one of {TRAINABLE}, got {trainable!r}")
+    split = split_index(model, train_layers)
+    if trainable == "all" and split > 0:
+        raise InvalidArgument("trainable=all trains the embeddings, which sit below every layer: use train_layers=0")
+    model.requires_grad_(False)
+    top = decoder_layers(model)[split:]
+    if trainable == "lora":
+        for layer in top:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, child in list(parent.named_children()):
+                    if isinstance(child, nn.Linear):
+                        setattr(parent, name, LoRALinear(child, lora_rank))
+        return [p for n, p in model.named_parameters() if "lora_" in n]
+    if trainable == "all":
+        model.requires_grad_(True)
+    else:
+        top.requires_grad_(True)
+        model.model.norm.requires_grad_(True)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def merge_lora(model) -> None:
+    """Fold LoRA adapters into their base linears (the model becomes a plain HF model again)."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, LoRALinear):
+                setattr(module, name, child.merged())
+
+
+def _run_layers(model, hidden: torch.Tensor, layers) -> torch.Tensor:
+    """Right-padded (B, T, H) through `layers` with a causal mask (padding sits after real tokens)."""
+    from transformers.masking_utils import create_causal_mask
+
+    positions = torch.arange(hidden.shape[1]).unsqueeze(0)
+    cache_position = positions[0]
+    mask = create_causal_mask(config=model.config, input_embeds=hidden, attention_mask=None,
+                              cache_position=cache_position, past_key_values=None, position_ids=positions)
+    rope = model.model.rotary_emb(hidden, positions)
+    for layer in layers:
+        hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rope)
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+    return hidden
+
+
+@torch.no_grad()
+def trunk_features(model, input_ids: torch.Tensor, split: int) -> torch.Tensor:
+    """(B, T) ids -> (B, T, H) hidden states entering layer `split` (frozen part, no grad)."""
+    hidden = model.model.embed_tokens(input_ids)
+    return _run_layers(model, hidden, decoder_layers(model)[:split])
+
+
+def head_logits_at(model, features: torch.Tensor, split: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Top layers + final norm over (B, T, H) trunk features; LM head only at (rows, cols) -> (N, V)."""
+    hidden = _run_layers(model, features, decoder_layers(model)[split:])
+    return model.lm_head(model.model.norm(hidden[rows, cols])).float()

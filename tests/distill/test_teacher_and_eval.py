@@ -1,0 +1,100 @@
+"""Batched decoding, the content-addressed teacher cache, and exact greedy acceptance from cached outputs."""
+import pytest
+import torch
+from conftest import EOS, tiny_qwen2
+from helpers import make_engine, plain_greedy
+
+from osd.config import SamplingConfig
+from osd.distill.cache import DecodeSettings, TeacherCache
+from osd.distill.evaluate import greedy_steps, position_stats, sample_item, summarize
+from osd.distill.generate import decode_batch
+from osd.distill.teacher import teacher_samples
+from osd.errors import InvalidArgument
+
+PROMPTS = [[5, 9, 11], [7, 8, 9, 10, 12, 13], [20], [3, 4, 30, 31]]
+
+
+class Counting(torch.nn.Module):
+    """Wraps a model and counts forwards (to prove the cache skips work)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.calls, self.config = model, 0, model.config
+
+    def forward(self, **kw):
+        self.calls += 1
+        return self.model(**kw)
+
+
+def test_batched_greedy_rows_equal_single_sequence_greedy(target_model):
+    settings = DecodeSettings(max_new_tokens=10, top_k=5)
+    out = decode_batch(target_model, PROMPTS, settings, {EOS})
+    for prompt, (response, dist) in zip(PROMPTS, out):
+        ref = plain_greedy(target_model, prompt, 10, eos=EOS)
+        assert response == (ref + [EOS] if len(ref) < 10 else ref)  # EOS is part of the response when reached
+        assert dist.ids.shape == (len(response), 5)
+        assert (dist.ids[:, 0] == torch.tensor(response)).all()  # greedy: the token is the top-1 of its distribution
+
+
+def test_sources_choose_tokens_from_the_right_model(target_model, draft_model):
+    settings = DecodeSettings(max_new_tokens=8, top_k=4)
+    student = decode_batch(target_model, PROMPTS, settings, set(), draft=draft_model, source="student")
+    for prompt, (response, dist) in zip(PROMPTS, student):
+        assert response == plain_greedy(draft_model, prompt, 8)  # draft-generated ...
+        assert dist.ids.shape[0] == len(response)  # ... scored by the target at every position
+    all_teacher = decode_batch(target_model, PROMPTS, settings, set(), draft=draft_model, source="mix_token", teacher_ratio=1.0)
+    assert [r for r, _ in all_teacher] == [r for r, _ in decode_batch(target_model, PROMPTS, settings, set())]
+    mixed = decode_batch(target_model, PROMPTS * 4, settings, set(), draft=draft_model, source="mix_request", teacher_ratio=0.5)
+    teacher_like = sum(r == plain_greedy(target_model, p, 8) for p, (r, _) in zip(PROMPTS * 4, mixed))
+    assert 0 < teacher_like < 16
+    with pytest.raises(InvalidArgument, match="needs a draft"):
+        decode_batch(target_model, PROMPTS, settings, set(), source="student")
+    with pytest.raises(InvalidArgument, match="source"):
+        decode_batch(target_model, PROMPTS, settings, set(), draft=draft_model, source="oracle")
+
+
+def test_sampled_rows_do_not_depend_on_batch_neighbours(target_model):
+    settings = DecodeSettings(max_new_tokens=8, temperature=1.0, seed=3)
+    alone = decode_batch(target_model, PROMPTS[:1], settings, set())[0][0]
+    together = decode_batch(target_model, PROMPTS, settings, set())[0][0]
+    assert alone == together
+
+
+def test_cache_is_content_addressed_and_a_refill_generates_nothing(tmp_path, target_model):
+    counting = Counting(target_model)
+    settings = DecodeSettings(max_new_tokens=6, top_k=4)
+    cache = TeacherCache(tmp_path, "fp")
+    first = teacher_samples(cache, counting, PROMPTS[:2], settings, {EOS}, batch_size=2)
+    calls = counting.calls
+    again = teacher_samples(cache, counting, PROMPTS, settings, {EOS}, batch_size=8)  # 2 cached + 2 new
+    assert counting.calls - calls <= 7  # one batch (prefill + <= 6 steps) for the two missing prompts only
+    assert [s.response_ids for s in again[:2]] == [s.response_ids for s in first]
+    assert torch.equal(again[0].target.ids, first[0].target.ids)
+    assert (PROMPTS[0], DecodeSettings(max_new_tokens=7, top_k=4)) not in cache  # settings are part of the key
+    assert TeacherCache(tmp_path, "other-target").get(PROMPTS[0], settings) is None
+    assert not list(tmp_path.rglob("*.tmp*"))
+
+
+def test_greedy_steps_pure_cases():
+    assert greedy_steps([True, True, False, True, True, True, True, True], 4) == [(0, 2), (3, 4)]
+    assert greedy_steps([False, False], 4) == [(0, 0), (1, 0)]
+    assert greedy_steps([True] * 5, 2) == [(0, 2), (3, 2)]
+
+
+def test_fast_path_acceptance_equals_the_engine_greedy_run(target_model, draft_model, tokenizer, tmp_path):
+    """The claim behind the fast-path replay: cached target output + one draft forward = the engine's steps."""
+    settings = DecodeSettings(max_new_tokens=16, top_k=8)
+    samples = teacher_samples(TeacherCache(tmp_path, "fp"), target_model, PROMPTS, settings, {EOS})
+    stats = position_stats(draft_model, [sample_item(s) for s in samples], samples)
+    engine, _ = make_engine(target_model, draft_model, tokenizer, k=3)
+    for sample, st in zip(samples, stats):
+        steps = []
+        engine.observers.append(lambda r: steps.append((len(r.proposed), r.n_accepted)))
+        result = engine.generate(sample.prompt_ids, SamplingConfig(max_new_tokens=16))
+        engine.observers.clear()
+        assert result.token_ids == [t for t in sample.response_ids if t != EOS]
+        predicted = [a for _, a in greedy_steps(st["matches"], 3)]
+        assert [a for _, a in steps] == predicted[: len(steps)]
+    summary = summarize(stats, 3, {"c": 0.1, "verify_cost": [1.0, 1.2, 1.3, 1.4]})
+    assert 0 <= summary["alpha_greedy"] <= 1 and summary["tokens_per_step_greedy"] >= 1
+    assert summary["implied_speedup_greedy"] > 0 and 0 < summary["alpha_sampling_t1"] <= 1

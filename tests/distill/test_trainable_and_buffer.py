@@ -1,0 +1,77 @@
+"""Frozen-trunk split, LoRA adapters, and per-request merging in the replay buffer."""
+import copy
+
+import pytest
+import torch
+from conftest import tiny_qwen2
+
+from osd.errors import InvalidArgument
+from osd.learn.batch import draft_logits_at
+from osd.learn.buffer import ReplayBuffer, ReplayItem
+from osd.learn.compact import compress
+from osd.learn.trainable import configure_trainable, head_logits_at, merge_lora, split_index, trunk_features
+
+
+def _item(tokens, positions, request="r", vocab=48):
+    return ReplayItem(tokens, positions, compress(torch.randn(len(positions), vocab), 8), request, 0, 0.0)
+
+
+def test_trunk_plus_head_equals_the_full_forward():
+    model = tiny_qwen2(seed=3, layers=3)
+    ids = torch.tensor([[5, 9, 11, 20, 7, 3]])
+    full = model(ids).logits[0]
+    for split in (1, 2, 3):
+        features = trunk_features(model, ids, split)
+        rows, cols = torch.zeros(6, dtype=torch.long), torch.arange(6)
+        assert torch.allclose(head_logits_at(model, features, split, rows, cols), full, atol=1e-5)
+
+
+def test_draft_logits_with_cached_features_match_and_are_kept_on_items():
+    model = tiny_qwen2(seed=3, layers=3)
+    items = [_item([5, 9, 11, 20], [2, 4]), _item([7, 8, 9], [3], "q")]
+    dense = draft_logits_at(model, items, split=0)
+    assert all(it.features is None for it in items)
+    split = split_index(model, 1)
+    first = draft_logits_at(model, items, split)
+    assert all(it.features is not None for it in items)  # computed once, cached (bf16)
+    again = draft_logits_at(model, items, split)
+    assert torch.allclose(first, again) and torch.allclose(first, dense, atol=0.05)
+
+
+def test_configure_trainable_sets_exactly_the_requested_parameters():
+    model = tiny_qwen2(seed=3, layers=3)
+    params = configure_trainable(model, "no_embeddings", train_layers=1)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert names and all(n.startswith(("model.layers.2.", "model.norm")) for n in names)
+    assert len(params) == len(names)
+    with pytest.raises(InvalidArgument, match="train_layers"):
+        configure_trainable(tiny_qwen2(seed=3, layers=3), "no_embeddings", train_layers=4)
+    with pytest.raises(InvalidArgument, match="trainable"):
+        configure_trainable(tiny_qwen2(seed=3), "everything")
+
+
+def test_lora_starts_as_identity_trains_only_adapters_and_merges_exactly():
+    model = tiny_qwen2(seed=3, layers=2)
+    ids = torch.tensor([[5, 9, 11, 20]])
+    before = model(ids).logits
+    params = configure_trainable(model, "lora", lora_rank=4)
+    assert torch.allclose(model(ids).logits, before, atol=1e-6)
+    assert all(p.requires_grad for p in params) and not model.lm_head.weight.requires_grad
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.05 * torch.randn_like(p))
+    adapted = model(ids).logits
+    assert not torch.allclose(adapted, before, atol=1e-4)
+    merge_lora(model)
+    assert not any("lora_" in n for n, _ in model.named_parameters())
+    assert torch.allclose(model(ids).logits, adapted, atol=1e-4)
+
+
+def test_buffer_merges_the_steps_of_one_request():
+    buffer = ReplayBuffer(capacity=100)
+    buffer.add(_item([1, 2, 3], [3]))
+    buffer.add(_item([1, 2, 3, 4, 5], [5]))  # a later step of the same request: its context extends the first
+    buffer.add(_item([1, 2, 9], [3], request="other"))
+    items = buffer.snapshot()
+    assert len(items) == 2 and len(buffer) == 3 and buffer.added == 3
+    assert items[0].tokens == [1, 2, 3, 4, 5] and items[0].positions == [3, 5] and len(items[0].target) == 2
