@@ -70,6 +70,8 @@ def cmd_bench_speed(args) -> None:
 def cmd_replay(args) -> None:
     from tqdm import tqdm
 
+    if args.fast:
+        return cmd_replay_fast(args)
     from osd.bench.report import report_replay
     from osd.bench.replay import run_replay
     from osd.learn.online import LearnConfig
@@ -78,6 +80,22 @@ def cmd_replay(args) -> None:
                         args.stream, args.split, args.per_segment, args.max_new_tokens, not args.no_baseline,
                         progress=lambda it: tqdm(it, desc="replay", unit="req"))
     report_replay(result, args.out, args.markdown, args.window)
+
+
+def cmd_replay_fast(args) -> None:
+    from tqdm import tqdm
+
+    from osd.bench.replay_fast import run_fast_replay
+    from osd.bench.replay_fast_report import report_fast_replay
+    from osd.distill.cache import DecodeSettings
+    from osd.learn.online import LearnConfig
+
+    learn = config_from(args, LearnConfig)
+    result = run_fast_replay(config_from(args, ModelConfig), learn, args.stream, args.split, args.per_segment,
+                             DecodeSettings(max_new_tokens=args.max_new_tokens, top_k=learn.top_k), args.k,
+                             not args.no_baseline, args.baseline_epochs, args.baseline_lr, args.overlap,
+                             batch_size_generate=args.batch_size_generate, cache_dir=args.cache_dir, progress=tqdm)
+    report_fast_replay(result, args.out, args.markdown, args.window)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="train")
     p.add_argument("--per-segment", type=int, default=40, help="requests per dataset")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--no-baseline", action="store_true", help="skip the static original-draft baseline")
+    p.add_argument("--no-baseline", action="store_true", help="skip the baselines (static original draft; --fast: also 10%%/100%% offline)")
+    p.add_argument("--fast", action="store_true", help="greedy fast path from the teacher cache (exact; hundreds of requests)")
+    p.add_argument("--baseline-epochs", type=int, default=2, help="--fast: epochs of the offline-distilled baselines")
+    p.add_argument("--baseline-lr", type=float, default=1e-4, help="--fast: learning rate of the offline baselines")
+    p.add_argument("--overlap", type=float, default=0.0, help="--fast: 0 = sharp switches; > 0 = gradual drift over this many segments")
+    p.add_argument("--batch-size-generate", type=int, default=16, help="--fast: prompts per target forward when filling the cache")
+    p.add_argument("--cache-dir", default=None, help="--fast: teacher cache root")
     p.add_argument("--window", type=int, default=10, help="moving-average window of the plot")
     p.add_argument("--out", default="benchmarks/replay.json")
     p.add_argument("--markdown", default="BENCHMARKS.md")

@@ -76,9 +76,11 @@ def test_cache_is_content_addressed_and_a_refill_generates_nothing(tmp_path, tar
 
 
 def test_greedy_steps_pure_cases():
-    assert greedy_steps([True, True, False, True, True, True, True, True], 4) == [(0, 2), (3, 4)]
-    assert greedy_steps([False, False], 4) == [(0, 0), (1, 0)]
-    assert greedy_steps([True] * 5, 2) == [(0, 2), (3, 2)]
+    assert greedy_steps([True, True, False, True, True, True, True, True], 4) == [(0, 2, 4), (3, 4, 4)]
+    assert greedy_steps([False, False], 4) == [(0, 0, 4), (1, 0, 4)]
+    assert greedy_steps([True] * 5, 2) == [(0, 2, 2), (3, 2, 2)]
+    assert greedy_steps([True] * 5, 4, max_new_tokens=5) == [(0, 4, 4)]  # the 5th token is the target's own
+    assert greedy_steps([True, False, True], 4, max_new_tokens=3) == [(0, 1, 2), (2, 0, 0)]
 
 
 def test_fast_path_acceptance_equals_the_engine_greedy_run(target_model, draft_model, tokenizer, tmp_path):
@@ -93,8 +95,8 @@ def test_fast_path_acceptance_equals_the_engine_greedy_run(target_model, draft_m
         result = engine.generate(sample.prompt_ids, SamplingConfig(max_new_tokens=16))
         engine.observers.clear()
         assert result.token_ids == [t for t in sample.response_ids if t != EOS]
-        predicted = [a for _, a in greedy_steps(st["matches"], 3)]
-        assert [a for _, a in steps] == predicted[: len(steps)]
-    summary = summarize(stats, 3, {"c": 0.1, "verify_cost": [1.0, 1.2, 1.3, 1.4]})
+        predicted = [(p, a) for _, a, p in greedy_steps(st["matches"], 3, 16)]
+        assert steps == predicted
+    summary = summarize(stats, 3, {"c": 0.1, "verify_cost": [1.0, 1.2, 1.3, 1.4]}, 16)
     assert 0 <= summary["alpha_greedy"] <= 1 and summary["tokens_per_step_greedy"] >= 1
     assert summary["implied_speedup_greedy"] > 0 and 0 < summary["alpha_sampling_t1"] <= 1

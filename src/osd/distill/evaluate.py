@@ -18,14 +18,18 @@ from osd.learn.losses import bucket_log_probs, tv_distance
 from osd.speed_model import expected_speedup
 
 
-def greedy_steps(matches: list[bool], k: int) -> list[tuple[int, int]]:
-    """(start, accepted) of each greedy speculative step (proposal length k) over a fixed response."""
+def greedy_steps(matches: list[bool], k: int, max_new_tokens: int | None = None) -> list[tuple[int, int, int]]:
+    """(start, accepted, proposed) of each greedy speculative step over a fixed response.
+
+    Like the engine, a step never proposes past max_new_tokens - 1 (the last token is the target's own).
+    """
     steps, i = [], 0
     while i < len(matches):
+        proposed = k if max_new_tokens is None else max(0, min(k, max_new_tokens - i - 1))
         accepted = 0
-        while accepted < k and i + accepted < len(matches) and matches[i + accepted]:
+        while accepted < proposed and i + accepted < len(matches) and matches[i + accepted]:
             accepted += 1
-        steps.append((i, accepted))
+        steps.append((i, accepted, proposed))
         i += accepted + 1  # accepted tokens plus the target's own token (correction or bonus)
     return steps
 
@@ -57,15 +61,15 @@ def position_stats(draft, items: list[ReplayItem], samples: list[TeacherSample],
     return out
 
 
-def summarize(stats: list[dict], k: int, calibration: dict | None = None) -> dict:
+def summarize(stats: list[dict], k: int, calibration: dict | None = None, max_new_tokens: int | None = None) -> dict:
     """alpha (greedy agreement), accepted/proposed, tokens per step at k, 1 - TV, implied speedups."""
     matches = [m for s in stats for m in s["matches"]]
-    steps = [(len(s["matches"]), start, accepted) for s in stats for start, accepted in greedy_steps(s["matches"], k)]
-    proposed = sum(min(k, n - start) for n, start, _ in steps)
+    steps = [step for s in stats for step in greedy_steps(s["matches"], k, max_new_tokens)]
+    proposed = sum(p for _, _, p in steps)
     beta = [b for s in stats for b in s["beta"]]
     out = {"requests": len(stats), "positions": len(matches), "k": k,
            "alpha_greedy": sum(matches) / max(1, len(matches)),
-           "acceptance_greedy": sum(a for _, _, a in steps) / max(1, proposed),
+           "acceptance_greedy": sum(a for _, a, _ in steps) / max(1, proposed),
            "tokens_per_step_greedy": len(matches) / max(1, len(steps)),
            "alpha_sampling_t1": sum(beta) / max(1, len(beta))}
     if calibration:

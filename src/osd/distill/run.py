@@ -19,10 +19,10 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
-def evaluate_draft(draft, samples, k: int = 4, calibration: dict | None = None) -> dict:
+def evaluate_draft(draft, samples, k: int = 4, calibration: dict | None = None, max_new_tokens: int | None = None) -> dict:
     """Acceptance of `draft` on cached target outputs (greedy exact, T = 1 expected)."""
     stats = position_stats(draft, [sample_item(s) for s in samples], samples)
-    return summarize(stats, k, calibration)
+    return summarize(stats, k, calibration, max_new_tokens)
 
 
 def student_source(models: ModelConfig, draft, prompts_of, settings: DecodeSettings, config: DistillConfig, eos, pad):
@@ -59,7 +59,7 @@ def run_distill(models: ModelConfig, settings: DecodeSettings, config: DistillCo
     eval_samples = dataset_samples(models, dataset, eval_split, eval_limit, settings, 0, batch_size_generate,
                                    cache_dir, progress, tokenizer)[0] if eval_limit else []
     draft = load_model(models.draft, models.draft_dtype)
-    before = evaluate_draft(draft, eval_samples) if eval_samples else None
+    before = evaluate_draft(draft, eval_samples, max_new_tokens=settings.max_new_tokens) if eval_samples else None
     trainer = DistillTrainer(draft, config, Path(out) / "trainer-state")
     resumed = trainer.resume()
     if config.source == "teacher":
@@ -70,7 +70,7 @@ def run_distill(models: ModelConfig, settings: DecodeSettings, config: DistillCo
                                 eos_token_ids(draft, tokenizer), pad)
     bar = (lambda **kw: progress(**kw)) if progress else None
     losses = trainer.fit(source, bar, items_cache={})
-    after = evaluate_draft(draft, eval_samples) if eval_samples else None
+    after = evaluate_draft(draft, eval_samples, max_new_tokens=settings.max_new_tokens) if eval_samples else None
     metrics = {"dataset": dataset, "split": split, "samples": len(samples), "resumed": resumed,
                "optimizer_steps": trainer.step, "skipped_nonfinite": trainer.skipped_nonfinite,
                "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
@@ -88,6 +88,6 @@ def run_eval(models: ModelConfig, drafts: list[str], settings: DecodeSettings, d
     samples, _ = dataset_samples(models, dataset, split, limit, settings, 0, batch_size_generate, cache_dir, progress)
     rows = {}
     for spec in drafts:
-        rows[spec] = evaluate_draft(load_model(spec, models.draft_dtype), samples, k, calibration)
+        rows[spec] = evaluate_draft(load_model(spec, models.draft_dtype), samples, k, calibration, settings.max_new_tokens)
     return {"dataset": dataset, "split": split, "limit": limit, "teacher": asdict(settings), "k": k,
             "calibration": calibration, "drafts": rows, "peak_rss_gib": peak_rss_gib()}

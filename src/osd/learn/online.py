@@ -82,6 +82,7 @@ class OnlineLearner:
         self.counters = {"requests": 0, "requests_since_update": 0, "updates_published": 0, "updates_rejected": 0,
                          "steps_skipped_nonfinite": 0, "optimizer_steps": 0, "train_seconds": 0.0}
         self.last_update: dict = {}
+        self.history: list[dict] = []  # one summary per update (bounded)
         self._lock = threading.RLock()  # one update (or checkpoint) at a time
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -129,6 +130,10 @@ class OnlineLearner:
             self.counters["train_seconds"] += self.clock() - start
             self.counters["requests_since_update"] = 0
             self.last_update = report
+            losses = report.get("losses") or []
+            self.history = (self.history + [{**{k: v for k, v in report.items() if k != "losses"},
+                                             "mean_loss": sum(losses) / len(losses) if losses else None,
+                                             "seconds": self.clock() - start, "at_request": self.counters["requests"]}])[-1000:]
             return report
 
     def _update(self, reason: str) -> dict:
