@@ -7,7 +7,7 @@ from conftest import EOS, tiny_qwen2
 from helpers import make_engine
 
 from osd.bench.replay_fast import drift_order, fast_replay, frozen_trunk_copy, learn_item
-from osd.bench.replay_fast_report import recovery, summary
+from osd.bench.replay_fast_report import recovery, report_fast_replay, summary
 from osd.config import SamplingConfig
 from osd.distill.cache import DecodeSettings, TeacherCache
 from osd.distill.evaluate import position_stats, sample_item
@@ -66,7 +66,7 @@ def test_frozen_trunk_copy_shares_lower_layers_only():
     assert copy_.model.layers[2].mlp.up_proj.weight is not base.model.layers[2].mlp.up_proj.weight
 
 
-def test_fast_replay_online_alpha_rises_and_beats_the_original_on_a_shifting_stream(samples):
+def test_fast_replay_online_alpha_rises_and_beats_the_original_on_a_shifting_stream(samples, tmp_path):
     a, b, _ = samples
     base = tiny_qwen2(seed=1, layers=2)
     before = {n: p.clone() for n, p in base.named_parameters()}
@@ -84,3 +84,6 @@ def test_fast_replay_online_alpha_rises_and_beats_the_original_on_a_shifting_str
     assert [r[0] for r in table_rows] == ["a", "b"] and len(header) == len(table_rows[0])
     assert set(result["end_of_stream_alpha_on_segment_probes"]) == {"a", "b"}
     assert recovery([{"online_alpha": x} for x in (0.1, 0.5, 0.9, 0.9)], 0.9, window=1) == 3
+    result["config"] = {"stream": "a,b", "k": 3, "overlap": 0.0, "learn": vars(learn), "baseline_epochs": 4, "baseline_lr": 1e-2}
+    report_fast_replay(result, str(tmp_path / "replay.json"), str(tmp_path / "BENCH.md"), window=5)
+    assert (tmp_path / "replay.png").stat().st_size > 1000 and "offline_100pct" in (tmp_path / "BENCH.md").read_text()

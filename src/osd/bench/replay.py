@@ -6,6 +6,7 @@ curves come from one machine state. Output: JSON, a PNG of moving-average alpha 
 """
 from __future__ import annotations
 
+from osd.bench.plots import domain_boundaries, plot_alpha_curves
 from osd.build import attach_learner, build_system
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.data import load_records, prompt_ids
@@ -18,16 +19,6 @@ def parse_stream(spec: str, split: str, per_segment: int) -> list[dict]:
     out = []
     for name in spec.split(","):
         out += load_records(name.strip(), split=split or None, limit=per_segment)
-    return out
-
-
-def moving_average(values: list[float], window: int) -> list[float]:
-    out, acc = [], []
-    for v in values:
-        acc.append(v)
-        if len(acc) > window:
-            acc.pop(0)
-        out.append(sum(acc) / len(acc))
     return out
 
 
@@ -70,26 +61,9 @@ def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig,
 
 
 def plot_replay(result: dict, path: str, window: int = 10) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
     rows = result["requests"]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot(moving_average([r["alpha"] or 0 for r in rows], window), label="online (osd)")
+    curves = {"online (osd)": [r["alpha"] or 0 for r in rows]}
     if rows and "static_alpha" in rows[0]:
-        ax.plot(moving_average([r["static_alpha"] or 0 for r in rows], window), label="original draft (static)")
-    for i in range(1, len(rows)):
-        if rows[i]["domain"] != rows[i - 1]["domain"]:
-            ax.axvline(i, color="grey", linestyle=":")
-    ax.set_xlabel("request")
-    ax.set_ylabel(f"alpha (moving average, {window})")
-    ax.set_title(f"osd replay: {result['config']['stream']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+        curves["original draft (static)"] = [r["static_alpha"] or 0 for r in rows]
+    return plot_alpha_curves(curves, domain_boundaries(rows), f"osd replay: {result['config']['stream']}", "alpha",
+                             path, window)

@@ -5,7 +5,7 @@ import time
 from pathlib import Path
 
 from osd.bench.record import append_markdown, git_revision, machine, redacted_command, write_result
-from osd.bench.replay import moving_average
+from osd.bench.plots import domain_boundaries, moving_average, plot_alpha_curves
 from osd.bench.report import table
 
 
@@ -44,28 +44,11 @@ def summary(result: dict, window: int) -> tuple[list[list], list[str]]:
 
 
 def plot(result: dict, path: str, window: int) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    rows = result["requests"]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for v in result["variants"]:
-        ax.plot(moving_average([r[f"{v}_alpha"] for r in rows], window), label=v.replace("_", " "))
-    for i in range(1, len(rows)):
-        if rows[i]["domain"] != rows[i - 1]["domain"] and result["config"]["overlap"] == 0:
-            ax.axvline(i, color="grey", linestyle=":")
-    ax.set_xlabel("request")
-    ax.set_ylabel(f"greedy alpha (moving average, {window})")
-    ax.set_title(f"osd replay --fast: {result['config']['stream']} (k={result['config']['k']})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    rows, cfg = result["requests"], result["config"]
+    curves = {v.replace("_", " "): [r[f"{v}_alpha"] for r in rows] for v in result["variants"]}
+    boundaries = domain_boundaries(rows) if cfg["overlap"] == 0 else []
+    return plot_alpha_curves(curves, boundaries, f"osd replay --fast: {cfg['stream']} (k={cfg['k']})", "greedy alpha",
+                             path, window)
 
 
 def report_fast_replay(result: dict, out: str, markdown: str, window: int = 20) -> None:

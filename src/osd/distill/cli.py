@@ -89,13 +89,16 @@ def cmd_distill(args) -> None:
     print(json.dumps({k: v for k, v in metrics.items() if k != "losses"}, indent=2, default=str))
 
 
-def newest_calibration(path: str = "") -> dict | None:
+def newest_calibration(path: str = "", models=None) -> dict | None:
+    """c and verify costs from a `osd bench speed` JSON: the given one, else the newest whose draft settings match."""
     from pathlib import Path
 
     files = [Path(path)] if path else sorted(Path("benchmarks").glob("bench-speed-*.json"), key=lambda f: f.stat().st_mtime)
     for f in reversed(files):
         data = json.loads(f.read_text())
-        if "calibration" in data:
+        used = data.get("config", {}).get("models", {})
+        same = path or models is None or all(used.get(k) == getattr(models, k) for k in ("draft_quantize", "draft_vocab"))
+        if "calibration" in data and same:
             return {**data["calibration"], "source": str(f)}
     return None
 
@@ -109,6 +112,6 @@ def cmd_eval(args) -> None:
 
     models = config_from(args, ModelConfig)
     result = run_eval(models, args.drafts or [models.draft], config_from(args, DecodeSettings), args.dataset, args.split,
-                      args.limit, args.k, newest_calibration(args.calibration), args.batch_size_generate, args.cache_dir,
+                      args.limit, args.k, newest_calibration(args.calibration, models), args.batch_size_generate, args.cache_dir,
                       progress_bar("teacher"))
     report_eval(result, args.out, args.markdown)

@@ -1,0 +1,41 @@
+"""Moving-average alpha curves vs requests (the paper's figures), shared by both replay modes."""
+from __future__ import annotations
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    out, acc = [], []
+    for v in values:
+        acc.append(v)
+        if len(acc) > window:
+            acc.pop(0)
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def plot_alpha_curves(curves: dict[str, list[float]], boundaries: list[int], title: str, ylabel: str, path: str,
+                      window: int) -> str | None:
+    """One line per curve (moving average), dotted lines at segment boundaries; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for label, values in curves.items():
+        ax.plot(moving_average(values, window), label=label)
+    for i in boundaries:
+        ax.axvline(i, color="grey", linestyle=":")
+    ax.set_xlabel("request")
+    ax.set_ylabel(f"{ylabel} (moving average, {window})")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def domain_boundaries(rows: list[dict]) -> list[int]:
+    return [i for i in range(1, len(rows)) if rows[i]["domain"] != rows[i - 1]["domain"]]
