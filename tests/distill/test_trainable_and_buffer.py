@@ -45,7 +45,8 @@ def test_configure_trainable_sets_exactly_the_requested_parameters():
     assert names and all(n.startswith(("model.layers.2.", "model.norm")) for n in names)
     assert len(params) == len(names)
     with pytest.raises(InvalidArgument, match="train_layers"):
-        configure_trainable(tiny_qwen2(seed=3, layers=3), "no_embeddings", train_layers=4)
+        configure_trainable(tiny_qwen2(seed=3, layers=3), "no_embeddings", train_layers=-1)
+    assert split_index(tiny_qwen2(seed=3, layers=3), 5) == 0  # deeper than the draft: every layer trains
     with pytest.raises(InvalidArgument, match="trainable"):
         configure_trainable(tiny_qwen2(seed=3), "everything")
 

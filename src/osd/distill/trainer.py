@@ -34,7 +34,7 @@ class DistillConfig:
     lr: float = 1e-4
     batch_size: int = 4  # samples per optimizer step
     trainable: str = "no_embeddings"  # all | no_embeddings | lora
-    train_layers: int = 0  # 0 = all decoder layers; N = only the top N (lower layers frozen, outputs cached)
+    train_layers: int = 4  # 0 = all decoder layers; N = only the top N (lower layers frozen, outputs cached)
     lora_rank: int = 8
     loss_temperature: float = 1.0
     save_every: int = 50  # optimizer steps between resumable checkpoints

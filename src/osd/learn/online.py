@@ -43,7 +43,7 @@ class LearnConfig:
     steps_per_update: int = 8  # optimizer steps per update (sampled from the buffer)
     max_context: int = 384  # tokens of context kept per item
     trainable: str = "no_embeddings"  # all | no_embeddings | lora (learn/trainable.py)
-    train_layers: int = 0  # 0 = all decoder layers train; N = only the top N (the rest frozen, outputs cached)
+    train_layers: int = 4  # 0 = all decoder layers train; N = only the top N (the rest frozen, outputs cached)
     lora_rank: int = 8
     guard: bool = True  # publish only if acceptance on held-out recent items does not drop
     guard_holdout: float = 0.2  # newest fraction of items held out for the guard

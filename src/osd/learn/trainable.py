@@ -1,7 +1,8 @@
 """Which draft parameters train, and the frozen-trunk split that makes CPU training cheap.
 
 trainable: "all" | "no_embeddings" (freeze embeddings and LM head, which Qwen2.5 ties) | "lora".
-train_layers: 0 = every decoder layer trains; N = only the top N layers (and the final norm) train.
+train_layers: 0 = every decoder layer trains; N = only the top N layers (and the final norm) train
+(all of them when the draft has N or fewer).
 With N > 0 the bottom layers are frozen, so their output for a token sequence never changes:
 `trunk_features` computes it once (no grad) and items keep it, and every later forward / backward
 runs only the top N layers (`head_logits_at`). On the 24-layer 0.5B draft, N = 2 trains at ~1/12
@@ -43,10 +44,10 @@ def decoder_layers(model) -> nn.ModuleList:
 
 
 def split_index(model, train_layers: int) -> int:
-    n = len(decoder_layers(model))
-    if train_layers < 0 or train_layers > n:
-        raise InvalidArgument(f"train_layers must be in 0..{n} for this draft, got {train_layers}")
-    return 0 if train_layers == 0 else n - train_layers
+    """Index of the first trainable decoder layer (0 = all train; N >= the draft's depth also means all)."""
+    if train_layers < 0:
+        raise InvalidArgument(f"train_layers must be >= 0, got {train_layers}")
+    return max(0, len(decoder_layers(model)) - train_layers) if train_layers else 0
 
 
 def configure_trainable(model, trainable: str = "no_embeddings", train_layers: int = 0, lora_rank: int = 8) -> list:
