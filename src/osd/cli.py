@@ -78,7 +78,7 @@ def cmd_replay(args) -> None:
 
     result = run_replay(config_from(args, ModelConfig), config_from(args, SpeculationConfig), config_from(args, LearnConfig),
                         args.stream, args.split, args.per_segment, args.max_new_tokens, not args.no_baseline,
-                        progress=lambda it: tqdm(it, desc="replay", unit="req"))
+                        progress=lambda it: tqdm(it, desc="replay", unit="req"), target_only=args.target_only)
     report_replay(result, args.out, args.markdown, args.window)
 
 
@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-segment", type=int, default=40, help="requests per dataset")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--no-baseline", action="store_true", help="skip the baselines (static original draft; --fast: also 10%%/100%% offline)")
+    p.add_argument("--target-only", action="store_true", help="live: also decode each request with the target alone")
     p.add_argument("--fast", action="store_true", help="greedy fast path from the teacher cache (exact; hundreds of requests)")
     p.add_argument("--baseline-epochs", type=int, default=2, help="--fast: epochs of the offline-distilled baselines")
     p.add_argument("--baseline-lr", type=float, default=1e-4, help="--fast: learning rate of the offline baselines")

@@ -10,7 +10,9 @@ from osd.bench.plots import domain_boundaries, plot_alpha_curves
 from osd.build import attach_learner, build_system
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.data import load_records, prompt_ids
+from osd.engine import SpeculativeEngine
 from osd.learn.online import LearnConfig
+from osd.propose import DraftModelProposer
 from osd.speed_model import KPolicy
 
 
@@ -23,18 +25,19 @@ def parse_stream(spec: str, split: str, per_segment: int) -> list[dict]:
 
 
 def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig, stream: str, split: str,
-               per_segment: int, max_new_tokens: int, baseline: bool = True, progress=None) -> dict:
+               per_segment: int, max_new_tokens: int, baseline: bool = True, progress=None,
+               target_only: bool = False) -> dict:
     system = build_system(models, spec)
     system.engine.calibrate()
     static = None
     if baseline:  # the original draft, never updated, served on the same stream for comparison
-        from osd.engine import SpeculativeEngine
-        from osd.propose import DraftModelProposer
 
         system.publish_draft(name="static")
         static = SpeculativeEngine(system.target_model, system.tokenizer,
                                    DraftModelProposer(system.registry, "static", system.target_model.config.vocab_size), spec)
         static.policy = KPolicy(spec.k, adaptive=False)  # fixed k: alpha comparable to online
+    plain = SpeculativeEngine(system.target_model, system.tokenizer, None, SpeculationConfig(k=0, adaptive=False)) \
+        if target_only else None
     system.engine.policy.adaptive = False  # the replay measures acceptance at fixed k
     learner = attach_learner(system, learn)
     sampling = SamplingConfig(max_new_tokens=max_new_tokens)
@@ -47,6 +50,8 @@ def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig,
         s = result.stats
         row = {"i": i, "id": record["id"], "domain": record["domain"], "draft_version": result.draft[1],
                "alpha": s["alpha"], "tokens_per_step": s["tokens_per_step"], "tokens_per_second": s["wall_tokens_per_second"]}
+        if plain is not None:  # the target alone, same request, same machine state
+            row["target_only_tokens_per_second"] = plain.generate(ids, sampling).stats["wall_tokens_per_second"]
         if static is not None:
             b = static.generate(ids, sampling).stats
             row.update(static_alpha=b["alpha"], static_tokens_per_step=b["tokens_per_step"],
@@ -56,7 +61,7 @@ def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig,
             iterator.set_postfix(alpha=f"{row['alpha'] or 0:.2f}", v=row["draft_version"])
     learner.stop()
     return {"config": {"models": vars(models), "spec": vars(spec), "learn": vars(learn), "stream": stream, "split": split,
-                       "per_segment": per_segment, "max_new_tokens": max_new_tokens},
+                       "per_segment": per_segment, "max_new_tokens": max_new_tokens, "target_only": target_only},
             "requests": rows, "learner": learner.stats(), "metrics_by_draft_version": system.engine.metrics.snapshot()}
 
 

@@ -51,12 +51,15 @@ def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> No
     q = max(1, len(rows) // 4)
     mean = lambda key, part: (sum(r[key] or 0 for r in part) / len(part)) if part else None
     has_static = rows and "static_alpha" in rows[0]
+    has_plain = rows and "target_only_tokens_per_second" in rows[0]
     table_rows = []
     for name, part in (("first quarter", rows[:q]), ("last quarter", rows[-q:]), ("all", rows)):
         table_rows.append([name, mean("alpha", part), mean("static_alpha", part) if has_static else None,
                            mean("tokens_per_step", part), mean("tokens_per_second", part),
-                           mean("static_tokens_per_second", part) if has_static else None])
-    t = table(table_rows, ["requests", "alpha online", "alpha static", "tokens/step online", "tok/s online", "tok/s static"])
+                           mean("static_tokens_per_second", part) if has_static else None,
+                           mean("target_only_tokens_per_second", part) if has_plain else None])
+    t = table(table_rows, ["requests", "alpha online", "alpha static", "tokens/step online", "tok/s online", "tok/s static",
+                           "tok/s target-only"])
     learner = result["learner"]
     notes = (f"updates published {learner['updates_published']}, rejected {learner['updates_rejected']}, "
              f"final draft version {learner['version']}, train seconds {learner['train_seconds']:.0f}")
