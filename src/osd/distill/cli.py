@@ -6,7 +6,8 @@ import time
 
 
 def add_stream_flags(p, split: str = "train", limit: int = 200) -> None:
-    p.add_argument("--dataset", default="gsm8k", help="dataset name (shared/datasets) or JSONL path")
+    p.add_argument("--dataset", default="gsm8k", help="dataset name (shared/datasets) or JSONL path "
+                   "(osd distill: a comma list trains on all of them)")
     p.add_argument("--split", default=split)
     p.add_argument("--limit", type=int, default=limit, help="records to use (in file order)")
     p.add_argument("--offset", type=int, default=0, help="records to skip first")

@@ -54,10 +54,14 @@ def run_distill(models: ModelConfig, settings: DecodeSettings, config: DistillCo
     from osd.engine import eos_token_ids
 
     start = time.perf_counter()
-    samples, tokenizer = dataset_samples(models, dataset, split, limit, settings, offset, batch_size_generate,
-                                         cache_dir, progress)
-    eval_samples = dataset_samples(models, dataset, eval_split, eval_limit, settings, 0, batch_size_generate,
-                                   cache_dir, progress, tokenizer)[0] if eval_limit else []
+    samples, eval_samples, tokenizer = [], [], None
+    for name in dataset.split(","):  # several datasets: `limit` prompts of each, trained on together
+        part, tokenizer = dataset_samples(models, name.strip(), split, limit, settings, offset, batch_size_generate,
+                                          cache_dir, progress, tokenizer)
+        samples += part
+        if eval_limit:
+            eval_samples += dataset_samples(models, name.strip(), eval_split, eval_limit, settings, 0,
+                                            batch_size_generate, cache_dir, progress, tokenizer)[0]
     draft = load_model(models.draft, models.draft_dtype)
     before = evaluate_draft(draft, eval_samples, max_new_tokens=settings.max_new_tokens) if eval_samples else None
     trainer = DistillTrainer(draft, config, Path(out) / "trainer-state")
