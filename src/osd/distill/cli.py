@@ -54,7 +54,7 @@ def register(sub) -> None:
 def progress_bar(desc: str):
     from tqdm import tqdm
 
-    return lambda **kw: tqdm(desc=desc, unit="req", **kw)
+    return lambda **kw: tqdm(**{"desc": desc, "unit": "req", **kw})
 
 
 def teacher_from_args(args, limit=None, split=None, offset=None):

@@ -72,7 +72,7 @@ def run_distill(models: ModelConfig, settings: DecodeSettings, config: DistillCo
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         source = student_source(models, draft, lambda: [s.prompt_ids for s in samples], settings, config,
                                 eos_token_ids(draft, tokenizer), pad)
-    bar = (lambda **kw: progress(**kw)) if progress else None
+    bar = (lambda **kw: progress(**{**kw, "unit": "step"})) if progress else None
     losses = trainer.fit(source, bar, items_cache={})
     after = evaluate_draft(draft, eval_samples, max_new_tokens=settings.max_new_tokens) if eval_samples else None
     metrics = {"dataset": dataset, "split": split, "samples": len(samples), "resumed": resumed,

@@ -1,0 +1,71 @@
+"""`osd teacher` / `osd distill` / `osd eval` end to end on tiny model directories (HF format, own tokenizer)."""
+import json
+
+import pytest
+from conftest import tiny_qwen2
+
+from osd.cli import main
+
+VOCAB = ["<pad>", "<eos>"] + list("abcdefghijklmnopqrstuvwxyz") + list(" .?ABCDEFGHIJKLMNOPQ")
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(BPE({c: i for i, c in enumerate(VOCAB)}, [])),
+                                  eos_token="<eos>", pad_token="<pad>")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}?"
+    return tok
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    for name, seed, layers in (("target", 0, 2), ("draft", 1, 2)):
+        tiny_qwen2(seed=seed, layers=layers).save_pretrained(root / name)
+        tiny_tokenizer().save_pretrained(root / name)
+    words = ["add two numbers", "select all rows", "count the apples", "sort a list", "find the max", "join tables"]
+    with open(root / "tiny.jsonl", "w") as f:
+        for i in range(36):
+            split = "train" if i < 24 else "test"
+            f.write(json.dumps({"id": f"t{i}", "domain": "tiny", "split": split, "prompt": f"{words[i % 6]} {chr(97 + i % 26)}{chr(97 + i // 26)}"}) + "\n")
+    return root
+
+
+def common(root):
+    return ["--target", str(root / "target"), "--draft", str(root / "draft"), "--dataset", str(root / "tiny.jsonl"),
+            "--max-new-tokens", "8", "--top-k", "8", "--no-prepack-target", "--cache-dir", str(root / "cache")]
+
+
+def test_teacher_distill_eval_and_resume(workspace, capsys):
+    root = workspace
+    assert main(["teacher", *common(root), "--split", "train", "--limit", "24"]) == 0
+    assert len(list((root / "cache").rglob("*.safetensors"))) == 24
+    distill = ["distill", *common(root), "--limit", "24", "--eval-limit", "8", "--epochs", "3", "--lr", "1e-2",
+               "--batch-size", "4", "--train-layers", "1", "--out", str(root / "run")]
+    assert main(distill) == 0
+    metrics = json.loads((root / "run" / "draft" / "metrics.json").read_text())
+    assert metrics["optimizer_steps"] == 18 and metrics["peak_rss_gib"] > 0
+    assert metrics["eval_after"]["alpha_greedy"] >= metrics["eval_before"]["alpha_greedy"]
+    assert json.loads((root / "run" / "draft" / "osd_config.json").read_text())["distill"]["train_layers"] == 1
+    assert main(distill) == 0  # rerun: resumes from the finished state, trains nothing more
+    again = json.loads((root / "run" / "draft" / "metrics.json").read_text())
+    assert again["resumed"] and again["optimizer_steps"] == 18
+    capsys.readouterr()
+    assert main(["eval", *common(root), "--limit", "8", "--drafts", str(root / "draft"), str(root / "run" / "draft"),
+                 "--out", str(root / "eval.json"), "--markdown", str(root / "B.md")]) == 0
+    result = json.loads((root / "eval.json").read_text())
+    assert set(result["drafts"]) == {str(root / "draft"), str(root / "run" / "draft")}
+    assert "alpha greedy" in capsys.readouterr().out and "Draft acceptance" in (root / "B.md").read_text()
+
+
+def test_bad_arguments_are_clear_errors(workspace, capsys):
+    root = workspace
+    assert main(["distill", *common(root), "--loss", "l2", "--out", str(root / "bad")]) == 2
+    assert "loss must be one of" in capsys.readouterr().err
+    assert main(["eval", *common(root), "--dataset", "no-such-dataset"]) == 2
+    assert "dataset not found" in capsys.readouterr().err
+    assert main(["distill", *common(root), "--train-layers", "-1", "--out", str(root / "bad2")]) == 2
+    assert "train_layers" in capsys.readouterr().err
