@@ -124,12 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--no-baseline", action="store_true", help="skip the baselines (static original draft; --fast: also 10%%/100%% offline)")
     p.add_argument("--target-only", action="store_true", help="live: also decode each request with the target alone")
-    p.add_argument("--fast", action="store_true", help="greedy fast path from the teacher cache (exact; hundreds of requests)")
+    p.add_argument("--fast", action="store_true", help="greedy fast path from the target-output cache (exact; hundreds of requests)")
     p.add_argument("--baseline-epochs", type=int, default=2, help="--fast: epochs of the offline-distilled baselines")
     p.add_argument("--baseline-lr", type=float, default=1e-4, help="--fast: learning rate of the offline baselines")
     p.add_argument("--overlap", type=float, default=0.0, help="--fast: 0 = sharp switches; > 0 = gradual drift over this many segments")
     p.add_argument("--batch-size-generate", type=int, default=16, help="--fast: prompts per target forward when filling the cache")
-    p.add_argument("--cache-dir", default=None, help="--fast: teacher cache root")
+    p.add_argument("--cache-dir", default=None, help="--fast: target-output cache root")
     p.add_argument("--window", type=int, default=10, help="moving-average window of the plot")
     p.add_argument("--out", default="benchmarks/replay.json")
     p.add_argument("--markdown", default="BENCHMARKS.md")
@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     from osd.serve.cli import register as register_serve  # `osd serve`, `osd bench serve`
 
     register_serve(sub, bench)
-    from osd.distill.cli import register as register_distill  # `osd teacher`, `osd distill`, `osd eval`
+    from osd.distill.cli import register as register_distill  # `osd target-cache`, `osd distill`, `osd eval`
 
     register_distill(sub)
     return parser

@@ -1,4 +1,4 @@
-"""`osd teacher` / `osd distill` / `osd eval` end to end on tiny model directories (HF format, own tokenizer)."""
+"""`osd target-cache` / `osd distill` / `osd eval` end to end on tiny model directories (HF format, own tokenizer)."""
 import json
 
 import pytest
@@ -39,9 +39,9 @@ def common(root):
             "--max-new-tokens", "8", "--top-k", "8", "--no-prepack-target", "--cache-dir", str(root / "cache")]
 
 
-def test_teacher_distill_eval_and_resume(workspace, capsys):
+def test_target_cache_distill_eval_and_resume(workspace, capsys):
     root = workspace
-    assert main(["teacher", *common(root), "--split", "train", "--limit", "24"]) == 0
+    assert main(["target-cache", *common(root), "--split", "train", "--limit", "24"]) == 0
     assert len(list((root / "cache").rglob("*.safetensors"))) == 24
     distill = ["distill", *common(root), "--limit", "24", "--eval-limit", "8", "--epochs", "3", "--lr", "1e-2",
                "--batch-size", "4", "--train-layers", "1", "--out", str(root / "run")]

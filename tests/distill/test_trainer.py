@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import EOS, tiny_qwen2
 
-from osd.distill.cache import DecodeSettings, TeacherCache
+from osd.distill.cache import DecodeSettings, TargetCache
 from osd.distill.evaluate import position_stats, sample_item, summarize
-from osd.distill.teacher import teacher_samples
+from osd.distill.target_outputs import target_samples
 from osd.distill.trainer import DistillConfig, DistillTrainer, export_draft
 from osd.errors import InvalidArgument
 from osd.models.loading import load_model
@@ -21,10 +21,10 @@ TEST = [[rng.randrange(2, 40) for _ in range(rng.randrange(2, 6))] for _ in rang
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     target = tiny_qwen2(seed=0)
-    cache = TeacherCache(tmp_path_factory.mktemp("teacher"), "tiny")
+    cache = TargetCache(tmp_path_factory.mktemp("teacher"), "tiny")
     settings = DecodeSettings(max_new_tokens=12, top_k=16)
-    return (teacher_samples(cache, target, TRAIN, settings, {EOS}, batch_size=16),
-            teacher_samples(cache, target, TEST, settings, {EOS}, batch_size=16))
+    return (target_samples(cache, target, TRAIN, settings, {EOS}, batch_size=16),
+            target_samples(cache, target, TEST, settings, {EOS}, batch_size=16))
 
 
 def alpha(draft, samples):

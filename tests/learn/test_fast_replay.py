@@ -9,9 +9,9 @@ from helpers import make_engine
 from osd.bench.replay_fast import drift_order, fast_replay, frozen_trunk_copy, learn_item
 from osd.bench.replay_fast_report import recovery, report_fast_replay, summary
 from osd.config import SamplingConfig
-from osd.distill.cache import DecodeSettings, TeacherCache
+from osd.distill.cache import DecodeSettings, TargetCache
 from osd.distill.evaluate import position_stats, sample_item
-from osd.distill.teacher import teacher_samples
+from osd.distill.target_outputs import target_samples
 from osd.learn.buffer import ReplayBuffer, item_from_step
 from osd.learn.online import LearnConfig
 
@@ -22,11 +22,11 @@ STREAM_B = [[rng.randrange(20, 40) for _ in range(rng.randrange(2, 5))] for _ in
 
 @pytest.fixture(scope="module")
 def samples(tmp_path_factory):
-    cache = TeacherCache(tmp_path_factory.mktemp("teacher"), "tiny")
+    cache = TargetCache(tmp_path_factory.mktemp("teacher"), "tiny")
     target = tiny_qwen2(seed=0)
     settings = DecodeSettings(max_new_tokens=12, top_k=16)
-    return (teacher_samples(cache, target, STREAM_A, settings, {EOS}, batch_size=20),
-            teacher_samples(cache, target, STREAM_B, settings, {EOS}, batch_size=20), target)
+    return (target_samples(cache, target, STREAM_A, settings, {EOS}, batch_size=20),
+            target_samples(cache, target, STREAM_B, settings, {EOS}, batch_size=20), target)
 
 
 @pytest.mark.parametrize("mode", ["mismatch", "all"])

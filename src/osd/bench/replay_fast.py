@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from osd.config import ModelConfig
 from osd.distill.cache import DecodeSettings
 from osd.distill.evaluate import greedy_steps, position_stats, sample_item
-from osd.distill.teacher import dataset_samples
+from osd.distill.target_outputs import dataset_samples
 from osd.distill.trainer import DistillConfig, DistillTrainer
 from osd.learn.buffer import ReplayItem
 from osd.learn.online import LearnConfig, OnlineLearner
@@ -96,7 +96,7 @@ def run_fast_replay(models: ModelConfig, learn: LearnConfig, stream: str, split:
 def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: int = 4, baselines: bool = True,
                 baseline_epochs: int = 2, baseline_lr: float = 1e-4, probe: int = 20, max_new_tokens: int | None = None,
                 progress=None) -> dict:
-    """The replay itself over teacher samples in stream order; `base` is the original draft (left unchanged)."""
+    """The replay itself over target samples in stream order; `base` is the original draft (left unchanged)."""
     items = [sample_item(s) for s in samples]  # frozen-trunk features are cached on these
     layer_split = split_index(base, learn.train_layers)
     variants = {"original": base}

@@ -1,4 +1,4 @@
-"""A content-addressed disk cache of target outputs (PAPER.md section 3: the teacher is the slow part).
+"""A content-addressed disk cache of target outputs (PAPER.md section 3: the target is the slow part).
 
 Key = sha256 of (target fingerprint, prompt token ids, decoding settings). An entry holds the response
 token ids and the target's compact distribution (top-K + tail, temperature 1) at every response
@@ -36,7 +36,7 @@ class DecodeSettings:
 
 
 @dataclass
-class TeacherSample:
+class TargetSample:
     prompt_ids: list[int]
     response_ids: list[int]
     target: CompactDist  # (len(response_ids), K): target distribution of each response token's position
@@ -59,7 +59,7 @@ def default_cache_root() -> Path:
     return cache_root() / "teacher"
 
 
-class TeacherCache:
+class TargetCache:
     def __init__(self, root: str | Path, fingerprint: str):
         self.root, self.fingerprint = Path(root) / fingerprint, fingerprint
 
@@ -73,7 +73,7 @@ class TeacherCache:
     def __contains__(self, args) -> bool:
         return self.path(self.key(*args)).exists()
 
-    def get(self, prompt_ids: list[int], settings: DecodeSettings) -> TeacherSample | None:
+    def get(self, prompt_ids: list[int], settings: DecodeSettings) -> TargetSample | None:
         path = self.path(self.key(prompt_ids, settings))
         if not path.exists():
             return None
@@ -82,10 +82,10 @@ class TeacherCache:
 
         with safe_open(str(path), "pt") as f:
             meta = json.loads(f.metadata().get("meta", "{}"))
-        return TeacherSample(t["prompt_ids"].tolist(), t["response_ids"].tolist(),
+        return TargetSample(t["prompt_ids"].tolist(), t["response_ids"].tolist(),
                              CompactDist(t["top_ids"].long(), t["top_probs"].float()), meta)
 
-    def put(self, sample: TeacherSample, settings: DecodeSettings) -> Path:
+    def put(self, sample: TargetSample, settings: DecodeSettings) -> Path:
         path = self.path(self.key(sample.prompt_ids, settings))
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {"prompt_ids": torch.tensor(sample.prompt_ids, dtype=torch.int32),

@@ -1,4 +1,4 @@
-"""CLI entries for distillation: `osd teacher`, `osd distill`, `osd eval`. Parse -> config -> call the library."""
+"""CLI entries for distillation: `osd target-cache`, `osd distill`, `osd eval`. Parse -> config -> call the library."""
 from __future__ import annotations
 
 import json
@@ -12,8 +12,8 @@ def add_stream_flags(p, split: str = "train", limit: int = 200) -> None:
     p.add_argument("--limit", type=int, default=limit, help="records to use (in file order)")
     p.add_argument("--offset", type=int, default=0, help="records to skip first")
     p.add_argument("--batch-size-generate", dest="batch_size_generate", type=int, default=8,
-                   help="prompts per target forward when filling the teacher cache")
-    p.add_argument("--cache-dir", default=None, help="teacher cache root (default $OSD_CACHE/teacher)")
+                   help="prompts per target forward when filling the target-output cache")
+    p.add_argument("--cache-dir", default=None, help="target-output cache root (default $OSD_CACHE/teacher)")
 
 
 def register(sub) -> None:
@@ -21,11 +21,11 @@ def register(sub) -> None:
     from osd.config import ModelConfig
     from osd.distill.cache import DecodeSettings
 
-    p = sub.add_parser("teacher", help="fill the teacher cache (target outputs + distributions) for a dataset")
+    p = sub.add_parser("target-cache", help="fill the target-output cache (responses + distributions) for a dataset")
     add_stream_flags(p)
     for cls in (ModelConfig, DecodeSettings):
         add_config_flags(p, cls)
-    p.set_defaults(func=cmd_teacher)
+    p.set_defaults(func=cmd_target_cache)
 
     from osd.distill.trainer import DistillConfig
 
@@ -57,21 +57,21 @@ def progress_bar(desc: str):
     return lambda **kw: tqdm(**{"desc": desc, "unit": "req", **kw})
 
 
-def teacher_from_args(args, limit=None, split=None, offset=None):
+def target_cache_from_args(args, limit=None, split=None, offset=None):
     from osd.cli import config_from
     from osd.config import ModelConfig
     from osd.distill.cache import DecodeSettings
-    from osd.distill.teacher import dataset_samples
+    from osd.distill.target_outputs import dataset_samples
 
     return dataset_samples(config_from(args, ModelConfig), args.dataset, split or args.split,
                            args.limit if limit is None else limit, config_from(args, DecodeSettings),
                            args.offset if offset is None else offset, args.batch_size_generate, args.cache_dir,
-                           progress_bar("teacher"))
+                           progress_bar("target outputs"))
 
 
-def cmd_teacher(args) -> None:
+def cmd_target_cache(args) -> None:
     start = time.perf_counter()
-    samples, _ = teacher_from_args(args)
+    samples, _ = target_cache_from_args(args)
     tokens = sum(len(s.response_ids) for s in samples)
     print(json.dumps({"dataset": args.dataset, "split": args.split, "samples": len(samples), "response_tokens": tokens,
                       "seconds": round(time.perf_counter() - start, 1)}, indent=2))
@@ -86,7 +86,7 @@ def cmd_distill(args) -> None:
 
     metrics = run_distill(config_from(args, ModelConfig), config_from(args, DecodeSettings), config_from(args, DistillConfig),
                           args.dataset, args.split, args.limit, args.out, args.offset, args.eval_split, args.eval_limit,
-                          args.batch_size_generate, args.cache_dir, progress_bar("teacher"))
+                          args.batch_size_generate, args.cache_dir, progress_bar("target outputs"))
     print(json.dumps({k: v for k, v in metrics.items() if k != "losses"}, indent=2, default=str))
 
 
@@ -114,5 +114,5 @@ def cmd_eval(args) -> None:
     models = config_from(args, ModelConfig)
     result = run_eval(models, args.drafts or [models.draft], config_from(args, DecodeSettings), args.dataset, args.split,
                       args.limit, args.k, newest_calibration(args.calibration, models), args.batch_size_generate, args.cache_dir,
-                      progress_bar("teacher"))
+                      progress_bar("target outputs"))
     report_eval(result, args.out, args.markdown)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from osd.distill.cache import TeacherSample
+from osd.distill.cache import TargetSample
 from osd.learn.batch import draft_logits_at
 from osd.learn.buffer import ReplayItem
 from osd.learn.compact import CompactDist
@@ -34,7 +34,7 @@ def greedy_steps(matches: list[bool], k: int, max_new_tokens: int | None = None)
     return steps
 
 
-def sample_item(sample: TeacherSample) -> ReplayItem:
+def sample_item(sample: TargetSample) -> ReplayItem:
     """Every response position of a sample, as one item (context = prompt + response minus its last token)."""
     n = len(sample.prompt_ids)
     return ReplayItem(sample.tokens[:-1], [n + j for j in range(len(sample.response_ids))], sample.target,
@@ -42,7 +42,7 @@ def sample_item(sample: TeacherSample) -> ReplayItem:
 
 
 @torch.no_grad()
-def position_stats(draft, items: list[ReplayItem], samples: list[TeacherSample], split: int = 0,
+def position_stats(draft, items: list[ReplayItem], samples: list[TargetSample], split: int = 0,
                    batch_size: int = 8) -> list[dict]:
     """Per sample: greedy matches (draft argmax == target token) and 1 - TV at each response position."""
     out = []

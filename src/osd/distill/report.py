@@ -23,7 +23,7 @@ def report_eval(result: dict, out: str, markdown: str) -> None:
     t = eval_table(result)
     cal = result.get("calibration")
     notes = (f"{result['dataset']} {result['split']} first {result['limit']} prompts, k={result['k']}, "
-             f"teacher greedy max_new_tokens={result['teacher']['max_new_tokens']}; implied speedup = "
+             f"target greedy outputs, max_new_tokens={result['teacher']['max_new_tokens']}; implied speedup = "
              f"E[tokens/step] / (k*c + verify cost) at the best k, c={cal['c']:.3f} from {cal['source']}" if cal else
              "no calibration found: implied speedups omitted")
     print(t)

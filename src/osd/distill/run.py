@@ -1,4 +1,4 @@
-"""`osd distill` and `osd eval` as library calls: teacher samples -> train / measure -> files."""
+"""`osd distill` and `osd eval` as library calls: target samples -> train / measure -> files."""
 from __future__ import annotations
 
 import resource
@@ -10,7 +10,7 @@ from osd.config import ModelConfig
 from osd.distill.cache import DecodeSettings
 from osd.distill.evaluate import position_stats, sample_item, summarize
 from osd.distill.generate import decode_batch
-from osd.distill.teacher import dataset_samples
+from osd.distill.target_outputs import dataset_samples
 from osd.distill.trainer import DistillConfig, DistillTrainer, export_draft
 from osd.models.loading import load_model
 
@@ -27,7 +27,7 @@ def evaluate_draft(draft, samples, k: int = 4, calibration: dict | None = None, 
 
 def student_source(models: ModelConfig, draft, prompts_of, settings: DecodeSettings, config: DistillConfig, eos, pad):
     """Samples redrawn each epoch with the current draft (on-policy); the target scores every position."""
-    from osd.distill.cache import TeacherSample
+    from osd.distill.cache import TargetSample
     from osd.models.prepack import prepack_linears
 
     target = load_model(models.target, models.dtype)
@@ -42,7 +42,7 @@ def student_source(models: ModelConfig, draft, prompts_of, settings: DecodeSetti
         for s in range(0, len(prompts), 8):
             chunk = prompts[s : s + 8]
             results = decode_batch(target, chunk, epoch_settings, eos, pad, draft, config.source, config.teacher_ratio)
-            out += [TeacherSample(p, r, d, {"source": config.source}) for p, (r, d) in zip(chunk, results)]
+            out += [TargetSample(p, r, d, {"source": config.source}) for p, (r, d) in zip(chunk, results)]
         return out
 
     return source

@@ -56,7 +56,7 @@ class DistillConfig:
 
 
 class DistillTrainer:
-    """Trains a draft in place on samples from `sample_source(epoch) -> list[TeacherSample]`."""
+    """Trains a draft in place on samples from `sample_source(epoch) -> list[TargetSample]`."""
 
     def __init__(self, draft, config: DistillConfig, state_dir: str | Path | None = None):
         self.draft, self.config = draft, config

@@ -1,16 +1,16 @@
-"""Fill and read the teacher cache: cached samples are read, missing ones generated in batches.
+"""Fill and read the target-output cache: cached samples are read, missing ones generated in batches.
 
 Resumable by construction: each finished batch is on disk before the next starts, and a later call
 skips every prompt already cached. Prompts are batched by length to keep padding small.
 """
 from __future__ import annotations
 
-from osd.distill.cache import DecodeSettings, TeacherCache, TeacherSample
+from osd.distill.cache import DecodeSettings, TargetCache, TargetSample
 from osd.distill.generate import decode_batch
 
 
-def teacher_samples(cache: TeacherCache, target, prompts: list[list[int]], settings: DecodeSettings,
-                    eos_ids: set[int], pad_id: int = 0, batch_size: int = 8, progress=None) -> list[TeacherSample]:
+def target_samples(cache: TargetCache, target, prompts: list[list[int]], settings: DecodeSettings,
+                    eos_ids: set[int], pad_id: int = 0, batch_size: int = 8, progress=None) -> list[TargetSample]:
     """Samples for `prompts` in their order; generates (and stores) only the missing ones."""
     missing = sorted({i for i, p in enumerate(prompts) if (p, settings) not in cache}, key=lambda i: len(prompts[i]))
     bar = progress(total=len(missing)) if progress and missing else None
@@ -18,7 +18,7 @@ def teacher_samples(cache: TeacherCache, target, prompts: list[list[int]], setti
         chunk = missing[start : start + batch_size]
         outputs = decode_batch(target, [prompts[i] for i in chunk], settings, eos_ids, pad_id)
         for i, (response, dist) in zip(chunk, outputs):
-            cache.put(TeacherSample(prompts[i], response, dist, {"source": "teacher"}), settings)
+            cache.put(TargetSample(prompts[i], response, dist, {"source": "teacher"}), settings)
         if bar is not None:
             bar.update(len(chunk))
     if bar is not None:
@@ -41,7 +41,7 @@ def dataset_samples(models, dataset: str, split: str | None, limit: int | None, 
     records = load_records(dataset, split, limit, offset)
     prompts = [prompt_ids(tokenizer, r["prompt"]) for r in records]
     fingerprint = model_fingerprint(models.target, AutoConfig.from_pretrained(resolve_model_dir(models.target)))
-    cache = TeacherCache(cache_root or default_cache_root(), fingerprint)
+    cache = TargetCache(cache_root or default_cache_root(), fingerprint)
     target = None
     if any((p, settings) not in cache for p in prompts):
         target = load_model(models.target, models.dtype)
@@ -49,7 +49,7 @@ def dataset_samples(models, dataset: str, split: str | None, limit: int | None, 
             prepack_linears(target)
     eos = eos_token_ids(target, tokenizer) if target is not None else set()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    samples = teacher_samples(cache, target, prompts, settings, eos, pad, batch_size, progress)
+    samples = target_samples(cache, target, prompts, settings, eos, pad, batch_size, progress)
     for s, r in zip(samples, records):
         s.meta.setdefault("id", r.get("id"))
     return samples, tokenizer

@@ -5,10 +5,10 @@ from conftest import EOS, tiny_qwen2
 from helpers import make_engine, plain_greedy
 
 from osd.config import SamplingConfig
-from osd.distill.cache import DecodeSettings, TeacherCache
+from osd.distill.cache import DecodeSettings, TargetCache
 from osd.distill.evaluate import greedy_steps, position_stats, sample_item, summarize
 from osd.distill.generate import decode_batch
-from osd.distill.teacher import teacher_samples
+from osd.distill.target_outputs import target_samples
 from osd.errors import InvalidArgument
 
 PROMPTS = [[5, 9, 11], [7, 8, 9, 10, 12, 13], [20], [3, 4, 30, 31]]
@@ -63,15 +63,15 @@ def test_sampled_rows_do_not_depend_on_batch_neighbours(target_model):
 def test_cache_is_content_addressed_and_a_refill_generates_nothing(tmp_path, target_model):
     counting = Counting(target_model)
     settings = DecodeSettings(max_new_tokens=6, top_k=4)
-    cache = TeacherCache(tmp_path, "fp")
-    first = teacher_samples(cache, counting, PROMPTS[:2], settings, {EOS}, batch_size=2)
+    cache = TargetCache(tmp_path, "fp")
+    first = target_samples(cache, counting, PROMPTS[:2], settings, {EOS}, batch_size=2)
     calls = counting.calls
-    again = teacher_samples(cache, counting, PROMPTS, settings, {EOS}, batch_size=8)  # 2 cached + 2 new
+    again = target_samples(cache, counting, PROMPTS, settings, {EOS}, batch_size=8)  # 2 cached + 2 new
     assert counting.calls - calls <= 7  # one batch (prefill + <= 6 steps) for the two missing prompts only
     assert [s.response_ids for s in again[:2]] == [s.response_ids for s in first]
     assert torch.equal(again[0].target.ids, first[0].target.ids)
     assert (PROMPTS[0], DecodeSettings(max_new_tokens=7, top_k=4)) not in cache  # settings are part of the key
-    assert TeacherCache(tmp_path, "other-target").get(PROMPTS[0], settings) is None
+    assert TargetCache(tmp_path, "other-target").get(PROMPTS[0], settings) is None
     assert not list(tmp_path.rglob("*.tmp*"))
 
 
@@ -86,7 +86,7 @@ def test_greedy_steps_pure_cases():
 def test_fast_path_acceptance_equals_the_engine_greedy_run(target_model, draft_model, tokenizer, tmp_path):
     """The claim behind the fast-path replay: cached target output + one draft forward = the engine's steps."""
     settings = DecodeSettings(max_new_tokens=16, top_k=8)
-    samples = teacher_samples(TeacherCache(tmp_path, "fp"), target_model, PROMPTS, settings, {EOS})
+    samples = target_samples(TargetCache(tmp_path, "fp"), target_model, PROMPTS, settings, {EOS})
     stats = position_stats(draft_model, [sample_item(s) for s in samples], samples)
     engine, _ = make_engine(target_model, draft_model, tokenizer, k=3)
     for sample, st in zip(samples, stats):
