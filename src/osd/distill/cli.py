@@ -57,21 +57,16 @@ def progress_bar(desc: str):
     return lambda **kw: tqdm(**{"desc": desc, "unit": "req", **kw})
 
 
-def target_cache_from_args(args, limit=None, split=None, offset=None):
+def cmd_target_cache(args) -> None:
     from osd.cli import config_from
     from osd.config import ModelConfig
     from osd.distill.cache import DecodeSettings
     from osd.distill.target_outputs import dataset_samples
 
-    return dataset_samples(config_from(args, ModelConfig), args.dataset, split or args.split,
-                           args.limit if limit is None else limit, config_from(args, DecodeSettings),
-                           args.offset if offset is None else offset, args.batch_size_generate, args.cache_dir,
-                           progress_bar("target outputs"))
-
-
-def cmd_target_cache(args) -> None:
     start = time.perf_counter()
-    samples, _ = target_cache_from_args(args)
+    samples, _ = dataset_samples(config_from(args, ModelConfig), args.dataset, args.split, args.limit,
+                                 config_from(args, DecodeSettings), args.offset, args.batch_size_generate,
+                                 args.cache_dir, progress_bar("target outputs"))
     tokens = sum(len(s.response_ids) for s in samples)
     print(json.dumps({"dataset": args.dataset, "split": args.split, "samples": len(samples), "response_tokens": tokens,
                       "seconds": round(time.perf_counter() - start, 1)}, indent=2))
