@@ -88,12 +88,17 @@ def test_alpha_rises_on_a_stream_with_online_updates(target_model, tokenizer):
     assert trained["greedy_agreement"] > original["greedy_agreement"] + 0.1
 
 
-def test_guard_keeps_old_draft_when_update_hurts(target_model, tokenizer):
-    draft = copy.deepcopy(target_model)  # perfect draft: a wild update can only hurt
-    engine, registry, learner = _learner(target_model, draft, tokenizer, mode="all", every_requests=0, lr=0.5,
+@pytest.mark.parametrize("mode", ["all", "mismatch"])
+def test_guard_keeps_old_draft_when_update_hurts(target_model, tokenizer, mode):
+    draft = copy.deepcopy(target_model)  # a near-perfect draft: a wild update can only hurt
+    with torch.no_grad():
+        draft.lm_head.weight.add_(0.05 * torch.randn(draft.lm_head.weight.shape, generator=torch.Generator().manual_seed(3)))
+    engine, registry, learner = _learner(target_model, draft, tokenizer, mode=mode, every_requests=0, lr=0.5,
                                          steps_per_update=5, trainable="all", guard=True, guard_holdout=0.5)
     for prompt in STREAM[:8]:
         engine.generate(prompt, SamplingConfig(max_new_tokens=16))
+    if mode == "mismatch":  # trained on rejected positions only; the guard still judges every proposed position
+        assert 0 < learner.buffer.added < learner.guard_buffer.added
     before = {n: p.clone() for n, p in learner.master.named_parameters()}
     report = learner.update("manual")
     assert not report["published"] and report["rejected_because"] == "guard", report

@@ -131,11 +131,10 @@ def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: 
             steps = greedy_steps(stats["matches"], k, max_new_tokens)
             row[f"{name}_alpha"] = sum(stats["matches"]) / max(1, len(stats["matches"]))
             row[f"{name}_tokens_per_step"] = len(stats["matches"]) / max(1, len(steps))
-            if name == "online":
-                item = learn_item(samples[i], items[i], stats["matches"], k, learn.mode, f"req-{i}", learner.version,
-                                  max_new_tokens)
-                if item is not None:
-                    learner.observe_item(item)
+            if name == "online":  # what the engine would buffer: the training signal, and every position for the guard
+                made = {mode: learn_item(samples[i], items[i], stats["matches"], k, mode, f"req-{i}", learner.version,
+                                         max_new_tokens) for mode in {learn.mode, "all"}}
+                learner.observe_item(made[learn.mode], made["all"])
         learner.after_request()
         rows.append(row)
         if i + 1 == len(samples) or domains[i + 1] != domains[i]:  # end of a segment: remember its probe

@@ -45,8 +45,9 @@ class LearnConfig:
     trainable: str = "no_embeddings"  # all | no_embeddings | lora (learn/trainable.py)
     train_layers: int = 4  # 0 = all decoder layers train; N = only the top N (the rest frozen, outputs cached)
     lora_rank: int = 8
-    guard: bool = True  # publish only if acceptance on held-out recent items does not drop
-    guard_holdout: float = 0.2  # newest fraction of items held out for the guard
+    guard: bool = True  # publish only if acceptance on held-out recent requests does not drop
+    guard_holdout: float = 0.2  # newest fraction of the guard buffer's requests, held out of training
+    guard_capacity: int = 2048  # positions of the guard buffer (every proposed position of recent requests)
     guard_tolerance: float = 0.0  # allowed drop in held-out greedy agreement
     schedule: str = "sync"  # sync | background
     checkpoint_dir: str = ""  # "" = no checkpoints
@@ -59,8 +60,8 @@ class LearnConfig:
             raise InvalidArgument(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if not 0.0 <= self.beta <= 1.0:
             raise InvalidArgument(f"beta must be in [0, 1], got {self.beta}")
-        if self.lr <= 0 or self.batch_size <= 0 or self.steps_per_update <= 0 or self.capacity <= 0 or self.top_k <= 0:
-            raise InvalidArgument("lr, batch_size, steps_per_update, capacity and top_k must be > 0")
+        if min(self.lr, self.batch_size, self.steps_per_update, self.capacity, self.top_k, self.guard_capacity) <= 0:
+            raise InvalidArgument("lr, batch_size, steps_per_update, capacity, top_k and guard_capacity must be > 0")
         if not 0.0 <= self.guard_holdout < 1.0:
             raise InvalidArgument(f"guard_holdout must be in [0, 1), got {self.guard_holdout}")
         if self.schedule not in ("sync", "background"):
@@ -72,7 +73,10 @@ class OnlineLearner:
                  clock=time.monotonic):
         self.config = config or LearnConfig()
         self.master, self.publish, self.engine_busy, self.clock = master, publish, engine_busy, clock
-        self.buffer = ReplayBuffer(self.config.capacity, clock)
+        self.buffer = ReplayBuffer(self.config.capacity, clock)  # the training signal (mismatches, or all)
+        # The guard judges acceptance, so it needs every proposed position (accepted ones too), not only
+        # the mismatches: on those alone agreement is ~0 before any update and can only look better after.
+        self.guard_buffer = ReplayBuffer(self.config.guard_capacity, clock)
         self.trigger = UpdateTrigger(self.config.every_requests, self.config.min_positions, self.config.max_age_seconds)
         self.params = configure_trainable(master, self.config.trainable, self.config.train_layers, self.config.lora_rank)
         self.split = split_index(master, self.config.train_layers)
@@ -91,13 +95,21 @@ class OnlineLearner:
 
     # --- seam 1: observing the engine ---------------------------------------------------------
     def observe(self, record) -> None:
-        item = item_from_step(record, self.config.mode, self.config.top_k, self.config.max_context, self.clock())
+        cfg, now = self.config, self.clock()
+        item = item_from_step(record, cfg.mode, cfg.top_k, cfg.max_context, now)
+        every = item if cfg.mode == "all" else item_from_step(record, "all", cfg.top_k, cfg.max_context, now)
+        self.observe_item(item, every)
+
+    def observe_item(self, item, every_position_item=None) -> None:
+        """Items built elsewhere too (the greedy fast-path replay builds them from cached target outputs).
+
+        item: the training signal (None: nothing to learn here); every_position_item: the same step's
+        every proposed position, for the guard.
+        """
         if item is not None:
             self.buffer.add(item)
-
-    def observe_item(self, item) -> None:
-        """An item built elsewhere (the greedy fast-path replay builds them from cached target outputs)."""
-        self.buffer.add(item)
+        if every_position_item is not None and self.config.guard:
+            self.guard_buffer.add(every_position_item)
 
     def after_request(self, result=None) -> None:
         self.counters["requests"] += 1
@@ -138,9 +150,12 @@ class OnlineLearner:
 
     def _update(self, reason: str) -> dict:
         cfg = self.config
-        items = self.buffer.snapshot()
-        n_hold = int(len(items) * cfg.guard_holdout) if cfg.guard and len(items) >= 5 else 0
-        train, holdout = (items[:-n_hold], items[-n_hold:]) if n_hold else (items, [])
+        held = self._holdout_requests()
+        train = [it for it in self.buffer.snapshot() if it.request_id not in held]
+        holdout = [it for it in self.guard_buffer.snapshot() if it.request_id in held]
+        if not train:
+            return {"reason": reason, "items": 0, "published": False, "rejected_because": "nothing to train on",
+                    "losses": []}
         before = acceptance_on(self.master, holdout, split=self.split) if holdout else None
         backup = [p.detach().clone() for p in self.params]
         self.master.train()
@@ -166,7 +181,7 @@ class OnlineLearner:
         after = acceptance_on(self.master, holdout, split=self.split) if holdout else None
         finite = all(torch.isfinite(p).all() for p in self.params)
         worse = before is not None and after["greedy_agreement"] < before["greedy_agreement"] - cfg.guard_tolerance
-        report = {"reason": reason, "items": len(items), "train_items": len(train), "losses": losses,
+        report = {"reason": reason, "items": len(train) + len(holdout), "train_items": len(train), "losses": losses,
                   "holdout_before": before, "holdout_after": after, "published": False}
         if not losses or not finite or worse:
             with torch.no_grad():
@@ -182,6 +197,14 @@ class OnlineLearner:
         if cfg.checkpoint_dir:
             self.save()
         return report
+
+    def _holdout_requests(self) -> set[str]:
+        """The newest `guard_holdout` share of the requests in the guard buffer (none with fewer than 2)."""
+        if not self.config.guard:
+            return set()
+        ids = list(dict.fromkeys(it.request_id for it in self.guard_buffer.snapshot()))  # oldest first
+        n_hold = int(len(ids) * self.config.guard_holdout) if len(ids) >= 2 else 0
+        return set(ids[len(ids) - n_hold:]) if n_hold else set()
 
     def _wait_idle(self, max_wait: float = 30.0) -> None:
         """In background mode, let in-flight decoding finish before taking a training step."""
