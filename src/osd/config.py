@@ -65,8 +65,8 @@ class ModelConfig:
     draft_quantize: str = "int8"  # "none" | "int8": serving copy of the draft (dynamic int8 linears)
     draft_vocab: int = 0  # 0 = full; N = draft proposes only among token ids < N (+ special tokens)
     threads: int = 0  # torch threads; 0 = leave torch's default
-    prepack_target: bool = True  # oneDNN-prepacked fp32 linears for the target (CPU speed trick)
-    prepack_copy: bool = False  # prepack a copy, keeping the given target model dense (benchmarks)
+    prepack_target: bool = True  # fast fp32 linears for the target (models/prepack.py; CPU speed trick)
+    prepack_copy: bool = False  # prepack a copy (sharing its weights), keeping the given target model plain (benchmarks)
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
