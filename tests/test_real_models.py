@@ -54,10 +54,11 @@ def test_bundled_pair_matches_target_greedy_exactly():
     reference = hf_greedy(target, ids, 16, {151643, 151645})
     models.prepack_target = True  # osd's fast path: prepacked target (in place), int8 draft, adaptive k
     system = build_system(models, SpeculationConfig(k=4), target_model=target)
-    system.engine.calibrate(repeats=1)
+    calibration = system.engine.calibrate(repeats=2)
     result = system.engine.generate(ids, SamplingConfig(max_new_tokens=16))
     assert result.token_ids == reference
-    assert result.stats["alpha"] is not None and result.stats["alpha"] > 0.3
+    # speculation ran (the k policy found it worth it) and the draft was mostly right
+    assert result.stats["alpha"] is not None and result.stats["alpha"] > 0.3, (result.stats, calibration)
 
 
 def test_mismatched_tokenizers_are_refused():
