@@ -34,7 +34,8 @@ def report_speed(result: dict, out: str, markdown: str) -> None:
             f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} rev {git_revision()}",
             f"`{' '.join(['osd', 'bench', 'speed'])}` per_domain={cfg['per_domain']} max_new_tokens={cfg['max_new_tokens']} "
             f"k={cfg['spec']['k']} adaptive={cfg['spec']['adaptive']} draft_quantize={cfg['models']['draft_quantize']} "
-            f"draft_vocab={cfg['models']['draft_vocab']} prepack_target={cfg['models']['prepack_target']}; "
+            f"draft_vocab={cfg['models']['draft_vocab']} prepack_target={cfg['models']['prepack_target']} "
+            f"rows_linear_kernel={result.get('rows_linear_kernel')}; "
             f"machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}; JSON: `{path}`",
             "", t, "", notes,
         ], markdown)

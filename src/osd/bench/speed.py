@@ -19,6 +19,7 @@ from osd.build import build_system
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.data import load_records, prompt_ids
 from osd.engine import SpeculativeEngine
+from osd.models.kernels import rows_linear
 from osd.models.loading import load_model
 
 DOMAINS = ("code", "gsm8k", "spider", "chat")
@@ -91,6 +92,7 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
         "config": {"models": vars(models), "spec": vars(spec), "per_domain": per_domain, "max_new_tokens": max_new_tokens,
                    "prompts": [r["id"] for r in records]},
         "calibration": calibration,
+        "rows_linear_kernel": rows_linear() is not None,  # models/kernels.py; False: torch's kernels served
         "tokens_per_second": rates,
         "speedup_vs_target_hf": {name: r / base for name, r in rates.items()},
         "speedup_osd_vs_osd_target": rates["osd"] / rates["osd_target"],
