@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-only", action="store_true", help="live: also decode each request with the target alone")
     p.add_argument("--fast", action="store_true", help="greedy fast path from the target-output cache (exact; hundreds of requests)")
     p.add_argument("--baseline-epochs", type=int, default=2, help="--fast: epochs of the offline-distilled baselines")
-    p.add_argument("--baseline-lr", type=float, default=1e-4, help="--fast: learning rate of the offline baselines")
+    p.add_argument("--baseline-lr", type=float, default=1e-5, help="--fast: learning rate of the offline baselines")
     p.add_argument("--overlap", type=float, default=0.0, help="--fast: 0 = sharp switches; > 0 = gradual drift over this many segments")
     p.add_argument("--batch-size-generate", type=int, default=16, help="--fast: prompts per target forward when filling the cache")
     p.add_argument("--cache-dir", default=None, help="--fast: target-output cache root")

@@ -72,7 +72,7 @@ def frozen_trunk_copy(model, split: int):
 
 def run_fast_replay(models: ModelConfig, learn: LearnConfig, stream: str, split: str, per_segment: int,
                     settings: DecodeSettings, k: int = 4, baselines: bool = True, baseline_epochs: int = 2,
-                    baseline_lr: float = 1e-4, overlap: float = 0.0, probe: int = 20, batch_size_generate: int = 16,
+                    baseline_lr: float = 1e-5, overlap: float = 0.0, probe: int = 20, batch_size_generate: int = 16,
                     cache_dir=None, progress=None) -> dict:
     names = [n.strip() for n in stream.split(",")]
     segments = [dataset_samples(models, n, split, per_segment, settings, 0, batch_size_generate, cache_dir, progress)[0]
@@ -94,7 +94,7 @@ def run_fast_replay(models: ModelConfig, learn: LearnConfig, stream: str, split:
 
 
 def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: int = 4, baselines: bool = True,
-                baseline_epochs: int = 2, baseline_lr: float = 1e-4, probe: int = 20, max_new_tokens: int | None = None,
+                baseline_epochs: int = 2, baseline_lr: float = 1e-5, probe: int = 20, max_new_tokens: int | None = None,
                 progress=None) -> dict:
     """The replay itself over target samples in stream order; `base` is the original draft (left unchanged)."""
     items = [sample_item(s) for s in samples]  # frozen-trunk features are cached on these

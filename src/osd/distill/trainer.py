@@ -31,7 +31,7 @@ class DistillConfig:
     source: str = "teacher"  # teacher | student | mix_token | mix_request (student samples are redrawn each epoch)
     teacher_ratio: float = 0.5  # mix_token / mix_request: share of teacher tokens / requests
     epochs: int = 1
-    lr: float = 1e-4
+    lr: float = 1e-5  # AdamW, no warmup: 1e-4 diverges on the 0.5B draft (loss 0.16 -> 0.9 within 5 steps)
     batch_size: int = 4  # samples per optimizer step
     trainable: str = "no_embeddings"  # all | no_embeddings | lora
     train_layers: int = 4  # 0 = all decoder layers; N = only the top N (lower layers frozen, outputs cached)
