@@ -38,7 +38,7 @@ class LearnConfig:
     max_age_seconds: float = 0.0  # T: update when the oldest entry is T seconds old (0 = off)
     loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd | tv | reference_mix
     beta: float = 0.5  # JSD beta
-    lr: float = 3e-5
+    lr: float = 1e-5  # AdamW on the top layers; 1e-4 made the offline loss diverge within steps (BENCHMARKS.md)
     batch_size: int = 8  # items per optimizer step
     steps_per_update: int = 8  # optimizer steps per update (sampled from the buffer)
     max_context: int = 384  # tokens of context kept per item
