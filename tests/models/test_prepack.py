@@ -49,3 +49,21 @@ def test_prepacked_model_gives_the_same_logits_and_keeps_the_original_plain():
         torch.testing.assert_close(packed.feed(tokens[3 : 3 + n], n_logits=n), plain.feed(tokens[3 : 3 + n], n_logits=n),
                                    rtol=1e-4, atol=1e-4)
         plain.rollback(3), packed.rollback(3)
+
+
+def test_int8_serving_linear_is_close_to_fp32_for_every_row_count():
+    from osd.models.kernels import rows_linear_int8
+    from osd.models.serving_draft import Int8Linear
+
+    kernel = rows_linear_int8()
+    if kernel is None:
+        pytest.skip("rows_linear_int8 kernel unavailable on this machine")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(200, 33)
+    int8 = Int8Linear(linear, kernel)
+    dequantized = int8.weight_int8.float() * int8.scale[:, None]  # what the kernel multiplies by, exactly
+    assert (dequantized - linear.weight).abs().max() <= int8.scale.max() / 2 + 1e-7  # rounding error only
+    for rows in range(1, 7):  # kernel rows and the dequantising fallback
+        x = torch.randn(1, rows, 200)
+        with torch.inference_mode():
+            torch.testing.assert_close(int8(x), torch.nn.functional.linear(x, dequantized, linear.bias), rtol=1e-5, atol=1e-5)

@@ -1,9 +1,11 @@
 """Cheap serving copies of a draft model (speed tricks, each optional and explained).
 
-- int8: dynamic int8 quantisation of every nn.Linear (weights int8, activations quantised on the
-  fly). Decoding a 0.5B draft is memory-bandwidth bound on CPU: int8 weights move 4x fewer bytes
-  than fp32, so a draft step costs a fraction of the fp32 one. The draft's precision only changes
-  acceptance, never the output (the target verifies every token).
+- int8: int8 weights for every nn.Linear. Decoding a 0.5B draft is memory-bandwidth bound on CPU: int8
+  weights move 4x fewer bytes than fp32, so a draft step costs a fraction of the fp32 one. With our
+  rows_linear_int8 kernel (models/kernels.py) the weights are int8 with one scale per output row and the
+  activations stay fp32 (weight-only); without it, torch's dynamic int8 quantisation (activations
+  quantised on the fly too). The draft's precision only changes acceptance, never the output (the
+  target verifies every token).
 - draft_vocab=N: the LM head keeps only token ids < N plus the special tokens. Qwen2.5's BPE ids
   are roughly in merge (frequency) order, so low ids cover nearly all text; the LM head over the
   full 151,936-token vocabulary is ~27% of a 0.5B draft's per-token work.
@@ -16,6 +18,8 @@ import warnings
 
 import torch
 from torch import nn
+
+from osd.models.kernels import MAX_ROWS_INT8, rows_linear_int8
 
 
 def truncate_lm_head(model, draft_vocab: int, keep_ids: list[int]) -> torch.Tensor:
@@ -31,8 +35,39 @@ def truncate_lm_head(model, draft_vocab: int, keep_ids: list[int]) -> torch.Tens
     return vocab_ids
 
 
+class Int8Linear(nn.Module):
+    """Weight-only int8 linear, one symmetric scale per output row; 1-4 rows through the kernel."""
+
+    def __init__(self, linear: nn.Linear, kernel):
+        super().__init__()
+        weight = linear.weight.detach().float()  # (N, K)
+        scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # (N,)
+        self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        self.kernel, self.in_features, self.out_features = kernel, linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        flat = x.reshape(rows, self.in_features)  # (M, K)
+        if rows <= MAX_ROWS_INT8:
+            out = self.kernel(flat, self.weight_int8, self.scale, self.bias)  # (M, N)
+        else:  # a prompt's prefill: dequantise this layer once for the whole block
+            out = torch.mm(flat, self.weight_int8.t().float()) * self.scale
+            out = out + self.bias if self.bias is not None else out
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
 def quantize_int8(model):
-    """Dynamic int8 quantisation of all nn.Linear layers (in place; CPU only)."""
+    """int8 weights for all nn.Linear layers (in place): weight-only with our kernel, else torch's dynamic int8."""
+    kernel = rows_linear_int8()
+    if kernel is not None:
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(module, name, Int8Linear(child, kernel))
+        model.config.tie_word_embeddings = False
+        return model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
