@@ -40,7 +40,7 @@ class SamplingConfig:
 
 @dataclass
 class SpeculationConfig:
-    k: int = 4  # proposal length; with adaptive=True the largest k the policy may pick
+    k: int = 6  # proposal length; with adaptive=True the largest k the policy may pick (the kernel verifies <= 8 rows in one pass)
     adaptive: bool = True  # choose k per step from live acceptance and measured costs (k = 0 allowed)
     alpha_prior: float = 0.7  # acceptance assumed before anything is observed
     alpha_ema: float = 0.9  # smoothing of the live acceptance estimate (per proposed token)
