@@ -40,21 +40,26 @@ static void columns(const float* X, const float* W, const float* B, float* Y, in
   }
 }
 
+// Checks shared by both entry points; returns the bias pointer (nullptr: none), `keep` holds its tensor.
+static const float* check_rows(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                               int64_t max_rows, torch::Tensor& keep, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), name, ": x (M, K), w (N, K)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": x must be float32");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= max_rows, name, ": 1 to ", max_rows, " rows");
+  TORCH_CHECK(w.is_contiguous(), name, ": w must be contiguous");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  keep = bias->contiguous();
+  TORCH_CHECK(keep.scalar_type() == at::kFloat && keep.numel() == w.size(0), name, ": bias (N,) float32");
+  return keep.data_ptr<float>();
+}
+
 torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rows_linear: x (M, K), w (N, K)");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rows_linear: float32 only");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "rows_linear: 1 to 8 rows");
-  TORCH_CHECK(w.is_contiguous(), "rows_linear: w must be contiguous");
+  TORCH_CHECK(w.scalar_type() == at::kFloat, "rows_linear: float32 only");
+  torch::Tensor b;
+  const float* B = check_rows(x, w, bias, 8, b, "rows_linear");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
-  torch::Tensor b;
-  const float* B = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N, "rows_linear: bias (N,) float32");
-    B = b.data_ptr<float>();
-  }
   const float* X = x.data_ptr<float>();
   const float* W = w.data_ptr<float>();
   float* Y = y.data_ptr<float>();
@@ -104,21 +109,13 @@ static void columns_int8(const float* X, const int8_t* W, const float* S, const 
 }
 
 torch::Tensor rows_linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rows_linear_int8: x (M, K), w (N, K)");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
-              "rows_linear_int8: x float32, w int8, scale float32");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, "rows_linear_int8: 1 to 4 rows");
-  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && scale.numel() == w.size(0), "rows_linear_int8: layout");
+  TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat, "rows_linear_int8: w int8, scale float32");
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == w.size(0), "rows_linear_int8: scale (N,)");
+  torch::Tensor b;
+  const float* B = check_rows(x, w, bias, 4, b, "rows_linear_int8");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
-  torch::Tensor b;
-  const float* B = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N, "rows_linear_int8: bias (N,) float32");
-    B = b.data_ptr<float>();
-  }
   const float* X = x.data_ptr<float>();
   const int8_t* W = w.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
