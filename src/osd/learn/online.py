@@ -97,7 +97,8 @@ class OnlineLearner:
     def observe(self, record) -> None:
         cfg, now = self.config, self.clock()
         item = item_from_step(record, cfg.mode, cfg.top_k, cfg.max_context, now)
-        every = item if cfg.mode == "all" else item_from_step(record, "all", cfg.top_k, cfg.max_context, now)
+        every = None if not cfg.guard else item if cfg.mode == "all" else item_from_step(record, "all", cfg.top_k,
+                                                                                        cfg.max_context, now)
         self.observe_item(item, every)
 
     def observe_item(self, item, every_position_item=None) -> None:
