@@ -79,9 +79,11 @@ def cmd_distill(args) -> None:
     from osd.distill.run import run_distill
     from osd.distill.trainer import DistillConfig
 
-    metrics = run_distill(config_from(args, ModelConfig), config_from(args, DecodeSettings), config_from(args, DistillConfig),
+    models = config_from(args, ModelConfig)
+    metrics = run_distill(models, config_from(args, DecodeSettings), config_from(args, DistillConfig),
                           args.dataset, args.split, args.limit, args.out, args.offset, args.eval_split, args.eval_limit,
-                          args.batch_size_generate, args.cache_dir, progress_bar("target outputs"))
+                          args.batch_size_generate, args.cache_dir, progress_bar("target outputs"),
+                          newest_calibration(models=models))
     print(json.dumps({k: v for k, v in metrics.items() if k != "losses"}, indent=2, default=str))
 
 

@@ -50,7 +50,13 @@ def student_source(models: ModelConfig, draft, prompts_of, settings: DecodeSetti
 
 def run_distill(models: ModelConfig, settings: DecodeSettings, config: DistillConfig, dataset: str, split: str,
                 limit: int, out: str, offset: int = 0, eval_split: str = "test", eval_limit: int = 0,
-                batch_size_generate: int = 8, cache_dir=None, progress=None) -> dict:
+                batch_size_generate: int = 8, cache_dir=None, progress=None, calibration: dict | None = None,
+                items_cache: dict | None = None) -> dict:
+    """Distill the draft on target samples -> a draft directory + metrics (alpha before/after when eval_limit).
+
+    calibration: c and verify costs (an `osd bench speed` result) for the implied speedups; items_cache: frozen-trunk
+    features of teacher samples, shareable between runs with the same draft and train_layers (a sweep).
+    """
     from osd.engine import eos_token_ids
 
     start = time.perf_counter()
@@ -63,7 +69,8 @@ def run_distill(models: ModelConfig, settings: DecodeSettings, config: DistillCo
             eval_samples += dataset_samples(models, name.strip(), eval_split, eval_limit, settings, 0,
                                             batch_size_generate, cache_dir, progress, tokenizer)[0]
     draft = load_model(models.draft, models.draft_dtype)
-    before = evaluate_draft(draft, eval_samples, max_new_tokens=settings.max_new_tokens) if eval_samples else None
+    measure = lambda: evaluate_draft(draft, eval_samples, calibration=calibration, max_new_tokens=settings.max_new_tokens)
+    before = measure() if eval_samples else None
     trainer = DistillTrainer(draft, config, Path(out) / "trainer-state")
     resumed = trainer.resume()
     if config.source == "teacher":
@@ -73,8 +80,8 @@ def run_distill(models: ModelConfig, settings: DecodeSettings, config: DistillCo
         source = student_source(models, draft, lambda: [s.prompt_ids for s in samples], settings, config,
                                 eos_token_ids(draft, tokenizer), pad)
     bar = (lambda **kw: progress(**{**kw, "unit": "step"})) if progress else None
-    losses = trainer.fit(source, bar, items_cache={})
-    after = evaluate_draft(draft, eval_samples, max_new_tokens=settings.max_new_tokens) if eval_samples else None
+    losses = trainer.fit(source, bar, items_cache={} if items_cache is None else items_cache)
+    after = measure() if eval_samples else None
     metrics = {"dataset": dataset, "split": split, "samples": len(samples), "resumed": resumed,
                "optimizer_steps": trainer.step, "skipped_nonfinite": trainer.skipped_nonfinite,
                "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
