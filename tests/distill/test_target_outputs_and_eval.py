@@ -7,7 +7,7 @@ from helpers import make_engine, plain_greedy
 from osd.config import SamplingConfig
 from osd.distill.cache import DecodeSettings, TargetCache
 from osd.distill.evaluate import greedy_steps, position_stats, sample_item, summarize
-from osd.distill.generate import decode_batch
+from osd.distill.generate import _lockstep, decode_batch, row_seed
 from osd.distill.target_outputs import target_samples
 from osd.errors import InvalidArgument
 
@@ -51,6 +51,18 @@ def test_sources_choose_tokens_from_the_right_model(target_model, draft_model):
         decode_batch(target_model, PROMPTS, settings, set(), source="student")
     with pytest.raises(InvalidArgument, match="source"):
         decode_batch(target_model, PROMPTS, settings, set(), draft=draft_model, source="oracle")
+
+
+def test_student_rows_scored_afterwards_equal_scoring_in_lockstep(target_model, draft_model):
+    """Draft-alone generation + one teacher-forced target forward == the target decoding beside the draft."""
+    settings = DecodeSettings(max_new_tokens=8, top_k=4)
+    student = decode_batch(target_model, PROMPTS, settings, set(), draft=draft_model, source="student")
+    gens = [torch.Generator().manual_seed(row_seed(0, p)) for p in PROMPTS]
+    lockstep = _lockstep(target_model, draft_model, PROMPTS, gens, settings, set(), 0, lambda b: False)
+    for (response, dist), (ref_response, ref_dist) in zip(student, lockstep):
+        assert response == ref_response
+        assert torch.equal(dist.ids, ref_dist.ids)
+        assert torch.allclose(dist.probs, ref_dist.probs, atol=1e-4)
 
 
 def test_sampled_rows_do_not_depend_on_batch_neighbours(target_model):
