@@ -1,6 +1,6 @@
 """Compare distillation losses and sample sources on one dataset, in one process.
 
-    python scripts/distill_sweep.py --dataset spider --limit 100 --epochs 1 --eval-limit 40 --max-new-tokens 32
+    python scripts/distill_sweep.py --dataset spider --limit 100 --epochs 2 --source-epochs 1 --eval-limit 40
 
 Every run starts from the original draft with the same data, steps and learning rate; only the loss (teacher
 samples) or the sample source (forward KL) changes. Teacher runs share the frozen-trunk features (computed
@@ -31,7 +31,9 @@ def main() -> None:
     p.add_argument("--dataset", default="spider")
     p.add_argument("--limit", type=int, default=100)
     p.add_argument("--eval-limit", type=int, default=40)
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=1, help="epochs of the loss runs (teacher samples)")
+    p.add_argument("--source-epochs", type=int, default=1, help="epochs of the source runs (each epoch resamples "
+                   "with the current draft; a teacher forward-KL run at this many epochs is added for reference)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--train-layers", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -45,14 +47,17 @@ def main() -> None:
     models, settings = ModelConfig(), DecodeSettings(max_new_tokens=args.max_new_tokens)
     base = DistillConfig(epochs=args.epochs, lr=args.lr, train_layers=args.train_layers)
     runs = [(f"teacher/{loss}", replace(base, loss=loss)) for loss in args.losses.split(",") if loss]
-    runs += [(f"{source}/forward_kl", replace(base, source=source)) for source in args.sources.split(",") if source]
+    sources = [source for source in args.sources.split(",") if source]
+    if sources and args.source_epochs != args.epochs:
+        runs.append((f"teacher/forward_kl ({args.source_epochs} epoch)", replace(base, epochs=args.source_epochs)))
+    runs += [(f"{source}/forward_kl", replace(base, source=source, epochs=args.source_epochs)) for source in sources]
     calibration = newest_calibration(models=models)
     features: dict = {}  # teacher samples' frozen-trunk features, shared by the teacher runs
     results = {}
     for name, config in runs:
         print(f"=== {name}", flush=True)
         results[name] = run_distill(models, settings, config, args.dataset, "train", args.limit,
-                                    f"{args.out}/{name.replace('/', '-')}", eval_split="test", eval_limit=args.eval_limit,
+                                    f"{args.out}/{name.replace('/', '-').replace(' ', '_')}", eval_split="test", eval_limit=args.eval_limit,
                                     progress=progress_bar("target outputs"), calibration=calibration, items_cache=features)
         results[name].pop("losses", None)
     first = next(iter(results.values()))["eval_before"]
@@ -70,7 +75,8 @@ def main() -> None:
     path = write_result(out, args.json or f"benchmarks/distill-sweep-{args.dataset}.json")
     if args.markdown:
         m = machine()
-        notes = (f"{args.dataset}: train first {args.limit} prompts, {args.epochs} epoch(s), lr {args.lr}, "
+        notes = (f"{args.dataset}: train first {args.limit} prompts, {args.epochs} epoch(s) for the losses, "
+                 f"{args.source_epochs} for the sources (resampled each epoch), lr {args.lr}, "
                  f"train_layers {args.train_layers}; alpha on test first {args.eval_limit} prompts (target greedy, "
                  f"{args.max_new_tokens} tokens); implied speedup at the best k with c={calibration['c']:.3f} from "
                  f"{calibration['source']}" if calibration else "no calibration: implied speedups omitted")
