@@ -41,12 +41,28 @@ def resolve_model_dir(spec: str) -> str:
     return spec  # hub id
 
 
+MISTRAL_TYPES = ("mistral", "mistral3", "voxtral", "ministral", "pixtral")
+
+
+def tokenizer_kwargs(where: str) -> dict:
+    """transformers 4.57.3+ (before 5) flags every local tokenizer saved by those versions as a Mistral one with
+    a broken pre-tokenizer regex, whatever its family, and warns; its "fix" would install Mistral's regex. For a
+    local non-Mistral model say no explicitly: the tokenizer stays as saved, and the false warning goes."""
+    import json
+
+    try:
+        model_type = json.loads((Path(where) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return {}
+    return {"fix_mistral_regex": False} if model_type and model_type not in MISTRAL_TYPES else {}
+
+
 def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
     where = resolve_model_dir(spec)
     try:
-        return AutoTokenizer.from_pretrained(where)
+        return AutoTokenizer.from_pretrained(where, **tokenizer_kwargs(where))
     except OSError as e:
         raise ModelNotFound(f"cannot load tokenizer for {spec!r}: {e}") from e
 
