@@ -7,10 +7,11 @@ callable. Training runs on its own fp32 master copy of the draft; serving uses p
 Schedules: "sync" trains inside `after_request` (deterministic; stream replay, tests); "background"
 trains in its own thread, taking optimizer steps only while the engine is idle ("idle windows") so
 that serving latency suffers least on a 2-core CPU.
-Limitation: a rejected update restores the weights but keeps the optimizer moments it produced.
+A rejected update restores the weights and the optimizer's state (its Adam moments) as they were.
 """
 from __future__ import annotations
 
+import copy
 import math
 import random
 import threading
@@ -159,6 +160,7 @@ class OnlineLearner:
                     "losses": []}
         before = acceptance_on(self.master, holdout, split=self.split) if holdout else None
         backup = [p.detach().clone() for p in self.params]
+        optimizer_backup = copy.deepcopy(self.optimizer.state_dict())  # moments too: a rejected update leaves no trace
         self.master.train()
         losses = []
         for _ in range(cfg.steps_per_update):
@@ -188,6 +190,7 @@ class OnlineLearner:
             with torch.no_grad():
                 for p, saved in zip(self.params, backup):
                     p.copy_(saved)
+            self.optimizer.load_state_dict(optimizer_backup)
             self.counters["updates_rejected"] += 1
             report["rejected_because"] = "no finite step" if not losses else "non-finite weights" if not finite else "guard"
             return report
