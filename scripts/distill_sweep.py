@@ -26,6 +26,17 @@ LOSSES = ("forward_kl", "reverse_kl", "jsd", "tv", "reference_mix")
 SOURCES = ("student", "mix_token", "mix_request")
 
 
+def prune_run_dir(out: str, keep_draft: bool) -> None:
+    """Drop the resumable trainer state (a finished run needs none) and, unless kept, the draft's weights."""
+    import shutil
+    from pathlib import Path
+
+    shutil.rmtree(Path(out) / "trainer-state", ignore_errors=True)
+    if not keep_draft:
+        for weights in (Path(out) / "draft").glob("*.safetensors"):
+            weights.unlink()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="spider")
@@ -40,6 +51,8 @@ def main() -> None:
     p.add_argument("--losses", default=",".join(LOSSES))
     p.add_argument("--sources", default=",".join(SOURCES), help="sample sources trained with forward KL ('' = none)")
     p.add_argument("--out", default="runs/sweep")
+    p.add_argument("--keep-drafts", action="store_true", help="keep each run's draft directory (~2.4 GB each for the "
+                   "0.5B draft in fp32); by default only its metrics.json and osd_config.json stay")
     p.add_argument("--json", default="")
     p.add_argument("--markdown", default="BENCHMARKS.md")
     args = p.parse_args()
@@ -60,6 +73,7 @@ def main() -> None:
                                     f"{args.out}/{name.replace('/', '-').replace(' ', '_')}", eval_split="test", eval_limit=args.eval_limit,
                                     progress=progress_bar("target outputs"), calibration=calibration, items_cache=features)
         results[name].pop("losses", None)
+        prune_run_dir(f"{args.out}/{name.replace('/', '-').replace(' ', '_')}", args.keep_drafts)
     first = next(iter(results.values()))["eval_before"]
     rows = [["original draft", None, None, first["alpha_greedy"], first["tokens_per_step_greedy"],
              first["alpha_sampling_t1"], first.get("implied_speedup_greedy"), None, None]]
