@@ -149,9 +149,12 @@ def test_swaps_are_atomic_and_versions_consistent_within_a_request(target_model,
     assert len(versions) > 1
 
 
-def test_checkpoint_restart_resumes_version_and_counters(target_model, tokenizer, tmp_path):
+@pytest.mark.parametrize("trainable", ["all", "no_embeddings"])
+def test_checkpoint_restart_resumes_version_and_counters(target_model, tokenizer, tmp_path, trainable):
+    from safetensors import safe_open
+
     draft = tiny_qwen2(seed=1, layers=1)
-    cfg = dict(mode="all", every_requests=2, lr=3e-3, steps_per_update=5, trainable="all", guard=False,
+    cfg = dict(mode="all", every_requests=2, lr=3e-3, steps_per_update=5, trainable=trainable, guard=False,
                checkpoint_dir=str(tmp_path / "ckpt"))
     engine, registry, learner = _learner(target_model, draft, tokenizer, **cfg)
     for prompt in STREAM[:6]:
@@ -164,6 +167,10 @@ def test_checkpoint_restart_resumes_version_and_counters(target_model, tokenizer
     assert learner2.version == learner.version == registry2.get("draft").version
     assert learner2.counters["requests"] == 6 and learner2.counters["updates_published"] == learner.counters["updates_published"]
     assert all(torch.equal(a, b) for a, b in zip(learner.master.state_dict().values(), learner2.master.state_dict().values()))
+    with safe_open(str(tmp_path / "ckpt" / "draft.safetensors"), "pt") as f:
+        saved = set(f.keys())
+    trainable_names = {n for n, p in learner.master.named_parameters() if p.requires_grad}
+    assert saved >= trainable_names and (trainable == "all" or saved == trainable_names)  # frozen weights not copied
 
 
 def test_bad_learn_config():
