@@ -71,7 +71,8 @@ def main() -> None:
         print(f"=== {name}", flush=True)
         results[name] = run_distill(models, settings, config, args.dataset, "train", args.limit,
                                     f"{args.out}/{name.replace('/', '-').replace(' ', '_')}", eval_split="test", eval_limit=args.eval_limit,
-                                    progress=progress_bar("target outputs"), calibration=calibration, items_cache=features)
+                                    progress=progress_bar("target outputs"), calibration=calibration, items_cache=features,
+                                    eval_before=not results)
         results[name].pop("losses", None)
         prune_run_dir(f"{args.out}/{name.replace('/', '-').replace(' ', '_')}", args.keep_drafts)
     first = next(iter(results.values()))["eval_before"]

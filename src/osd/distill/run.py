@@ -51,11 +51,12 @@ def student_source(models: ModelConfig, draft, prompts_of, settings: DecodeSetti
 def run_distill(models: ModelConfig, settings: DecodeSettings, config: DistillConfig, dataset: str, split: str,
                 limit: int, out: str, offset: int = 0, eval_split: str = "test", eval_limit: int = 0,
                 batch_size_generate: int = 8, cache_dir=None, progress=None, calibration: dict | None = None,
-                items_cache: dict | None = None) -> dict:
+                items_cache: dict | None = None, eval_before: bool = True) -> dict:
     """Distill the draft on target samples -> a draft directory + metrics (alpha before/after when eval_limit).
 
     calibration: c and verify costs (an `osd bench speed` result) for the implied speedups; items_cache: frozen-trunk
-    features of teacher samples, shareable between runs with the same draft and train_layers (a sweep).
+    features of teacher samples, shareable between runs with the same draft and train_layers (a sweep);
+    eval_before False: skip measuring the starting draft (a sweep measures it once).
     """
     from osd.engine import eos_token_ids
 
@@ -70,7 +71,7 @@ def run_distill(models: ModelConfig, settings: DecodeSettings, config: DistillCo
                                             batch_size_generate, cache_dir, progress, tokenizer)[0]
     draft = load_model(models.draft, models.draft_dtype)
     measure = lambda: evaluate_draft(draft, eval_samples, calibration=calibration, max_new_tokens=settings.max_new_tokens)
-    before = measure() if eval_samples else None
+    before = measure() if eval_samples and eval_before else None
     trainer = DistillTrainer(draft, config, Path(out) / "trainer-state")
     resumed = trainer.resume()
     if config.source == "teacher":
