@@ -69,12 +69,13 @@ def main() -> None:
     results = {}
     for name, config in runs:
         print(f"=== {name}", flush=True)
+        run_dir = f"{args.out}/{name.replace('/', '-').replace(' ', '_')}"
         results[name] = run_distill(models, settings, config, args.dataset, "train", args.limit,
-                                    f"{args.out}/{name.replace('/', '-').replace(' ', '_')}", eval_split="test", eval_limit=args.eval_limit,
+                                    run_dir, eval_split="test", eval_limit=args.eval_limit,
                                     progress=progress_bar("target outputs"), calibration=calibration, items_cache=features,
                                     eval_before=not results)
         results[name].pop("losses", None)
-        prune_run_dir(f"{args.out}/{name.replace('/', '-').replace(' ', '_')}", args.keep_drafts)
+        prune_run_dir(run_dir, args.keep_drafts)
     first = next(iter(results.values()))["eval_before"]
     rows = [["original draft", None, None, first["alpha_greedy"], first["tokens_per_step_greedy"],
              first["alpha_sampling_t1"], first.get("implied_speedup_greedy"), None, None]]
