@@ -24,6 +24,7 @@ from osd.errors import InvalidArgument
 from osd.learn.batch import acceptance_on, items_loss
 from osd.learn.buffer import MODES, ReplayBuffer, item_from_step
 from osd.learn.checkpoint import load_checkpoint, save_checkpoint
+from osd.learn.guard import is_worse
 from osd.learn.losses import LOSSES
 from osd.learn.trainable import configure_trainable, split_index
 from osd.learn.triggers import UpdateTrigger
@@ -50,6 +51,7 @@ class LearnConfig:
     guard_holdout: float = 0.2  # newest fraction of the guard buffer's requests, held out of training
     guard_capacity: int = 2048  # positions of the guard buffer (every proposed position of recent requests)
     guard_tolerance: float = 0.0  # allowed drop in held-out greedy agreement
+    guard_z: float = 1.64  # ... and the drop must exceed z paired-noise deviations (learn/guard.py; 0 = any drop)
     schedule: str = "sync"  # sync | background
     checkpoint_dir: str = ""  # "" = no checkpoints
     seed: int = 0
@@ -61,6 +63,8 @@ class LearnConfig:
             raise InvalidArgument(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if not 0.0 <= self.beta <= 1.0:
             raise InvalidArgument(f"beta must be in [0, 1], got {self.beta}")
+        if self.guard_z < 0 or self.guard_tolerance < 0:
+            raise InvalidArgument("guard_z and guard_tolerance must be >= 0")
         if min(self.lr, self.batch_size, self.steps_per_update, self.capacity, self.top_k, self.guard_capacity) <= 0:
             raise InvalidArgument("lr, batch_size, steps_per_update, capacity, top_k and guard_capacity must be > 0")
         if not 0.0 <= self.guard_holdout < 1.0:
@@ -183,7 +187,8 @@ class OnlineLearner:
         self.master.eval()
         after = acceptance_on(self.master, holdout, split=self.split) if holdout else None
         finite = all(torch.isfinite(p).all() for p in self.params)
-        worse = before is not None and after["greedy_agreement"] < before["greedy_agreement"] - cfg.guard_tolerance
+        worse = before is not None and is_worse(before.pop("correct"), after.pop("correct"), cfg.guard_z,
+                                                cfg.guard_tolerance)
         report = {"reason": reason, "items": len(train) + len(holdout), "train_items": len(train), "losses": losses,
                   "holdout_before": before, "holdout_after": after, "published": False}
         if not losses or not finite or worse:
