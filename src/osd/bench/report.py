@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from osd.bench.record import append_markdown, git_revision, machine, write_result
+from osd.bench.record import append_markdown, git_revision, machine, redacted_command, write_result
 
 
 def table(rows: list[list], header: list[str]) -> str:
@@ -42,6 +42,7 @@ def report_speed(result: dict, out: str, markdown: str) -> None:
 
 
 def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> None:
+    import sys
     from pathlib import Path
 
     from osd.bench.replay import plot_replay
@@ -62,7 +63,9 @@ def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> No
     t = table(table_rows, ["requests", "alpha online", "alpha static", "tokens/step online", "tok/s online", "tok/s static",
                            "tok/s target-only"])
     learner = result["learner"]
+    first_version = rows[0]["draft_version"] if rows else None
     notes = (f"updates published {learner['updates_published']}, rejected {learner['updates_rejected']}, "
+             f"draft version at the first request {first_version} (> 0: resumed from a checkpoint), "
              f"final draft version {learner['version']}, train seconds {learner['train_seconds']:.0f}")
     print(t)
     print(notes)
@@ -71,8 +74,7 @@ def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> No
         cfg = result["config"]
         append_markdown("Online replay (`osd replay`)", [
             f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} rev {git_revision()}",
-            f"`osd replay --stream {cfg['stream']} --split {cfg['split']} --per-segment {cfg['per_segment']} "
-            f"--max-new-tokens {cfg['max_new_tokens']}` k={cfg['spec']['k']} loss={cfg['learn']['loss']} "
+            f"`{redacted_command(sys.argv[1:])}` k={cfg['spec']['k']} loss={cfg['learn']['loss']} "
             f"mode={cfg['learn']['mode']} every_requests={cfg['learn']['every_requests']} lr={cfg['learn']['lr']}; "
             f"machine: {machine()['cpu']}; JSON: `{path}`" + (f", plot: `{png}`" if png else ""),
             "", t, "", notes,
