@@ -1,4 +1,5 @@
-"""`osd target-cache` / `osd distill` / `osd eval` end to end on tiny model directories (HF format, own tokenizer)."""
+"""`osd target-cache` / `osd distill` / `osd eval` / live `osd replay` end to end on tiny model directories (HF format,
+own tokenizer)."""
 import json
 
 import pytest
@@ -69,3 +70,24 @@ def test_bad_arguments_are_clear_errors(workspace, capsys):
     assert "dataset not found" in capsys.readouterr().err
     assert main(["distill", *common(root), "--train-layers", "-1", "--out", str(root / "bad2")]) == 2
     assert "train_layers" in capsys.readouterr().err
+
+
+def test_live_replay_learns_checkpoints_and_resumes(workspace):
+    """Real decoding of a stream, side by side with the static original draft and the target alone; a second run
+    resumes the learned draft from the checkpoint (the way the live benchmark starts from a replayed draft)."""
+    root = workspace
+    live = ["replay", "--target", str(root / "target"), "--draft", str(root / "draft"), "--stream", str(root / "tiny.jsonl"),
+            "--split", "train", "--per-segment", "8", "--max-new-tokens", "8", "--no-prepack-target", "--target-only",
+            "--every-requests", "4", "--lr", "1e-2", "--no-guard", "--train-layers", "1", "--mode", "all",
+            "--draft-quantize", "none", "--checkpoint-dir", str(root / "ckpt"), "--markdown", str(root / "L.md")]
+    assert main([*live, "--out", str(root / "live1.json")]) == 0
+    first = json.loads((root / "live1.json").read_text())
+    rows = first["requests"]
+    assert len(rows) == 8 and first["learner"]["updates_published"] == 2 and rows[0]["draft_version"] == 0
+    assert rows[-1]["draft_version"] == 1  # published after request 4, served from request 5 on
+    assert all(r["tokens_per_second"] > 0 and r["target_only_tokens_per_second"] > 0 and r["static_alpha"] is not None
+               for r in rows)
+    assert main([*live, "--out", str(root / "live2.json")]) == 0
+    second = json.loads((root / "live2.json").read_text())
+    assert second["requests"][0]["draft_version"] == 2  # resumed where the first run stopped
+    assert "(> 0: resumed from a checkpoint)" in (root / "L.md").read_text()
