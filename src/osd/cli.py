@@ -94,7 +94,8 @@ def cmd_replay_fast(args) -> None:
     result = run_fast_replay(config_from(args, ModelConfig), learn, args.stream, args.split, args.per_segment,
                              DecodeSettings(max_new_tokens=args.max_new_tokens, top_k=learn.top_k), args.k,
                              not args.no_baseline, args.baseline_epochs, args.baseline_lr, args.overlap,
-                             batch_size_generate=args.batch_size_generate, cache_dir=args.cache_dir, progress=tqdm)
+                             batch_size_generate=args.batch_size_generate, cache_dir=args.cache_dir, progress=tqdm,
+                             heldout=args.heldout, heldout_split=args.heldout_split)
     report_fast_replay(result, args.out, args.markdown, args.window)
 
 
@@ -130,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap", type=float, default=0.0, help="--fast: 0 = sharp switches; > 0 = gradual drift over this many segments")
     p.add_argument("--batch-size-generate", type=int, default=16, help="--fast: prompts per target forward when filling the cache")
     p.add_argument("--cache-dir", default=None, help="--fast: target-output cache root")
+    p.add_argument("--heldout", type=int, default=0, help="--fast: at the end, also measure every draft on this many "
+                   "unseen requests per dataset")
+    p.add_argument("--heldout-split", default="test", help="--fast: split of the held-out requests")
     p.add_argument("--window", type=int, default=10, help="moving-average window of the plot")
     p.add_argument("--out", default="benchmarks/replay.json")
     p.add_argument("--markdown", default="BENCHMARKS.md")

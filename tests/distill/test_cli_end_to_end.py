@@ -91,3 +91,17 @@ def test_live_replay_learns_checkpoints_and_resumes(workspace):
     second = json.loads((root / "live2.json").read_text())
     assert second["requests"][0]["draft_version"] == 2  # resumed where the first run stopped
     assert "(> 0: resumed from a checkpoint)" in (root / "L.md").read_text()
+
+
+def test_fast_replay_cli_with_heldout_requests(workspace):
+    root = workspace
+    out = root / "fast.json"
+    assert main(["replay", "--fast", *common(root)[:4], "--stream", str(root / "tiny.jsonl"), "--per-segment", "12",
+                 "--max-new-tokens", "8", "--top-k", "8", "--no-prepack-target", "--cache-dir", str(root / "cache"),
+                 "--every-requests", "4", "--train-layers", "1", "--heldout", "6", "--out", str(out),
+                 "--markdown", str(root / "F.md")]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["requests"]) == 12 and result["config"]["heldout_split"] == "test"
+    (domain, alphas), = result["end_of_stream_alpha_on_heldout"].items()
+    assert domain == str(root / "tiny.jsonl") and set(alphas) == {"original", "offline_10pct", "offline_100pct", "online"}
+    assert "6 held-out requests per dataset" in (root / "F.md").read_text()

@@ -72,7 +72,7 @@ def test_fast_replay_online_alpha_rises_and_beats_the_original_on_a_shifting_str
     before = {n: p.clone() for n, p in base.named_parameters()}
     learn = LearnConfig(every_requests=4, steps_per_update=6, batch_size=8, lr=1e-2, train_layers=1, guard=False)
     result = fast_replay(a + b, ["a"] * len(a) + ["b"] * len(b), base, learn, k=3, baseline_epochs=4, baseline_lr=1e-2,
-                         probe=10, max_new_tokens=12)
+                         probe=10, max_new_tokens=12, heldout={"b": b[-5:]})
     rows = result["requests"]
     mean = lambda part, key: sum(r[key] for r in part) / len(part)
     for part in (rows[20:40], rows[60:80]):  # second half of each segment
@@ -83,7 +83,10 @@ def test_fast_replay_online_alpha_rises_and_beats_the_original_on_a_shifting_str
     table_rows, header = summary(result, window=5)
     assert [r[0] for r in table_rows] == ["a", "b"] and len(header) == len(table_rows[0])
     assert set(result["end_of_stream_alpha_on_segment_probes"]) == {"a", "b"}
+    assert set(result["end_of_stream_alpha_on_heldout"]["b"]) == {"original", "offline_10pct", "offline_100pct", "online"}
     assert recovery([{"online_alpha": x} for x in (0.1, 0.5, 0.9, 0.9)], 0.9, window=1) == 3
-    result["config"] = {"stream": "a,b", "k": 3, "overlap": 0.0, "learn": vars(learn), "baseline_epochs": 4, "baseline_lr": 1e-2}
+    result["config"] = {"stream": "a,b", "k": 3, "overlap": 0.0, "learn": vars(learn), "baseline_epochs": 4, "baseline_lr": 1e-2,
+                        "heldout": 5, "heldout_split": "test"}
     report_fast_replay(result, str(tmp_path / "replay.json"), str(tmp_path / "BENCH.md"), window=5)
-    assert (tmp_path / "replay.png").stat().st_size > 1000 and "offline_100pct" in (tmp_path / "BENCH.md").read_text()
+    bench = (tmp_path / "BENCH.md").read_text()
+    assert (tmp_path / "replay.png").stat().st_size > 1000 and "offline_100pct" in bench and "5 held-out requests" in bench

@@ -73,10 +73,14 @@ def frozen_trunk_copy(model, split: int):
 def run_fast_replay(models: ModelConfig, learn: LearnConfig, stream: str, split: str, per_segment: int,
                     settings: DecodeSettings, k: int = 4, baselines: bool = True, baseline_epochs: int = 2,
                     baseline_lr: float = 1e-5, overlap: float = 0.0, probe: int = 20, batch_size_generate: int = 16,
-                    cache_dir=None, progress=None) -> dict:
+                    cache_dir=None, progress=None, heldout: int = 0, heldout_split: str = "test") -> dict:
+    """heldout > 0: at the end, every variant is also measured on that many requests of each dataset that no
+    draft has seen (`heldout_split`; past the streamed ones when it is the stream's own split)."""
     names = [n.strip() for n in stream.split(",")]
     segments = [dataset_samples(models, n, split, per_segment, settings, 0, batch_size_generate, cache_dir, progress)[0]
                 for n in names]
+    unseen = {n: dataset_samples(models, n, heldout_split, heldout, settings, per_segment if heldout_split == split else 0,
+                                 batch_size_generate, cache_dir, progress)[0] for n in names} if heldout > 0 else None
     order = drift_order([len(s) for s in segments], overlap)
     cursor = [0] * len(segments)
     samples, domains = [], []
@@ -86,17 +90,19 @@ def run_fast_replay(models: ModelConfig, learn: LearnConfig, stream: str, split:
         cursor[j] += 1
     base = load_model(models.draft, models.draft_dtype)
     result = fast_replay(samples, domains, base, learn, k, baselines, baseline_epochs, baseline_lr, probe,
-                         settings.max_new_tokens, progress)
+                         settings.max_new_tokens, progress, unseen)
     return {"config": {"models": asdict(models), "learn": asdict(learn), "teacher": asdict(settings), "stream": stream,
-                       "split": split, "per_segment": per_segment, "k": k, "overlap": overlap,
+                       "split": split, "per_segment": per_segment, "k": k, "overlap": overlap, "heldout": heldout,
+                       "heldout_split": heldout_split,
                        "baseline_epochs": baseline_epochs, "baseline_lr": baseline_lr, "mode": "fast (greedy, exact)"},
             **result}
 
 
 def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: int = 4, baselines: bool = True,
                 baseline_epochs: int = 2, baseline_lr: float = 1e-5, probe: int = 20, max_new_tokens: int | None = None,
-                progress=None) -> dict:
-    """The replay itself over target samples in stream order; `base` is the original draft (left unchanged)."""
+                progress=None, heldout: dict[str, list] | None = None) -> dict:
+    """The replay itself over target samples in stream order; `base` is the original draft (left unchanged).
+    heldout: domain -> target samples no draft trains on, measured once at the end of the stream."""
     items = [sample_item(s) for s in samples]  # frozen-trunk features are cached on these
     layer_split = split_index(base, learn.train_layers)
     variants = {"original": base}
@@ -146,8 +152,11 @@ def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: 
     for domain, idx in probes.items():  # is an earlier domain forgotten? alpha of each variant on its probe, at the end
         end_of_stream[domain] = {name: _mean_alpha(model, [items[j] for j in idx], [samples[j] for j in idx], layer_split)
                                  for name, model in variants.items()}
+    on_heldout = {domain: {name: _mean_alpha(model, [sample_item(s) for s in unseen], unseen, layer_split)
+                           for name, model in variants.items()} for domain, unseen in (heldout or {}).items()}
     return {"requests": rows, "variants": list(variants), "end_of_stream_alpha_on_segment_probes": end_of_stream,
-            "learner": learner.stats(), "updates": learner.history, "timings": timings}
+            "end_of_stream_alpha_on_heldout": on_heldout, "learner": learner.stats(), "updates": learner.history,
+            "timings": timings}
 
 
 def _mean_alpha(model, items, samples, layer_split) -> float:

@@ -61,6 +61,9 @@ def report_fast_replay(result: dict, out: str, markdown: str, window: int = 20) 
     forgetting = result["end_of_stream_alpha_on_segment_probes"]
     f_rows = [[d] + [v.get(name) for name in result["variants"]] for d, v in forgetting.items()]
     f_table = table(f_rows, ["segment probe (its last requests)"] + result["variants"])
+    heldout = result.get("end_of_stream_alpha_on_heldout") or {}
+    h_table = table([[d] + [v.get(name) for name in result["variants"]] for d, v in heldout.items()],
+                    ["held-out requests of"] + result["variants"]) if heldout else ""
     learner, timings = result["learner"], result["timings"]
     notes = (f"online: {learner['updates_published']} updates published, {learner['updates_rejected']} rejected by the guard, "
              f"{learner['optimizer_steps']} optimizer steps, {learner['train_seconds']:.0f} s training; "
@@ -68,6 +71,9 @@ def report_fast_replay(result: dict, out: str, markdown: str, window: int = 20) 
     print(t)
     print("alpha at the end of the stream on each segment's probe:")
     print(f_table)
+    if h_table:
+        print("alpha at the end of the stream on held-out requests (no draft trained on them):")
+        print(h_table)
     print(notes)
     print(f"result written to {path}" + (f", plot {png}" if png else ""))
     if markdown:
@@ -81,5 +87,8 @@ def report_fast_replay(result: dict, out: str, markdown: str, window: int = 20) 
             f"lr {cfg['baseline_lr']}; machine: {machine()['cpu']}, {machine()['cores']} cores; JSON: `{path}`"
             + (f", plot: `{png}`" if png else ""),
             "", "Mean greedy alpha per segment (each draft measured on a request before the online one learns from it):",
-            "", t, "", "At the end of the stream, alpha on each segment's last requests (forgetting):", "", f_table, "", notes,
+            "", t, "", "At the end of the stream, alpha on each segment's last requests (forgetting):", "", f_table, "",
+            *([f"At the end of the stream, alpha on {cfg.get('heldout')} held-out requests per dataset (split "
+               f"{cfg.get('heldout_split')}; no draft trained on them):", "", h_table, ""] if h_table else []),
+            notes,
         ], markdown)
