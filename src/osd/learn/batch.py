@@ -53,16 +53,14 @@ def items_loss(draft_model, items: list[ReplayItem], loss: str = "forward_kl", b
 def acceptance_on(draft_model, items: list[ReplayItem], batch_size: int = 8, split: int = 0) -> dict:
     """Greedy agreement (draft argmax == target argmax) and expected acceptance 1 - TV on items;
     `correct` is the agreement per position (for paired comparisons)."""
-    agree, beta, n, correct = 0.0, 0.0, 0, []
+    beta, correct = 0.0, []
     for i in range(0, len(items), batch_size):
         chunk = items[i : i + batch_size]
         logits = draft_logits_at(draft_model, chunk, split)
         target = CompactDist.cat([it.target for it in chunk])
-        hits = logits.argmax(-1) == target.ids[:, 0]
-        agree += hits.float().sum().item()
-        correct += hits.tolist()
+        correct += (logits.argmax(-1) == target.ids[:, 0]).tolist()
         t, d = bucket_log_probs(logits, target)
         beta += (1 - tv_distance(t, d)).sum().item()
-        n += logits.shape[0]
-    return {"greedy_agreement": agree / n if n else None, "expected_acceptance": beta / n if n else None, "positions": n,
+    n = len(correct)
+    return {"greedy_agreement": sum(correct) / n if n else None, "expected_acceptance": beta / n if n else None, "positions": n,
             "correct": correct}
