@@ -1,6 +1,8 @@
 """Replay buffer, triggers, guard, atomic swaps, checkpoints and a stream where alpha rises."""
 import copy
+import math
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -86,6 +88,38 @@ def test_alpha_rises_on_a_stream_with_online_updates(target_model, tokenizer):
     original = acceptance_on(tiny_qwen2(seed=1, layers=1), [i for i in eval_items if i])
     trained = acceptance_on(learner.master, [i for i in eval_items if i])
     assert trained["greedy_agreement"] > original["greedy_agreement"] + 0.1
+
+
+def test_micro_batches_take_the_same_step_and_wait_for_idle_between_them(target_model, tokenizer):
+    """A step split into micro-batches (background serving) equals the whole-batch step; before each micro-batch
+    the learner checks that the engine is idle, so a decode waits for one item's forward/backward at most."""
+    draft = tiny_qwen2(seed=1, layers=1)
+    engine, _, learner = _learner(target_model, draft, tokenizer, mode="all", every_requests=0, lr=1e-2,
+                                  steps_per_update=2, batch_size=4, trainable="all", guard=False)
+    for prompt in STREAM[:6]:
+        engine.generate(prompt, SamplingConfig(max_new_tokens=12))
+    items = learner.buffer.snapshot()
+    assert len(items) >= 4
+
+    def trained(micro_batch, schedule):
+        model, busy_checks = copy.deepcopy(draft), []
+        config = LearnConfig(mode="all", every_requests=0, lr=1e-2, steps_per_update=2, batch_size=4, trainable="all",
+                             guard=False, micro_batch=micro_batch, schedule=schedule)
+        learner = OnlineLearner(model, lambda master, version=None: SimpleNamespace(version=1), config,
+                                engine_busy=lambda: busy_checks.append(1) and False)
+        for it in items:
+            learner.observe_item(copy.copy(it))
+        assert learner.update("manual")["published"] and learner.counters["optimizer_steps"] == 2
+        return list(model.parameters()), len(busy_checks)
+
+    whole, checks = trained(0, "sync")  # sync: the whole batch in one forward/backward, no idle checks
+    assert checks == 0
+    assert any(not torch.equal(a, b) for a, b in zip(whole, draft.parameters()))  # it did train
+    for micro_batch in (0, 1, 3):  # background: 0 = one item per forward/backward
+        split, checks = trained(micro_batch, "background")
+        assert checks == 2 * math.ceil(4 / (micro_batch or 1))  # one idle check per micro-batch, per step
+        for a, b in zip(split, whole):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["all", "mismatch"])

@@ -50,11 +50,13 @@ def items_loss(draft_model, items: list[ReplayItem], loss: str = "forward_kl", b
 
 
 @torch.no_grad()
-def acceptance_on(draft_model, items: list[ReplayItem], batch_size: int = 8, split: int = 0) -> dict:
+def acceptance_on(draft_model, items: list[ReplayItem], batch_size: int = 8, split: int = 0,
+                  pause=lambda: None) -> dict:
     """Greedy agreement (draft argmax == target argmax) and expected acceptance 1 - TV on items;
-    `correct` is the agreement per position (for paired comparisons)."""
+    `correct` is the agreement per position (for paired comparisons). `pause()` runs before each chunk."""
     beta, correct = 0.0, []
     for i in range(0, len(items), batch_size):
+        pause()
         chunk = items[i : i + batch_size]
         logits = draft_logits_at(draft_model, chunk, split)
         target = CompactDist.cat([it.target for it in chunk])

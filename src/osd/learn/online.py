@@ -42,6 +42,8 @@ class LearnConfig:
     beta: float = 0.5  # JSD beta
     lr: float = 1e-5  # AdamW on the top layers; 1e-4 made the offline loss diverge within steps (BENCHMARKS.md)
     batch_size: int = 8  # items per optimizer step
+    micro_batch: int = 0  # items per forward/backward, gradients summed into the same step; 0 = the whole batch
+    #   in sync mode, 1 in background mode (a decode then waits for at most one item's forward/backward)
     steps_per_update: int = 8  # optimizer steps per update (sampled from the buffer)
     max_context: int = 384  # tokens of context kept per item
     trainable: str = "no_embeddings"  # all | no_embeddings | lora (learn/trainable.py)
@@ -65,6 +67,8 @@ class LearnConfig:
             raise InvalidArgument(f"beta must be in [0, 1], got {self.beta}")
         if self.guard_z < 0 or self.guard_tolerance < 0:
             raise InvalidArgument("guard_z and guard_tolerance must be >= 0")
+        if self.micro_batch < 0:
+            raise InvalidArgument(f"micro_batch must be >= 0 (0 = automatic), got {self.micro_batch}")
         if min(self.lr, self.batch_size, self.steps_per_update, self.capacity, self.top_k, self.guard_capacity) <= 0:
             raise InvalidArgument("lr, batch_size, steps_per_update, capacity, top_k and guard_capacity must be > 0")
         if not 0.0 <= self.guard_holdout < 1.0:
@@ -162,30 +166,23 @@ class OnlineLearner:
         if not train:
             return {"reason": reason, "items": 0, "published": False, "rejected_because": "nothing to train on",
                     "losses": []}
-        before = acceptance_on(self.master, holdout, split=self.split) if holdout else None
+        before = acceptance_on(self.master, holdout, split=self.split, pause=self._wait_idle) if holdout else None
         backup = [p.detach().clone() for p in self.params]
         optimizer_backup = copy.deepcopy(self.optimizer.state_dict())  # moments too: a rejected update leaves no trace
         self.master.train()
         losses = []
         for _ in range(cfg.steps_per_update):
-            self._wait_idle()
             batch = self.rng.sample(train, min(cfg.batch_size, len(train)))
-            loss = items_loss(self.master, batch, cfg.loss, cfg.beta, split=self.split)
-            if not math.isfinite(loss.item()):
-                self.counters["steps_skipped_nonfinite"] += 1
-                continue
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grads_ok = all(p.grad is None or torch.isfinite(p.grad).all() for p in self.params)
-            if not grads_ok:
+            loss = self._accumulate_gradients(batch)
+            if loss is None:
                 self.counters["steps_skipped_nonfinite"] += 1
                 continue
             torch.nn.utils.clip_grad_norm_(self.params, 1.0)
             self.optimizer.step()
             self.counters["optimizer_steps"] += 1
-            losses.append(loss.item())
+            losses.append(loss)
         self.master.eval()
-        after = acceptance_on(self.master, holdout, split=self.split) if holdout else None
+        after = acceptance_on(self.master, holdout, split=self.split, pause=self._wait_idle) if holdout else None
         finite = all(torch.isfinite(p).all() for p in self.params)
         worse = before is not None and is_worse(before.pop("correct"), after.pop("correct"), cfg.guard_z,
                                                 cfg.guard_tolerance)
@@ -206,6 +203,29 @@ class OnlineLearner:
         if cfg.checkpoint_dir:
             self.save()
         return report
+
+    def _accumulate_gradients(self, batch: list) -> float | None:
+        """Gradients of the batch's mean loss over positions, one micro-batch at a time (the idle wait before
+        each); returns the loss, or None (gradients cleared) when the loss or a gradient is not finite."""
+        cfg = self.config
+        size = cfg.micro_batch or (1 if cfg.schedule == "background" else len(batch))
+        total = sum(len(it.positions) for it in batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for i in range(0, len(batch), size):
+            self._wait_idle()
+            micro = batch[i : i + size]
+            share = sum(len(it.positions) for it in micro) / total  # mean over the micro-batch -> over the batch
+            loss = items_loss(self.master, micro, cfg.loss, cfg.beta, split=self.split) * share
+            if not math.isfinite(loss.item()):
+                self.optimizer.zero_grad(set_to_none=True)
+                return None
+            loss.backward()
+            loss_sum += loss.item()
+        if not all(p.grad is None or torch.isfinite(p.grad).all() for p in self.params):
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        return loss_sum
 
     def _holdout_requests(self) -> set[str]:
         """The newest `guard_holdout` share of the requests in the guard buffer (none with fewer than 2)."""
