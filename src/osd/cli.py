@@ -67,6 +67,19 @@ def cmd_bench_speed(args) -> None:
     report_speed(result, args.out, args.markdown)
 
 
+def cmd_bench_train_step(args) -> None:
+    from tqdm import tqdm
+
+    from osd.bench.report import report_train_step
+    from osd.bench.train_step import run_train_step
+    from osd.distill.cache import DecodeSettings
+
+    result = run_train_step(config_from(args, ModelConfig), args.dataset, args.split, args.requests,
+                            DecodeSettings(max_new_tokens=args.max_new_tokens, top_k=args.top_k), args.train_layers,
+                            args.trainable, args.batch_size, args.repeats, cache_dir=args.cache_dir, progress=tqdm)
+    report_train_step(result, args.out, args.markdown)
+
+
 def cmd_replay(args) -> None:
     from tqdm import tqdm
 
@@ -151,6 +164,21 @@ def build_parser() -> argparse.ArgumentParser:
     for cls in (ModelConfig, SpeculationConfig):
         add_config_flags(p, cls)
     p.set_defaults(func=cmd_bench_speed)
+    p = bench.add_parser("train-step", help="seconds per draft distillation step: whole last layer vs rows only")
+    p.add_argument("--dataset", default="spider")
+    p.add_argument("--split", default="train")
+    p.add_argument("--requests", type=int, default=16, help="cached requests to draw batches from")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=64, help="target distribution kept per position (cache key)")
+    p.add_argument("--cache-dir", default=None, help="teacher cache (default ~/.cache/osd/teacher)")
+    p.add_argument("--train-layers", type=int, default=2)
+    p.add_argument("--trainable", default="no_embeddings")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="benchmarks/bench-train-step.json")
+    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    add_config_flags(p, ModelConfig)
+    p.set_defaults(func=cmd_bench_train_step)
     from osd.serve.cli import register as register_serve  # `osd serve`, `osd bench serve`
 
     register_serve(sub, bench)

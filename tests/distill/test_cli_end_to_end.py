@@ -105,3 +105,17 @@ def test_fast_replay_cli_with_heldout_requests(workspace):
     (domain, alphas), = result["end_of_stream_alpha_on_heldout"].items()
     assert domain == str(root / "tiny.jsonl") and set(alphas) == {"original", "offline_10pct", "offline_100pct", "online"}
     assert "6 held-out requests per dataset" in (root / "F.md").read_text()
+
+
+def test_bench_train_step_times_both_paths_and_they_agree(workspace):
+    root = workspace
+    out = root / "train-step.json"
+    assert main(["bench", "train-step", "--target", str(root / "target"), "--draft", str(root / "draft"),
+                 "--dataset", str(root / "tiny.jsonl"), "--max-new-tokens", "8", "--top-k", "8", "--no-prepack-target",
+                 "--cache-dir", str(root / "cache"), "--requests", "8", "--train-layers", "1", "--batch-size", "4",
+                 "--repeats", "2", "--out", str(out), "--markdown", str(root / "B.md")]) == 0
+    result = json.loads(out.read_text())
+    assert result["rows_only_supported"] and result["config"]["requests"] == 8
+    assert all(len(v) == 2 and min(v) > 0 for v in result["seconds_per_forward_backward"].values())
+    assert result["max_loss_difference"] < 1e-4 and result["max_relative_gradient_difference"] < 1e-3
+    assert "## Training step (`osd bench train-step`)" in (root / "B.md").read_text()

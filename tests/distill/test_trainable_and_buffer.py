@@ -9,7 +9,8 @@ from osd.errors import InvalidArgument
 from osd.learn.batch import draft_logits_at
 from osd.learn.buffer import ReplayBuffer, ReplayItem
 from osd.learn.compact import compress
-from osd.learn.trainable import configure_trainable, head_logits_at, merge_lora, split_index, trunk_features
+from osd.learn.trainable import (configure_trainable, head_logits_at, merge_lora, rows_only_supported, split_index,
+                                 trunk_features)
 
 
 def _item(tokens, positions, request="r", vocab=48):
@@ -24,6 +25,28 @@ def test_trunk_plus_head_equals_the_full_forward():
         features = trunk_features(model, ids, split)
         rows, cols = torch.zeros(6, dtype=torch.long), torch.arange(6)
         assert torch.allclose(head_logits_at(model, features, split, rows, cols), full, atol=1e-5)
+
+
+@pytest.mark.parametrize("trainable", ["no_embeddings", "lora"])
+def test_last_layer_at_supervised_rows_only_matches_the_whole_layer_values_and_gradients(trainable):
+    """Right-padded batch of two contexts, supervised positions scattered (not the last ones)."""
+    model = tiny_qwen2(seed=3, layers=3)
+    params = configure_trainable(model, trainable, train_layers=2)
+    split = split_index(model, 2)
+    assert rows_only_supported(model, model.model.layers[-1])
+    ids = torch.tensor([[5, 9, 11, 20, 7, 3, 12, 30], [7, 8, 9, 10, 0, 0, 0, 0]])
+    features = trunk_features(model, ids, split)
+    rows, cols = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([1, 4, 6, 0, 3])
+    results = []
+    for rows_only in (False, True):
+        model.zero_grad(set_to_none=True)
+        logits = head_logits_at(model, features, split, rows, cols, rows_only=rows_only)
+        (logits.log_softmax(-1)[:, :7].sum() + logits.pow(2).mean()).backward()
+        results.append((logits.detach(), [p.grad.clone() for p in params]))
+    (full, full_grads), (rows_only, grads) = results
+    torch.testing.assert_close(rows_only, full, rtol=1e-4, atol=1e-5)
+    for a, b in zip(grads, full_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_draft_logits_with_cached_features_match_and_are_kept_on_items():

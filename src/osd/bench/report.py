@@ -79,3 +79,30 @@ def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> No
             f"machine: {machine()['cpu']}; JSON: `{path}`" + (f", plot: `{png}`" if png else ""),
             "", t, "", notes,
         ], markdown)
+
+
+def report_train_step(result: dict, out: str, markdown: str) -> None:
+    import sys
+
+    path = write_result(result, out)
+    secs, med = result["seconds_per_forward_backward"], result["median_seconds"]
+    t = table([[name, med[name], min(secs[name]), max(secs[name])] for name in med],
+              ["path", "median s / forward+backward", "min s", "max s"])
+    cfg = result["config"]
+    notes = (f"rows_only vs whole_layer: {result['speedup_rows_only']:.2f}x (median); mean context "
+             f"{result['mean_context_tokens']:.0f} tokens, {result['mean_supervised_positions']:.0f} supervised positions "
+             f"per item; largest loss difference {result['max_loss_difference']:.2e}, largest gradient difference "
+             f"{result['max_relative_gradient_difference']:.2e} (relative to the tensor's largest entry)")
+    print(t)
+    print(notes)
+    print(f"result written to {path}")
+    if markdown:
+        m = machine()
+        append_markdown("Training step (`osd bench train-step`)", [
+            f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} rev {git_revision()}",
+            f"`{redacted_command(sys.argv[1:])}`; {cfg['dataset']}/{cfg['split']} {cfg['requests']} requests, "
+            f"{cfg['max_new_tokens']} tokens, trainable={cfg['trainable']} train_layers={cfg['train_layers']} "
+            f"batch {cfg['batch_size']}, {cfg['repeats']} repeats after a warm-up; machine: {m['cpu']}, {m['cores']} cores, "
+            f"torch threads {m['torch_threads']}; JSON: `{path}`",
+            "", t, "", notes,
+        ], markdown)

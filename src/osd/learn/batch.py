@@ -13,11 +13,12 @@ from osd.learn.losses import bucket_log_probs, distill_loss, tv_distance
 from osd.learn.trainable import head_logits_at, trunk_features
 
 
-def draft_logits_at(draft_model, items: list[ReplayItem], split: int = 0) -> torch.Tensor:
+def draft_logits_at(draft_model, items: list[ReplayItem], split: int = 0, rows_only: bool = True) -> torch.Tensor:
     """(sum of positions, V) draft logits aligned with the items' targets (index P-1 for token P).
 
     split > 0: layers below `split` are frozen; their output is taken from item.features when an item
-    holds it, else computed (no grad) and kept on the item for the next time.
+    holds it, else computed (no grad) and kept on the item for the next time; rows_only: the last layer
+    runs at the supervised positions only (learn/trainable.py, same values).
     """
     width = max(len(it.tokens) for it in items)
     input_ids = torch.zeros(len(items), width, dtype=torch.long)  # (B, T) right-padded
@@ -40,13 +41,13 @@ def draft_logits_at(draft_model, items: list[ReplayItem], split: int = 0) -> tor
     features = torch.zeros(len(items), width, items[0].features.shape[-1])
     for b, it in enumerate(items):
         features[b, : len(it.tokens)] = it.features[: len(it.tokens)].float()
-    return head_logits_at(draft_model, features, split, rows, cols)
+    return head_logits_at(draft_model, features, split, rows, cols, rows_only)
 
 
 def items_loss(draft_model, items: list[ReplayItem], loss: str = "forward_kl", beta: float = 0.5,
-               temperature: float = 1.0, split: int = 0) -> torch.Tensor:
+               temperature: float = 1.0, split: int = 0, rows_only: bool = True) -> torch.Tensor:
     target = CompactDist.cat([it.target for it in items])
-    return distill_loss(draft_logits_at(draft_model, items, split), target, loss, beta, temperature=temperature)
+    return distill_loss(draft_logits_at(draft_model, items, split, rows_only), target, loss, beta, temperature=temperature)
 
 
 @torch.no_grad()

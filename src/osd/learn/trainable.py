@@ -104,7 +104,58 @@ def trunk_features(model, input_ids: torch.Tensor, split: int) -> torch.Tensor:
     return _run_layers(model, hidden, decoder_layers(model)[:split])
 
 
-def head_logits_at(model, features: torch.Tensor, split: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Top layers + final norm over (B, T, H) trunk features; LM head only at (rows, cols) -> (N, V)."""
-    hidden = _run_layers(model, features, decoder_layers(model)[split:])
-    return model.lm_head(model.model.norm(hidden[rows, cols])).float()
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def rows_only_supported(model, layer) -> bool:
+    """A plain pre-norm RoPE decoder layer (Llama / Qwen2 / Mistral shape, full attention, no dropout, no
+    q/k norms): the only shape `last_layer_at_rows` reproduces; anything else runs the layer whole."""
+    attn = getattr(layer, "self_attn", None)
+    return (all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim"))
+            and all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp"))
+            and not any(hasattr(attn, n) for n in ("q_norm", "k_norm"))
+            and getattr(attn, "sliding_window", None) is None
+            and not getattr(model.config, "attention_dropout", 0.0))
+
+
+def last_layer_at_rows(layer, hidden: torch.Tensor, rope, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """The decoder layer's output at (rows, cols) only -> (N, H), from its (B, T, H) input.
+
+    Keys and values need every position, but queries, attention, o_proj and the MLP only the supervised
+    ones: in the last layer that is most of its cost (32 supervised positions of a 300-token context).
+    Same values as running the layer whole and indexing, up to float rounding (tests/learn).
+    """
+    attn, (batch, width, _) = layer.self_attn, hidden.shape
+    d = attn.head_dim
+    cos, sin = rope  # (1, T, d)
+    x = layer.input_layernorm(hidden)
+    keys = _rotate(attn.k_proj(x).view(batch, width, -1, d).transpose(1, 2), cos[:, None], sin[:, None])  # (B, KV, T, d)
+    values = attn.v_proj(x).view(batch, width, -1, d).transpose(1, 2)
+    queries = attn.q_proj(x[rows, cols]).view(len(rows), -1, d)  # (N, Hq, d)
+    queries = _rotate(queries, cos[0, cols][:, None], sin[0, cols][:, None])
+    group = queries.shape[1] // keys.shape[1]
+    out = torch.empty_like(queries)
+    for b in rows.unique().tolist():
+        sel = (rows == b).nonzero().squeeze(1)
+        visible = torch.arange(width)[None, :] <= cols[sel][:, None]  # (n, T): causal, padding is never visible
+        out[sel] = torch.nn.functional.scaled_dot_product_attention(
+            queries[sel].transpose(0, 1), keys[b].repeat_interleave(group, 0), values[b].repeat_interleave(group, 0),
+            attn_mask=visible, scale=attn.scaling).transpose(0, 1)
+    h = hidden[rows, cols] + attn.o_proj(out.reshape(len(rows), -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def head_logits_at(model, features: torch.Tensor, split: int, rows: torch.Tensor, cols: torch.Tensor,
+                   rows_only: bool = True) -> torch.Tensor:
+    """Top layers + final norm over (B, T, H) trunk features; LM head only at (rows, cols) -> (N, V).
+
+    rows_only: the last layer runs at (rows, cols) only when its shape allows (`rows_only_supported`)."""
+    layers = decoder_layers(model)[split:]
+    if not (rows_only and len(layers) and rows_only_supported(model, layers[-1])):
+        hidden = _run_layers(model, features, layers)
+        return model.lm_head(model.model.norm(hidden[rows, cols])).float()
+    hidden = _run_layers(model, features, layers[:-1])
+    rope = model.model.rotary_emb(hidden, torch.arange(hidden.shape[1]).unsqueeze(0))
+    return model.lm_head(model.model.norm(last_layer_at_rows(layers[-1], hidden, rope, rows, cols))).float()
