@@ -5,13 +5,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PORT=${PORT:-8765}
+TAG=${TAG:-}                # suffix of the JSON file names (keeps earlier results)
+MARKDOWN=${MARKDOWN:-BENCHMARKS.md}
 ARGS=${BENCH_ARGS:---prompts code --limit 4 --max-tokens 32 --concurrency 1 2 4}
 run() {  # name, serve flags...
   local name=$1; shift
   .venv/bin/osd serve --port "$PORT" --checkpoint-dir "runs/bench-serve-ckpt-$name" "$@" > "runs/serve-$name.log" 2>&1 &
   local pid=$!
   for _ in $(seq 1 600); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
-  .venv/bin/osd bench serve --url "http://127.0.0.1:$PORT" $ARGS --out "benchmarks/bench-serve-$name.json"
+  .venv/bin/osd bench serve --url "http://127.0.0.1:$PORT" $ARGS --out "benchmarks/bench-serve-$name$TAG.json" --markdown "$MARKDOWN"
   kill -INT "$pid"; wait "$pid" || true
 }
 mkdir -p runs benchmarks
