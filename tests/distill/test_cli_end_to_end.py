@@ -105,6 +105,10 @@ def test_fast_replay_cli_with_heldout_requests(workspace):
     (domain, alphas), = result["end_of_stream_alpha_on_heldout"].items()
     assert domain == str(root / "tiny.jsonl") and set(alphas) == {"original", "offline_10pct", "offline_100pct", "online"}
     assert "6 held-out requests per dataset" in (root / "F.md").read_text()
+    paired = result["heldout_online_vs_offline_100pct"][domain]  # paired on the same held-out positions
+    diff = alphas["online"] - alphas["offline_100pct"]
+    assert (paired["gained"] - paired["lost"] > 0) == (diff > 0) and (paired["gained"] == paired["lost"]) == (diff == 0)
+    assert "online vs offline_100pct on the same positions" in (root / "F.md").read_text()
 
 
 def test_bench_train_step_times_both_paths_and_they_agree(workspace):

@@ -90,3 +90,11 @@ def test_fast_replay_online_alpha_rises_and_beats_the_original_on_a_shifting_str
     report_fast_replay(result, str(tmp_path / "replay.json"), str(tmp_path / "BENCH.md"), window=5)
     bench = (tmp_path / "BENCH.md").read_text()
     assert (tmp_path / "replay.png").stat().st_size > 1000 and "offline_100pct" in bench and "5 held-out requests" in bench
+
+
+def test_paired_difference_counts_gained_and_lost_positions():
+    from osd.bench.replay_fast import paired_difference
+
+    base, other = [True, True, False, False, True], [True, False, True, True, True]
+    assert paired_difference(base, other) == {"gained": 2, "lost": 1, "z": 1 / 3 ** 0.5}
+    assert paired_difference(base, base)["z"] == 0.0

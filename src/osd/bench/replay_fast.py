@@ -152,14 +152,29 @@ def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: 
     for domain, idx in probes.items():  # is an earlier domain forgotten? alpha of each variant on its probe, at the end
         end_of_stream[domain] = {name: _mean_alpha(model, [items[j] for j in idx], [samples[j] for j in idx], layer_split)
                                  for name, model in variants.items()}
-    on_heldout = {domain: {name: _mean_alpha(model, [sample_item(s) for s in unseen], unseen, layer_split)
-                           for name, model in variants.items()} for domain, unseen in (heldout or {}).items()}
+    on_heldout, paired = {}, {}
+    for domain, unseen in (heldout or {}).items():
+        matches = {name: _matches(model, [sample_item(s) for s in unseen], unseen, layer_split)
+                   for name, model in variants.items()}
+        on_heldout[domain] = {name: sum(m) / max(1, len(m)) for name, m in matches.items()}
+        if "offline_100pct" in matches:
+            paired[domain] = paired_difference(matches["offline_100pct"], matches["online"])
     return {"requests": rows, "variants": list(variants), "end_of_stream_alpha_on_segment_probes": end_of_stream,
-            "end_of_stream_alpha_on_heldout": on_heldout, "learner": learner.stats(), "updates": learner.history,
-            "timings": timings}
+            "end_of_stream_alpha_on_heldout": on_heldout, "heldout_online_vs_offline_100pct": paired,
+            "learner": learner.stats(), "updates": learner.history, "timings": timings}
+
+
+def paired_difference(base: list[bool], other: list[bool]) -> dict:
+    """Positions `other` gets right and `base` wrong (gained) and the reverse (lost), and the sign-test z."""
+    gained = sum(o and not b for b, o in zip(base, other))
+    lost = sum(b and not o for b, o in zip(base, other))
+    return {"gained": gained, "lost": lost, "z": (gained - lost) / (gained + lost) ** 0.5 if gained + lost else 0.0}
+
+
+def _matches(model, items, samples, layer_split) -> list[bool]:
+    return [m for s in position_stats(model, items, samples, layer_split) for m in s["matches"]]
 
 
 def _mean_alpha(model, items, samples, layer_split) -> float:
-    stats = position_stats(model, items, samples, layer_split)
-    matches = [m for s in stats for m in s["matches"]]
+    matches = _matches(model, items, samples, layer_split)
     return sum(matches) / max(1, len(matches))

@@ -68,6 +68,9 @@ def report_fast_replay(result: dict, out: str, markdown: str, window: int = 20) 
     notes = (f"online: {learner['updates_published']} updates published, {learner['updates_rejected']} rejected by the guard, "
              f"{learner['optimizer_steps']} optimizer steps, {learner['train_seconds']:.0f} s training; "
              + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
+    for domain, d in (result.get("heldout_online_vs_offline_100pct") or {}).items():
+        notes += (f"; held-out {domain}, online vs offline_100pct on the same positions: {d['gained']} gained, "
+                  f"{d['lost']} lost, z = {d['z']:.2f}")
     print(t)
     print("alpha at the end of the stream on each segment's probe:")
     print(f_table)
