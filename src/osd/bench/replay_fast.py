@@ -24,6 +24,7 @@ from osd.distill.evaluate import greedy_steps, position_stats, sample_item
 from osd.distill.target_outputs import dataset_samples
 from osd.distill.trainer import DistillConfig, DistillTrainer
 from osd.learn.buffer import ReplayItem
+from osd.learn.guard import paired_flips
 from osd.learn.online import LearnConfig, OnlineLearner
 from osd.learn.trainable import split_index
 from osd.models.loading import load_model
@@ -165,9 +166,9 @@ def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: 
 
 
 def paired_difference(base: list[bool], other: list[bool]) -> dict:
-    """Positions `other` gets right and `base` wrong (gained) and the reverse (lost), and the sign-test z."""
-    gained = sum(o and not b for b, o in zip(base, other))
-    lost = sum(b and not o for b, o in zip(base, other))
+    """Positions `other` gets right and `base` wrong (gained) and the reverse (lost), and the sign-test z
+    (the guard's paired count, learn/guard.py)."""
+    lost, gained = paired_flips(base, other)
     return {"gained": gained, "lost": lost, "z": (gained - lost) / (gained + lost) ** 0.5 if gained + lost else 0.0}
 
 

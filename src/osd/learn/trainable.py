@@ -125,7 +125,8 @@ def last_layer_at_rows(layer, hidden: torch.Tensor, rope, rows: torch.Tensor, co
 
     Keys and values need every position, but queries, attention, o_proj and the MLP only the supervised
     ones: in the last layer that is most of its cost (32 supervised positions of a 300-token context).
-    Same values as running the layer whole and indexing, up to float rounding (tests/learn).
+    Same values as running the layer whole and indexing, up to float rounding
+    (tests/distill/test_trainable_and_buffer.py).
     """
     attn, (batch, width, _) = layer.self_attn, hidden.shape
     d = attn.head_dim
