@@ -123,7 +123,11 @@ def test_percentile():
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0, 2.0], 95) == pytest.approx(1.95)
 
 
-def test_load_generator_against_live_server():
+def test_load_generator_against_live_server(tmp_path, monkeypatch):
+    import json
+
+    from osd.bench.serve_report import report_load
+
     with tiny_server(api_key="k") as served:
         result = run_load(served.url, ["abc", "defg", "hij"], max_tokens=8, concurrency=(1, 2), api_key="k")
     assert result["config"]["model"] == MODEL and result["warmup_ok"]
@@ -133,6 +137,13 @@ def test_load_generator_against_live_server():
         assert level["ttft_p50"] > 0 and level["tpot_p95"] >= level["tpot_p50"] >= 0
         assert 0 <= level["acceptance_rate"] <= 1
     assert "TTFT p50" in load_table(result)
+    # the recorded result: JSON and a BENCHMARKS.md block with the table and the command, the API key hidden
+    monkeypatch.setattr("sys.argv", ["osd", "bench", "serve", "--api-key", "s3cret", "--concurrency", "1", "2"])
+    report_load(result, str(tmp_path / "load.json"), str(tmp_path / "B.md"))
+    block = (tmp_path / "B.md").read_text()
+    assert "## Serving load (`osd bench serve`)" in block and load_table(result) in block
+    assert "--api-key ***" in block and "s3cret" not in block and "s3cret" not in (tmp_path / "load.json").read_text()
+    assert json.loads((tmp_path / "load.json").read_text())["levels"] == result["levels"]
 
 
 def test_recorded_command_hides_the_api_key():

@@ -76,3 +76,20 @@ def append_markdown(section: str, lines: list[str], path: str | Path = "BENCHMAR
     else:
         text = text.rstrip("\n") + "\n" + heading + "\n" + block
     path.write_text(text)
+
+
+def emit_report(section: str, description: str, blocks: list[str], path: Path, markdown: str | Path | None,
+                plot: str | None = None) -> None:
+    """Print a result's blocks (tables, captions, notes) and where its files are; with `markdown`, append the same
+    blocks under `section` of that file, headed by the date, the git revision and `description` (command, config,
+    machine)."""
+    for block in blocks:
+        print(block)
+    print(f"result written to {path}" + (f", plot {plot}" if plot else ""))
+    if markdown:
+        files = f"JSON: `{path}`" + (f", plot: `{plot}`" if plot else "")
+        lines = [f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} rev {git_revision()}",
+                 f"{description}; {files}"]
+        for block in blocks:
+            lines += ["", block]
+        append_markdown(section, lines, markdown)

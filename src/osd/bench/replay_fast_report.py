@@ -1,10 +1,10 @@
 """`osd replay --fast` results -> per-segment table, recovery after shifts, forgetting, PNG, BENCHMARKS.md."""
 from __future__ import annotations
 
-import time
+import sys
 from pathlib import Path
 
-from osd.bench.record import append_markdown, git_revision, machine, redacted_command, write_result
+from osd.bench.record import emit_report, machine, redacted_command, write_result
 from osd.bench.plots import domain_boundaries, moving_average, plot_alpha_curves
 from osd.bench.report import table
 
@@ -52,8 +52,6 @@ def plot(result: dict, path: str, window: int) -> str | None:
 
 
 def report_fast_replay(result: dict, out: str, markdown: str, window: int = 20) -> None:
-    import sys
-
     path = write_result(result, out)
     png = plot(result, str(Path(out).with_suffix(".png")), window)
     rows, header = summary(result, window)
@@ -71,27 +69,16 @@ def report_fast_replay(result: dict, out: str, markdown: str, window: int = 20) 
     for domain, d in (result.get("heldout_online_vs_offline_100pct") or {}).items():
         notes += (f"; held-out {domain}, online vs offline_100pct on the same positions: {d['gained']} gained, "
                   f"{d['lost']} lost, z = {d['z']:.2f}")
-    print(t)
-    print("alpha at the end of the stream on each segment's probe:")
-    print(f_table)
+    cfg = result["config"]
+    learn = cfg["learn"]
+    blocks = ["Mean greedy alpha per segment (each draft measured on a request before the online one learns from it):", t,
+              "At the end of the stream, alpha on each segment's last requests (forgetting):", f_table]
     if h_table:
-        print("alpha at the end of the stream on held-out requests (no draft trained on them):")
-        print(h_table)
-    print(notes)
-    print(f"result written to {path}" + (f", plot {png}" if png else ""))
-    if markdown:
-        cfg = result["config"]
-        learn = cfg["learn"]
-        append_markdown("Online replay, greedy fast path (`osd replay --fast`)", [
-            f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} rev {git_revision()}",
-            f"`{redacted_command(sys.argv[1:])}`; k={cfg['k']}, loss={learn['loss']}, mode={learn['mode']}, "
-            f"every_requests={learn['every_requests']}, steps_per_update={learn['steps_per_update']}, lr={learn['lr']}, "
-            f"trainable={learn['trainable']}, train_layers={learn['train_layers']}; baselines {cfg['baseline_epochs']} epochs "
-            f"lr {cfg['baseline_lr']}; machine: {machine()['cpu']}, {machine()['cores']} cores; JSON: `{path}`"
-            + (f", plot: `{png}`" if png else ""),
-            "", "Mean greedy alpha per segment (each draft measured on a request before the online one learns from it):",
-            "", t, "", "At the end of the stream, alpha on each segment's last requests (forgetting):", "", f_table, "",
-            *([f"At the end of the stream, alpha on {cfg.get('heldout')} held-out requests per dataset (split "
-               f"{cfg.get('heldout_split')}; no draft trained on them):", "", h_table, ""] if h_table else []),
-            notes,
-        ], markdown)
+        blocks += [f"At the end of the stream, alpha on {cfg.get('heldout')} held-out requests per dataset (split "
+                   f"{cfg.get('heldout_split')}; no draft trained on them):", h_table]
+    emit_report("Online replay, greedy fast path (`osd replay --fast`)",
+                f"`{redacted_command(sys.argv[1:])}`; k={cfg['k']}, loss={learn['loss']}, mode={learn['mode']}, "
+                f"every_requests={learn['every_requests']}, steps_per_update={learn['steps_per_update']}, lr={learn['lr']}, "
+                f"trainable={learn['trainable']}, train_layers={learn['train_layers']}; baselines {cfg['baseline_epochs']} "
+                f"epochs lr {cfg['baseline_lr']}; machine: {machine()['cpu']}, {machine()['cores']} cores",
+                blocks + [notes], path, markdown, plot=png)

@@ -1,9 +1,9 @@
 """Turning benchmark results into JSON files, console tables and BENCHMARKS.md blocks."""
 from __future__ import annotations
 
-import time
+import sys
 
-from osd.bench.record import append_markdown, git_revision, machine, redacted_command, write_result
+from osd.bench.record import emit_report, machine, redacted_command, write_result
 
 
 def table(rows: list[list], header: list[str]) -> str:
@@ -24,25 +24,17 @@ def report_speed(result: dict, out: str, markdown: str) -> None:
              f"draft time share {s['draft_time_share']:.2f}; osd vs osd_target {result['speedup_osd_vs_osd_target']:.2f}x; "
              f"measured c = {cal['c']:.3f}, verify cost (k+1 tokens / 1) = "
              + ", ".join(f"{v:.2f}" for v in cal["verify_cost"]))
-    print(t)
-    print(notes)
-    print(f"result written to {path}")
-    if markdown:
-        cfg = result["config"]
-        m = machine()
-        append_markdown("Speed (`osd bench speed`)", [
-            f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} rev {git_revision()}",
-            f"`{' '.join(['osd', 'bench', 'speed'])}` per_domain={cfg['per_domain']} max_new_tokens={cfg['max_new_tokens']} "
-            f"k={cfg['spec']['k']} adaptive={cfg['spec']['adaptive']} draft_quantize={cfg['models']['draft_quantize']} "
-            f"draft_vocab={cfg['models']['draft_vocab']} prepack_target={cfg['models']['prepack_target']} "
-            f"rows_linear_kernel={result.get('rows_linear_kernel')}; "
-            f"machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}; JSON: `{path}`",
-            "", t, "", notes,
-        ], markdown)
+    cfg, m = result["config"], machine()
+    emit_report("Speed (`osd bench speed`)",
+                f"`{redacted_command(sys.argv[1:])}` per_domain={cfg['per_domain']} max_new_tokens={cfg['max_new_tokens']} "
+                f"k={cfg['spec']['k']} adaptive={cfg['spec']['adaptive']} draft_quantize={cfg['models']['draft_quantize']} "
+                f"draft_vocab={cfg['models']['draft_vocab']} prepack_target={cfg['models']['prepack_target']} "
+                f"rows_linear_kernel={result.get('rows_linear_kernel')}; "
+                f"machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}",
+                [t, notes], path, markdown)
 
 
 def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> None:
-    import sys
     from pathlib import Path
 
     from osd.bench.replay import plot_replay
@@ -67,23 +59,15 @@ def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> No
     notes = (f"updates published {learner['updates_published']}, rejected {learner['updates_rejected']}, "
              f"draft version at the first request {first_version} (> 0: resumed from a checkpoint), "
              f"final draft version {learner['version']}, train seconds {learner['train_seconds']:.0f}")
-    print(t)
-    print(notes)
-    print(f"result written to {path}" + (f", plot {png}" if png else ""))
-    if markdown:
-        cfg = result["config"]
-        append_markdown("Online replay (`osd replay`)", [
-            f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} rev {git_revision()}",
-            f"`{redacted_command(sys.argv[1:])}` k={cfg['spec']['k']} loss={cfg['learn']['loss']} "
-            f"mode={cfg['learn']['mode']} every_requests={cfg['learn']['every_requests']} lr={cfg['learn']['lr']}; "
-            f"machine: {machine()['cpu']}; JSON: `{path}`" + (f", plot: `{png}`" if png else ""),
-            "", t, "", notes,
-        ], markdown)
+    cfg = result["config"]
+    emit_report("Online replay (`osd replay`)",
+                f"`{redacted_command(sys.argv[1:])}` k={cfg['spec']['k']} loss={cfg['learn']['loss']} "
+                f"mode={cfg['learn']['mode']} every_requests={cfg['learn']['every_requests']} lr={cfg['learn']['lr']}; "
+                f"machine: {machine()['cpu']}",
+                [t, notes], path, markdown, plot=png)
 
 
 def report_train_step(result: dict, out: str, markdown: str) -> None:
-    import sys
-
     path = write_result(result, out)
     secs, med = result["seconds_per_forward_backward"], result["median_seconds"]
     t = table([[name, med[name], min(secs[name]), max(secs[name])] for name in med],
@@ -93,16 +77,10 @@ def report_train_step(result: dict, out: str, markdown: str) -> None:
              f"{result['mean_context_tokens']:.0f} tokens, {result['mean_supervised_positions']:.0f} supervised positions "
              f"per item; largest loss difference {result['max_loss_difference']:.2e}, largest gradient difference "
              f"{result['max_relative_gradient_difference']:.2e} (relative to the tensor's largest entry)")
-    print(t)
-    print(notes)
-    print(f"result written to {path}")
-    if markdown:
-        m = machine()
-        append_markdown("Training step (`osd bench train-step`)", [
-            f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} rev {git_revision()}",
-            f"`{redacted_command(sys.argv[1:])}`; {cfg['dataset']}/{cfg['split']} {cfg['requests']} requests, "
-            f"{cfg['max_new_tokens']} tokens, trainable={cfg['trainable']} train_layers={cfg['train_layers']} "
-            f"batch {cfg['batch_size']}, {cfg['repeats']} repeats after a warm-up; machine: {m['cpu']}, {m['cores']} cores, "
-            f"torch threads {m['torch_threads']}; JSON: `{path}`",
-            "", t, "", notes,
-        ], markdown)
+    m = machine()
+    emit_report("Training step (`osd bench train-step`)",
+                f"`{redacted_command(sys.argv[1:])}`; {cfg['dataset']}/{cfg['split']} {cfg['requests']} requests, "
+                f"{cfg['max_new_tokens']} tokens, trainable={cfg['trainable']} train_layers={cfg['train_layers']} "
+                f"batch {cfg['batch_size']}, {cfg['repeats']} repeats after a warm-up; machine: {m['cpu']}, "
+                f"{m['cores']} cores, torch threads {m['torch_threads']}",
+                [t, notes], path, markdown)

@@ -1,7 +1,9 @@
 """`osd bench serve` results: JSON (with git revision and machine), a console table, a BENCHMARKS.md block."""
 from __future__ import annotations
 
-from osd.bench.record import append_markdown, git_revision, machine, write_result
+import sys
+
+from osd.bench.record import emit_report, machine, redacted_command, write_result
 
 COLUMNS = [("concurrency", "concurrency"), ("requests", "requests"), ("errors", "errors"),
            ("tokens_per_second", "tokens/s"), ("requests_per_second", "req/s"), ("ttft_p50", "TTFT p50 s"),
@@ -19,14 +21,8 @@ def load_table(result: dict) -> str:
 def report_load(result: dict, out: str, markdown: str) -> None:
     path = write_result(result, out)
     t = load_table(result)
-    print(t)
-    print(f"result written to {path}")
-    if markdown:
-        cfg, m = result["config"], machine()
-        append_markdown("Serving load (`osd bench serve`)", [
-            f"### {cfg['model']} at {cfg['url']}, rev {git_revision()}",
-            f"`osd bench serve` machine (client side): {m['cpu']}, {m['cores']} cores;",
-            f"{cfg['prompts']} prompts per level, max_tokens={cfg['max_tokens']}, greedy, "
-            f"{'chat' if cfg['chat'] else 'completions'} endpoint, streaming; warm-up excluded; JSON: `{path}`",
-            "", t,
-        ], markdown)
+    cfg, m = result["config"], machine()
+    emit_report("Serving load (`osd bench serve`)",
+                f"`{redacted_command(sys.argv[1:])}` against {cfg['model']} at {cfg['url']}: {cfg['prompts']} prompts per "
+                f"level, max_tokens={cfg['max_tokens']}, greedy, {'chat' if cfg['chat'] else 'completions'} endpoint, "
+                f"streaming, warm-up excluded; machine (client side): {m['cpu']}, {m['cores']} cores", [t], path, markdown)

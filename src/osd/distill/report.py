@@ -1,9 +1,9 @@
 """`osd eval` results -> console table, JSON and a BENCHMARKS.md block."""
 from __future__ import annotations
 
-import time
+import sys
 
-from osd.bench.record import append_markdown, git_revision, machine, redacted_command, write_result
+from osd.bench.record import emit_report, machine, redacted_command, write_result
 from osd.bench.report import table
 
 COLUMNS = [("alpha greedy", "alpha_greedy"), ("tokens/step greedy", "tokens_per_step_greedy"),
@@ -17,8 +17,6 @@ def eval_table(result: dict) -> str:
 
 
 def report_eval(result: dict, out: str, markdown: str) -> None:
-    import sys
-
     path = write_result(result, out)
     t = eval_table(result)
     cal = result.get("calibration")
@@ -26,12 +24,6 @@ def report_eval(result: dict, out: str, markdown: str) -> None:
              f"target greedy outputs, max_new_tokens={result['teacher']['max_new_tokens']}; implied speedup = "
              f"E[tokens/step] / (k*c + verify cost) at the best k, c={cal['c']:.3f} from {cal['source']}" if cal else
              "no calibration found: implied speedups omitted")
-    print(t)
-    print(notes)
-    print(f"result written to {path}")
-    if markdown:
-        m = machine()
-        append_markdown("Draft acceptance (`osd eval`)", [
-            f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} rev {git_revision()}",
-            f"`{redacted_command(sys.argv[1:])}`; machine: {m['cpu']}, {m['cores']} cores; JSON: `{path}`",
-            "", t, "", notes], markdown)
+    m = machine()
+    emit_report("Draft acceptance (`osd eval`)",
+                f"`{redacted_command(sys.argv[1:])}`; machine: {m['cpu']}, {m['cores']} cores", [t, notes], path, markdown)
