@@ -1,0 +1,77 @@
+"""Where do the draft's greedy disagreements sit? Agreement by the target's own confidence (top-1 probability).
+
+For each dataset: cached target outputs (no target run), one teacher-forced forward of each draft, then
+the share of positions and the draft's greedy agreement in buckets of the target's top-1 probability.
+Drafts: the original, and optionally online checkpoints (`--checkpoint name=dir`, trained top layers only).
+
+    python scripts/agreement_by_confidence.py --dataset spider code --split test --limit 40 \
+        --checkpoint spider_online=runs/ckpt-spider500 --checkpoint code_online=runs/ckpt-code500
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from osd.config import ModelConfig
+from osd.distill.cache import DecodeSettings
+from osd.distill.evaluate import position_stats, sample_item
+from osd.distill.target_outputs import dataset_samples
+from osd.learn.checkpoint import load_checkpoint
+from osd.models.loading import load_model
+
+BUCKETS = [(0.0, 0.5), (0.5, 0.9), (0.9, 1.01)]
+
+
+def by_bucket(top1: torch.Tensor, matches: torch.Tensor) -> list[dict]:
+    """Per target-confidence bucket: share of positions and greedy agreement there."""
+    out = []
+    for lo, hi in BUCKETS:
+        mask = (top1 >= lo) & (top1 < hi)
+        n = int(mask.sum())
+        out.append({"bucket": f"[{lo}, {min(hi, 1.0)}]", "share": n / len(top1),
+                    "agreement": float(matches[mask].float().mean()) if n else None})
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dataset", nargs="+", default=["spider", "code"])
+    p.add_argument("--split", default="test")
+    p.add_argument("--limit", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--checkpoint", action="append", default=[], help="name=dir of an online checkpoint")
+    p.add_argument("--out", default="benchmarks/agreement-by-confidence.json")
+    args = p.parse_args(argv)
+    models = ModelConfig()
+    drafts = {"original": load_model(models.draft, models.draft_dtype)}
+    for spec in args.checkpoint:
+        name, directory = spec.split("=", 1)
+        draft = load_model(models.draft, models.draft_dtype)
+        if load_checkpoint(directory, draft, torch.optim.SGD([torch.zeros(1)], lr=0.0)) is None:
+            raise SystemExit(f"no checkpoint in {directory}")
+        drafts[name] = draft
+    result = {"command": " ".join(["python", "scripts/agreement_by_confidence.py", *sys.argv[1:]]), "datasets": {}}
+    for dataset in args.dataset:
+        samples, _ = dataset_samples(models, dataset, args.split, args.limit, DecodeSettings(max_new_tokens=args.max_new_tokens))
+        top1 = torch.cat([s.target.probs[:, 0] for s in samples])  # (positions,)
+        rows = {}
+        for name, draft in drafts.items():
+            stats = position_stats(draft, [sample_item(s) for s in samples], samples)
+            matches = torch.tensor([m for s in stats for m in s["matches"]])
+            rows[name] = {"agreement": float(matches.float().mean()), "buckets": by_bucket(top1, matches)}
+        result["datasets"][dataset] = {"positions": len(top1), "mean_target_top1": float(top1.mean()), "drafts": rows}
+        for name, r in rows.items():
+            cells = ", ".join(f"{b['bucket']}: {b['share']:.2f} of positions, agreement "
+                              + ("-" if b["agreement"] is None else f"{b['agreement']:.3f}") for b in r["buckets"])
+            print(f"{dataset} {name}: agreement {r['agreement']:.3f}; {cells}")
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"result written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
