@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.errors import OsdError
@@ -104,11 +105,18 @@ def cmd_replay_fast(args) -> None:
     from osd.learn.online import LearnConfig
 
     learn = config_from(args, LearnConfig)
-    result = run_fast_replay(config_from(args, ModelConfig), learn, args.stream, args.split, args.per_segment,
-                             DecodeSettings(max_new_tokens=args.max_new_tokens, top_k=learn.top_k), args.k,
-                             not args.no_baseline, args.baseline_epochs, args.baseline_lr, args.overlap,
-                             batch_size_generate=args.batch_size_generate, cache_dir=args.cache_dir, progress=tqdm,
-                             heldout=args.heldout, heldout_split=args.heldout_split)
+    rows_path = Path(args.out).with_suffix(".rows.jsonl")  # each request's row as it is measured
+    rows_path.parent.mkdir(parents=True, exist_ok=True)
+    with rows_path.open("w") as rows_file:
+        def on_row(row):
+            rows_file.write(json.dumps(row) + "\n")
+            rows_file.flush()
+
+        result = run_fast_replay(config_from(args, ModelConfig), learn, args.stream, args.split, args.per_segment,
+                                 DecodeSettings(max_new_tokens=args.max_new_tokens, top_k=learn.top_k), args.k,
+                                 not args.no_baseline, args.baseline_epochs, args.baseline_lr, args.overlap,
+                                 batch_size_generate=args.batch_size_generate, cache_dir=args.cache_dir, progress=tqdm,
+                                 heldout=args.heldout, heldout_split=args.heldout_split, on_row=on_row)
     report_fast_replay(result, args.out, args.markdown, args.window)
 
 
@@ -148,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "unseen requests per dataset")
     p.add_argument("--heldout-split", default="test", help="--fast: split of the held-out requests")
     p.add_argument("--window", type=int, default=10, help="moving-average window of the plot")
-    p.add_argument("--out", default="benchmarks/replay.json")
+    p.add_argument("--out", default="benchmarks/replay.json", help="result JSON (and PNG beside it); --fast also writes "
+                   "each request's row to <out>.rows.jsonl as it is measured, so a run cut short keeps them")
     p.add_argument("--markdown", default="BENCHMARKS.md")
     for cls in (ModelConfig, SpeculationConfig, LearnConfig):
         add_config_flags(p, cls)

@@ -102,6 +102,8 @@ def test_fast_replay_cli_with_heldout_requests(workspace):
                  "--markdown", str(root / "F.md")]) == 0
     result = json.loads(out.read_text())
     assert len(result["requests"]) == 12 and result["config"]["heldout_split"] == "test"
+    rows = [json.loads(line) for line in (root / "fast.rows.jsonl").read_text().splitlines()]  # written as it went
+    assert rows == result["requests"]
     (domain, alphas), = result["end_of_stream_alpha_on_heldout"].items()
     assert domain == str(root / "tiny.jsonl") and set(alphas) == {"original", "offline_10pct", "offline_100pct", "online"}
     assert "6 held-out requests per dataset" in (root / "F.md").read_text()

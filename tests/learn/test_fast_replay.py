@@ -71,9 +71,11 @@ def test_fast_replay_online_alpha_rises_and_beats_the_original_on_a_shifting_str
     base = tiny_qwen2(seed=1, layers=2)
     before = {n: p.clone() for n, p in base.named_parameters()}
     learn = LearnConfig(every_requests=4, steps_per_update=6, batch_size=8, lr=1e-2, train_layers=1, guard=False)
+    seen = []
     result = fast_replay(a + b, ["a"] * len(a) + ["b"] * len(b), base, learn, k=3, baseline_epochs=4, baseline_lr=1e-2,
-                         probe=10, max_new_tokens=12, heldout={"b": b[-5:]})
+                         probe=10, max_new_tokens=12, heldout={"b": b[-5:]}, on_row=seen.append)
     rows = result["requests"]
+    assert [r["i"] for r in seen] == list(range(len(a + b))) and seen == rows  # each row handed out in stream order
     mean = lambda part, key: sum(r[key] for r in part) / len(part)
     for part in (rows[20:40], rows[60:80]):  # second half of each segment
         assert mean(part, "online_alpha") > mean(part, "original_alpha") + 0.05

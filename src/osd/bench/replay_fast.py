@@ -74,9 +74,10 @@ def frozen_trunk_copy(model, split: int):
 def run_fast_replay(models: ModelConfig, learn: LearnConfig, stream: str, split: str, per_segment: int,
                     settings: DecodeSettings, k: int = 4, baselines: bool = True, baseline_epochs: int = 2,
                     baseline_lr: float = 1e-5, overlap: float = 0.0, probe: int = 20, batch_size_generate: int = 16,
-                    cache_dir=None, progress=None, heldout: int = 0, heldout_split: str = "test") -> dict:
+                    cache_dir=None, progress=None, heldout: int = 0, heldout_split: str = "test", on_row=None) -> dict:
     """heldout > 0: at the end, every variant is also measured on that many requests of each dataset that no
-    draft has seen (`heldout_split`; past the streamed ones when it is the stream's own split)."""
+    draft has seen (`heldout_split`; past the streamed ones when it is the stream's own split).
+    on_row(row): called with each request's row as soon as it is measured (a long run keeps what it measured)."""
     names = [n.strip() for n in stream.split(",")]
     segments = [dataset_samples(models, n, split, per_segment, settings, 0, batch_size_generate, cache_dir, progress)[0]
                 for n in names]
@@ -91,7 +92,7 @@ def run_fast_replay(models: ModelConfig, learn: LearnConfig, stream: str, split:
         cursor[j] += 1
     base = load_model(models.draft, models.draft_dtype)
     result = fast_replay(samples, domains, base, learn, k, baselines, baseline_epochs, baseline_lr, probe,
-                         settings.max_new_tokens, progress, unseen)
+                         settings.max_new_tokens, progress, unseen, on_row)
     return {"config": {"models": asdict(models), "learn": asdict(learn), "teacher": asdict(settings), "stream": stream,
                        "split": split, "per_segment": per_segment, "k": k, "overlap": overlap, "heldout": heldout,
                        "heldout_split": heldout_split,
@@ -101,7 +102,7 @@ def run_fast_replay(models: ModelConfig, learn: LearnConfig, stream: str, split:
 
 def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: int = 4, baselines: bool = True,
                 baseline_epochs: int = 2, baseline_lr: float = 1e-5, probe: int = 20, max_new_tokens: int | None = None,
-                progress=None, heldout: dict[str, list] | None = None) -> dict:
+                progress=None, heldout: dict[str, list] | None = None, on_row=None) -> dict:
     """The replay itself over target samples in stream order; `base` is the original draft (left unchanged).
     heldout: domain -> target samples no draft trains on, measured once at the end of the stream."""
     items = [sample_item(s) for s in samples]  # frozen-trunk features are cached on these
@@ -144,6 +145,8 @@ def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: 
                 learner.observe_item(made[learn.mode], made["all"])
         learner.after_request()
         rows.append(row)
+        if on_row:
+            on_row(row)
         if i + 1 == len(samples) or domains[i + 1] != domains[i]:  # end of a segment: remember its probe
             probes.setdefault(domains[i], [j for j in range(i + 1) if domains[j] == domains[i]][-probe:])
         if hasattr(iterator, "set_postfix"):
