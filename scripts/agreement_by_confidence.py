@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     for spec in args.checkpoint:
         name, directory = spec.split("=", 1)
         draft = load_model(models.draft, models.draft_dtype)
-        if load_checkpoint(directory, draft, torch.optim.SGD([torch.zeros(1)], lr=0.0)) is None:
+        if load_checkpoint(directory, draft) is None:
             raise SystemExit(f"no checkpoint in {directory}")
         drafts[name] = draft
     result = {"command": " ".join(["python", "scripts/agreement_by_confidence.py", *sys.argv[1:]]), "datasets": {}}

@@ -11,6 +11,7 @@ from helpers import make_engine, plain_greedy
 
 from osd.config import SamplingConfig
 from osd.engine import StepRecord
+from osd.learn.checkpoint import load_checkpoint
 from osd.learn.batch import acceptance_on
 from osd.learn.buffer import ReplayBuffer, item_from_step
 from osd.learn.online import LearnConfig, OnlineLearner
@@ -205,6 +206,9 @@ def test_checkpoint_restart_resumes_version_and_counters(target_model, tokenizer
         saved = set(f.keys())
     trainable_names = {n for n, p in learner.master.named_parameters() if p.requires_grad}
     assert saved >= trainable_names and (trainable == "all" or saved == trainable_names)  # frozen weights not copied
+    weights_only = tiny_qwen2(seed=1, layers=1)  # a checkpointed draft loaded for evaluation: no optimizer
+    assert load_checkpoint(str(tmp_path / "ckpt"), weights_only)["version"] == learner.version
+    assert all(torch.equal(p, learner.master.get_parameter(n)) for n, p in weights_only.named_parameters())
 
 
 def test_bad_learn_config():

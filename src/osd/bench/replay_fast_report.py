@@ -69,7 +69,7 @@ def report_fast_replay(result: dict, out: str, markdown: str, window: int = 20) 
     for domain, d in (result.get("heldout_online_vs_offline_100pct") or {}).items():
         notes += (f"; held-out {domain}, online vs offline_100pct on the same positions: {d['gained']} gained, "
                   f"{d['lost']} lost, z = {d['z']:.2f}")
-    cfg = result["config"]
+    cfg, m = result["config"], machine()
     learn = cfg["learn"]
     blocks = ["Mean greedy alpha per segment (each draft measured on a request before the online one learns from it):", t,
               "At the end of the stream, alpha on each segment's last requests (forgetting):", f_table]
@@ -80,5 +80,5 @@ def report_fast_replay(result: dict, out: str, markdown: str, window: int = 20) 
                 f"`{redacted_command(sys.argv[1:])}`; k={cfg['k']}, loss={learn['loss']}, mode={learn['mode']}, "
                 f"every_requests={learn['every_requests']}, steps_per_update={learn['steps_per_update']}, lr={learn['lr']}, "
                 f"trainable={learn['trainable']}, train_layers={learn['train_layers']}; baselines {cfg['baseline_epochs']} "
-                f"epochs lr {cfg['baseline_lr']}; machine: {machine()['cpu']}, {machine()['cores']} cores",
+                f"epochs lr {cfg['baseline_lr']}; machine: {m['cpu']}, {m['cores']} cores",
                 blocks + [notes], path, markdown, plot=png)

@@ -37,7 +37,8 @@ def save_checkpoint(directory: str, master, optimizer, state: dict) -> Path:
     return final
 
 
-def load_checkpoint(directory: str, master, optimizer) -> dict | None:
+def load_checkpoint(directory: str, master, optimizer=None) -> dict | None:
+    """Load the weights (and the optimizer's state, when given one) into `master`; the saved state, or None."""
     final = Path(directory)
     if not (final / "state.json").exists():
         old = final.with_name(final.name + ".old")  # crash between the two renames
@@ -45,8 +46,9 @@ def load_checkpoint(directory: str, master, optimizer) -> dict | None:
             return None
         final = old
     load_model(master, str(final / "draft.safetensors"), strict=False)  # the trainable subset, or everything
-    try:
-        optimizer.load_state_dict(torch.load(final / "optimizer.pt", weights_only=True))
-    except (ValueError, RuntimeError, KeyError):
-        pass  # a different trainable set: start the optimizer afresh
+    if optimizer is not None:  # None: weights only (evaluating a checkpointed draft)
+        try:
+            optimizer.load_state_dict(torch.load(final / "optimizer.pt", weights_only=True))
+        except (ValueError, RuntimeError, KeyError):
+            pass  # a different trainable set: start the optimizer afresh
     return json.loads((final / "state.json").read_text())
