@@ -30,3 +30,7 @@ class ModelIntegrityError(OsdError):
 
 class DatasetNotFound(OsdError, FileNotFoundError):
     """The prompt datasets folder or a dataset file cannot be found."""
+
+
+class CheckpointMismatch(OsdError):
+    """A checkpoint holds only the trained part of a draft and was made on another base draft than the one given."""

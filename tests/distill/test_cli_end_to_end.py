@@ -72,7 +72,7 @@ def test_bad_arguments_are_clear_errors(workspace, capsys):
     assert "train_layers" in capsys.readouterr().err
 
 
-def test_live_replay_learns_checkpoints_and_resumes(workspace):
+def test_live_replay_learns_checkpoints_and_resumes(workspace, capsys):
     """Real decoding of a stream, side by side with the static original draft and the target alone; a second run
     resumes the learned draft from the checkpoint (the way the live benchmark starts from a replayed draft)."""
     root = workspace
@@ -91,6 +91,17 @@ def test_live_replay_learns_checkpoints_and_resumes(workspace):
     second = json.loads((root / "live2.json").read_text())
     assert second["requests"][0]["draft_version"] == 2  # resumed where the first run stopped
     assert "(> 0: resumed from a checkpoint)" in (root / "L.md").read_text()
+
+    # the learned draft as a plain model directory, which osd eval takes like any other draft
+    assert main(["export-draft", "--checkpoint", str(root / "ckpt"), "--draft", str(root / "draft"),
+                 "--out", str(root / "exported")]) == 0
+    provenance = json.loads((root / "exported" / "draft" / "osd_config.json").read_text())["exported_from_checkpoint"]
+    assert provenance["version"] == second["learner"]["version"] and (root / "exported" / "draft" / "tokenizer.json").exists()
+    assert main(["eval", *common(root), "--limit", "4", "--drafts", str(root / "exported" / "draft"),
+                 "--out", str(root / "eval-exported.json"), "--markdown", ""]) == 0
+    # resuming onto another base draft (the target has the draft's shape here) is a clear error, not a mixed draft
+    assert main([*[a if a != str(root / "draft") else str(root / "target") for a in live], "--out", str(root / "x.json")]) == 2
+    assert "another base draft" in capsys.readouterr().err
 
 
 def test_fast_replay_cli_with_heldout_requests(workspace):

@@ -11,6 +11,7 @@ from helpers import make_engine, plain_greedy
 
 from osd.config import SamplingConfig
 from osd.engine import StepRecord
+from osd.errors import CheckpointMismatch
 from osd.learn.checkpoint import load_checkpoint
 from osd.learn.batch import acceptance_on
 from osd.learn.buffer import ReplayBuffer, item_from_step
@@ -209,6 +210,15 @@ def test_checkpoint_restart_resumes_version_and_counters(target_model, tokenizer
     weights_only = tiny_qwen2(seed=1, layers=1)  # a checkpointed draft loaded for evaluation: no optimizer
     assert load_checkpoint(str(tmp_path / "ckpt"), weights_only)["version"] == learner.version
     assert all(torch.equal(p, learner.master.get_parameter(n)) for n, p in weights_only.named_parameters())
+    if trainable == "no_embeddings":  # the checkpoint holds the top layer only: another base must be refused
+        other = tiny_qwen2(seed=2, layers=1)
+        before = copy.deepcopy(other.state_dict())
+        with pytest.raises(CheckpointMismatch, match="another base draft"):
+            load_checkpoint(str(tmp_path / "ckpt"), other)
+        assert all(torch.equal(before[n], t) for n, t in other.state_dict().items())  # and left untouched
+        assert load_checkpoint(str(tmp_path / "ckpt"), tiny_qwen2(seed=1, layers=1).to(torch.bfloat16)) is not None
+    with pytest.raises(CheckpointMismatch):  # another architecture (an extra layer the checkpoint cannot fill)
+        load_checkpoint(str(tmp_path / "ckpt"), tiny_qwen2(seed=1, layers=2))
 
 
 def test_bad_learn_config():

@@ -1,4 +1,5 @@
-"""CLI entries for distillation: `osd target-cache`, `osd distill`, `osd eval`. Parse -> config -> call the library."""
+"""CLI entries for distillation: `osd target-cache`, `osd distill`, `osd eval`, `osd export-draft`.
+Parse -> config -> call the library."""
 from __future__ import annotations
 
 import json
@@ -50,6 +51,15 @@ def register(sub) -> None:
         add_config_flags(p, cls)
     p.set_defaults(func=cmd_eval)
 
+    p = sub.add_parser("export-draft", help="an online or trainer checkpoint -> a plain draft model directory "
+                       "(for osd eval / generate / serve --draft)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (--checkpoint-dir of osd serve --learn / "
+                   "osd replay, or <out>/trainer-state of osd distill)")
+    p.add_argument("--draft", default=ModelConfig.draft, help="the base draft the checkpoint was trained on")
+    p.add_argument("--draft-dtype", default="float32")
+    p.add_argument("--out", required=True, help="output directory; the model goes to <out>/draft")
+    p.set_defaults(func=cmd_export_draft)
+
 
 def progress_bar(desc: str):
     from tqdm import tqdm
@@ -85,6 +95,15 @@ def cmd_distill(args) -> None:
                           args.batch_size_generate, args.cache_dir, progress_bar("target outputs"),
                           newest_calibration(models=models))
     print(json.dumps({k: v for k, v in metrics.items() if k != "losses"}, indent=2, default=str))
+
+
+def cmd_export_draft(args) -> None:
+    from osd.distill.export import export_checkpoint
+    from osd.models.loading import load_tokenizer
+
+    out = export_checkpoint(args.checkpoint, args.draft, args.out, args.draft_dtype, load_tokenizer(args.draft))
+    provenance = json.loads((out / "osd_config.json").read_text())["exported_from_checkpoint"]
+    print(json.dumps({"draft_dir": str(out), "version": provenance["version"], "base_draft": args.draft}, indent=2))
 
 
 def newest_calibration(path: str = "", models=None) -> dict | None:
