@@ -3,6 +3,7 @@
 For each dataset: cached target outputs (no target run), one teacher-forced forward of each draft, then
 the share of positions and the draft's greedy agreement in buckets of the target's top-1 probability.
 Drafts: the original, and optionally online checkpoints (`--checkpoint name=dir`, trained top layers only).
+`osd eval` prints the same buckets for any draft directory (`osd export-draft` makes one from a checkpoint).
 
     python scripts/agreement_by_confidence.py --dataset spider code --split test --limit 40 \
         --checkpoint spider_online=runs/ckpt-spider500 --checkpoint code_online=runs/ckpt-code500
@@ -13,27 +14,12 @@ import argparse
 import json
 import sys
 
-import torch
-
 from osd.config import ModelConfig
 from osd.distill.cache import DecodeSettings
-from osd.distill.evaluate import position_stats, sample_item
+from osd.distill.evaluate import position_stats, sample_item, summarize
 from osd.distill.target_outputs import dataset_samples
 from osd.learn.checkpoint import load_checkpoint
 from osd.models.loading import load_model
-
-BUCKETS = [(0.0, 0.5), (0.5, 0.9), (0.9, 1.01)]
-
-
-def by_bucket(top1: torch.Tensor, matches: torch.Tensor) -> list[dict]:
-    """Per target-confidence bucket: share of positions and greedy agreement there."""
-    out = []
-    for lo, hi in BUCKETS:
-        mask = (top1 >= lo) & (top1 < hi)
-        n = int(mask.sum())
-        out.append({"bucket": f"[{lo}, {min(hi, 1.0)}]", "share": n / len(top1),
-                    "agreement": float(matches[mask].float().mean()) if n else None})
-    return out
 
 
 def main(argv=None) -> int:
@@ -56,13 +42,12 @@ def main(argv=None) -> int:
     result = {"command": " ".join(["python", "scripts/agreement_by_confidence.py", *sys.argv[1:]]), "datasets": {}}
     for dataset in args.dataset:
         samples, _ = dataset_samples(models, dataset, args.split, args.limit, DecodeSettings(max_new_tokens=args.max_new_tokens))
-        top1 = torch.cat([s.target.probs[:, 0] for s in samples])  # (positions,)
+        top1 = [p for s in samples for p in s.target.probs[:, 0].tolist()]
         rows = {}
         for name, draft in drafts.items():
-            stats = position_stats(draft, [sample_item(s) for s in samples], samples)
-            matches = torch.tensor([m for s in stats for m in s["matches"]])
-            rows[name] = {"agreement": float(matches.float().mean()), "buckets": by_bucket(top1, matches)}
-        result["datasets"][dataset] = {"positions": len(top1), "mean_target_top1": float(top1.mean()), "drafts": rows}
+            summary = summarize(position_stats(draft, [sample_item(s) for s in samples], samples), k=4)
+            rows[name] = {"agreement": summary["alpha_greedy"], "buckets": summary["by_target_confidence"]}
+        result["datasets"][dataset] = {"positions": len(top1), "mean_target_top1": sum(top1) / len(top1), "drafts": rows}
         for name, r in rows.items():
             cells = ", ".join(f"{b['bucket']}: {b['share']:.2f} of positions, agreement "
                               + ("-" if b["agreement"] is None else f"{b['agreement']:.3f}") for b in r["buckets"])

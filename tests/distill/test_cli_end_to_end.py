@@ -60,6 +60,7 @@ def test_target_cache_distill_eval_and_resume(workspace, capsys):
     result = json.loads((root / "eval.json").read_text())
     assert set(result["drafts"]) == {str(root / "draft"), str(root / "run" / "draft")}
     assert "alpha greedy" in capsys.readouterr().out and "Draft acceptance" in (root / "B.md").read_text()
+    assert "agreement, target top-1 in [0.9, 1.0]" in (root / "B.md").read_text()
 
 
 def test_bad_arguments_are_clear_errors(workspace, capsys):

@@ -6,7 +6,7 @@ from helpers import make_engine, plain_greedy
 
 from osd.config import SamplingConfig
 from osd.distill.cache import DecodeSettings, TargetCache
-from osd.distill.evaluate import greedy_steps, position_stats, sample_item, summarize
+from osd.distill.evaluate import agreement_by_confidence, greedy_steps, position_stats, sample_item, summarize
 from osd.distill.generate import _lockstep, decode_batch, row_seed
 from osd.distill.target_outputs import target_samples
 from osd.errors import InvalidArgument
@@ -112,3 +112,15 @@ def test_fast_path_acceptance_equals_the_engine_greedy_run(target_model, draft_m
     summary = summarize(stats, 3, {"c": 0.1, "verify_cost": [1.0, 1.2, 1.3, 1.4]}, 16)
     assert 0 <= summary["alpha_greedy"] <= 1 and summary["tokens_per_step_greedy"] >= 1
     assert summary["implied_speedup_greedy"] > 0 and 0 < summary["alpha_sampling_t1"] <= 1
+    buckets = summary["by_target_confidence"]  # the same positions, split by the target's top-1 probability
+    assert abs(sum(b["share"] for b in buckets) - 1) < 1e-9
+    assert abs(sum(b["share"] * (b["agreement"] or 0) for b in buckets) - summary["alpha_greedy"]) < 1e-9
+
+
+def test_agreement_by_confidence_buckets():
+    top1, matches = [0.2, 0.5, 0.95, 1.0, 0.89, 0.3], [False, True, True, True, False, True]
+    buckets = agreement_by_confidence(top1, matches)
+    assert [b["bucket"] for b in buckets] == ["[0.0, 0.5)", "[0.5, 0.9)", "[0.9, 1.0]"]
+    assert [b["share"] for b in buckets] == [2 / 6, 2 / 6, 2 / 6]
+    assert [b["agreement"] for b in buckets] == [0.5, 0.5, 1.0]
+    assert agreement_by_confidence([0.95], [True])[0]["agreement"] is None  # an empty bucket has no agreement

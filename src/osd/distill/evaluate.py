@@ -34,6 +34,22 @@ def greedy_steps(matches: list[bool], k: int, max_new_tokens: int | None = None)
     return steps
 
 
+CONFIDENCE_EDGES = (0.5, 0.9)
+
+
+def agreement_by_confidence(target_top1: list[float], matches: list[bool], edges=CONFIDENCE_EDGES) -> list[dict]:
+    """Greedy agreement in buckets of the target's own top-1 probability: is the draft wrong where the target is
+    sure of its token, or where it hesitates? Per bucket [lo, hi): share of positions and agreement there."""
+    bounds = [0.0, *edges, 1.0]
+    out = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        last = hi == bounds[-1]
+        picked = [m for p, m in zip(target_top1, matches) if lo <= p < hi or (last and p >= hi)]
+        out.append({"bucket": f"[{lo}, {hi}{']' if last else ')'}", "share": len(picked) / max(1, len(matches)),
+                    "agreement": sum(picked) / len(picked) if picked else None})
+    return out
+
+
 def sample_item(sample: TargetSample) -> ReplayItem:
     """Every response position of a sample, as one item (context = prompt + response minus its last token)."""
     n = len(sample.prompt_ids)
@@ -44,7 +60,8 @@ def sample_item(sample: TargetSample) -> ReplayItem:
 @torch.no_grad()
 def position_stats(draft, items: list[ReplayItem], samples: list[TargetSample], split: int = 0,
                    batch_size: int = 8) -> list[dict]:
-    """Per sample: greedy matches (draft argmax == target token) and 1 - TV at each response position."""
+    """Per sample: greedy matches (draft argmax == target token), 1 - TV and the target's top-1 probability at
+    each response position."""
     out = []
     for s in range(0, len(items), batch_size):
         chunk = items[s : s + batch_size]
@@ -56,7 +73,7 @@ def position_stats(draft, items: list[ReplayItem], samples: list[TargetSample], 
             n = len(item.positions)
             pred = logits[offset : offset + n].argmax(-1)
             out.append({"matches": (pred == torch.tensor(sample.response_ids)).tolist(),
-                        "beta": beta[offset : offset + n].tolist()})
+                        "beta": beta[offset : offset + n].tolist(), "target_top1": item.target.probs[:, 0].tolist()})
             offset += n
     return out
 
@@ -71,7 +88,8 @@ def summarize(stats: list[dict], k: int, calibration: dict | None = None, max_ne
            "alpha_greedy": sum(matches) / max(1, len(matches)),
            "acceptance_greedy": sum(a for _, a, _ in steps) / max(1, proposed),
            "tokens_per_step_greedy": len(matches) / max(1, len(steps)),
-           "alpha_sampling_t1": sum(beta) / max(1, len(beta))}
+           "alpha_sampling_t1": sum(beta) / max(1, len(beta)),
+           "by_target_confidence": agreement_by_confidence([p for s in stats for p in s["target_top1"]], matches)}
     if calibration:
         c, v = calibration["c"], calibration["verify_cost"]
         for name, alpha in (("greedy", out["alpha_greedy"]), ("sampling_t1", out["alpha_sampling_t1"])):

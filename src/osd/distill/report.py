@@ -16,9 +16,19 @@ def eval_table(result: dict) -> str:
     return table(rows, ["draft"] + [c for c, _ in COLUMNS])
 
 
+def confidence_table(result: dict) -> str:
+    """Per draft: greedy agreement where the target's top-1 probability is low / middling / high (share of positions)."""
+    drafts = list(result["drafts"].items())
+    buckets = [b["bucket"] for b in drafts[0][1]["by_target_confidence"]] if drafts else []
+    rows = [[name] + [b["agreement"] for b in row["by_target_confidence"]] for name, row in drafts]
+    shares = ", ".join(f"{b['bucket']} {b['share']:.2f}" for b in drafts[0][1]["by_target_confidence"]) if drafts else ""
+    return (table(rows, ["draft"] + [f"agreement, target top-1 in {b}" for b in buckets])
+            + f"\nshare of positions per bucket: {shares}")
+
+
 def report_eval(result: dict, out: str, markdown: str) -> None:
     path = write_result(result, out)
-    t = eval_table(result)
+    t = eval_table(result) + "\n\n" + confidence_table(result)
     cal = result.get("calibration")
     notes = (f"{result['dataset']} {result['split']} first {result['limit']} prompts, k={result['k']}, "
              f"target greedy outputs, max_new_tokens={result['teacher']['max_new_tokens']}; implied speedup = "
