@@ -18,11 +18,10 @@ def eval_table(result: dict) -> str:
 
 def confidence_table(result: dict) -> str:
     """Per draft: greedy agreement where the target's top-1 probability is low / middling / high (share of positions)."""
-    drafts = list(result["drafts"].items())
-    buckets = [b["bucket"] for b in drafts[0][1]["by_target_confidence"]] if drafts else []
-    rows = [[name] + [b["agreement"] for b in row["by_target_confidence"]] for name, row in drafts]
-    shares = ", ".join(f"{b['bucket']} {b['share']:.2f}" for b in drafts[0][1]["by_target_confidence"]) if drafts else ""
-    return (table(rows, ["draft"] + [f"agreement, target top-1 in {b}" for b in buckets])
+    first = next(iter(result["drafts"].values()))["by_target_confidence"]  # the same positions for every draft
+    rows = [[name] + [b["agreement"] for b in row["by_target_confidence"]] for name, row in result["drafts"].items()]
+    shares = ", ".join(f"{b['bucket']} {b['share']:.2f}" for b in first)
+    return (table(rows, ["draft"] + [f"agreement, target top-1 in {b['bucket']}" for b in first])
             + f"\nshare of positions per bucket: {shares}")
 
 
