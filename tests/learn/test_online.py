@@ -221,6 +221,15 @@ def test_checkpoint_restart_resumes_version_and_counters(target_model, tokenizer
         load_checkpoint(str(tmp_path / "ckpt"), tiny_qwen2(seed=1, layers=2))
 
 
+def test_fingerprint_indices_stay_in_range_for_large_weights():
+    from osd.learn.checkpoint import spread_indices
+
+    n = 151_936 * 896  # the 0.5B draft's embedding: past float32's exact integers
+    picks = spread_indices(n, 64)
+    assert picks[0] == 0 and picks[-1] == n - 1 and len(picks) == 64 and bool((picks[1:] > picks[:-1]).all())
+    assert spread_indices(3, 64).tolist() == [0, 1, 2] and spread_indices(1, 64).tolist() == [0]
+
+
 def test_bad_learn_config():
     from osd.errors import InvalidArgument
 

@@ -43,6 +43,13 @@ def save_checkpoint(directory: str, master, optimizer, state: dict) -> Path:
     return final
 
 
+def spread_indices(n: int, count: int) -> torch.Tensor:
+    """`count` evenly spaced indices into n elements, first and last included (integer arithmetic: a float
+    linspace rounds n - 1 up past the end once n exceeds 2**24)."""
+    count = min(count, n)
+    return torch.arange(count, dtype=torch.int64) * (n - 1) // max(1, count - 1)
+
+
 def base_fingerprint(model, saved: set[str]) -> str:
     """What a checkpoint must be loaded onto: a hash of the parameters it does not hold (names, shapes and 64
     evenly spaced values of each, rounded to bfloat16 so a float32 and a bfloat16 copy of one base agree)."""
@@ -51,7 +58,7 @@ def base_fingerprint(model, saved: set[str]) -> str:
         if name in saved:
             continue
         flat = p.detach().reshape(-1)
-        picks = flat[torch.linspace(0, flat.numel() - 1, min(64, flat.numel())).long()]
+        picks = flat[spread_indices(flat.numel(), 64)]
         digest.update(f"{name}{tuple(p.shape)}".encode())
         digest.update(picks.to(torch.bfloat16).float().numpy().tobytes())
     return digest.hexdigest()[:16]
