@@ -22,7 +22,7 @@ def confidence_table(result: dict) -> str:
     rows = [[name] + [b["agreement"] for b in row["by_target_confidence"]] for name, row in result["drafts"].items()]
     shares = ", ".join(f"{b['bucket']} {b['share']:.2f}" for b in first)
     return (table(rows, ["draft"] + [f"agreement, target top-1 in {b['bucket']}" for b in first])
-            + f"\nshare of positions per bucket: {shares}")
+            + f"\n\nshare of positions per bucket: {shares}")
 
 
 def report_eval(result: dict, out: str, markdown: str) -> None:
