@@ -41,13 +41,13 @@ class ToyTokenizer:
         return self.encode(text) if tokenize else text
 
 
-def tiny_qwen2(seed: int, layers: int = 2, hidden: int = 32, vocab: int = VOCAB):
+def tiny_qwen2(seed: int, layers: int = 2, hidden: int = 32, vocab: int = VOCAB, tied: bool = False):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=EOS, bos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
+                         eos_token_id=EOS, bos_token_id=None, pad_token_id=0, tie_word_embeddings=tied)
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():  # sharpen the output distribution so greedy text is not uniform noise
         model.lm_head.weight.mul_(8.0)

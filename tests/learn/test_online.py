@@ -221,6 +221,22 @@ def test_checkpoint_restart_resumes_version_and_counters(target_model, tokenizer
         load_checkpoint(str(tmp_path / "ckpt"), tiny_qwen2(seed=1, layers=2))
 
 
+def test_checkpoint_of_a_tied_draft_trained_whole_resumes_onto_its_base(target_model, tokenizer, tmp_path):
+    """Qwen2.5-0.5B ties its LM head to the embeddings; the file keeps one name of the pair, and the other is no
+    base weight to check (it was trained too)."""
+    draft = tiny_qwen2(seed=1, layers=1, tied=True)
+    cfg = dict(mode="all", every_requests=2, lr=3e-2, steps_per_update=3, trainable="all", train_layers=0, guard=False,
+               checkpoint_dir=str(tmp_path / "ckpt"))
+    engine, registry, learner = _learner(target_model, draft, tokenizer, **cfg)
+    for prompt in STREAM[:4]:
+        engine.generate(prompt, SamplingConfig(max_new_tokens=12))
+    learner.stop()
+    fresh = tiny_qwen2(seed=1, layers=1, tied=True)
+    assert load_checkpoint(str(tmp_path / "ckpt"), fresh)["version"] == learner.version >= 1
+    assert torch.equal(fresh.model.embed_tokens.weight, learner.master.model.embed_tokens.weight)
+    assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()
+
+
 def test_fingerprint_indices_stay_in_range_for_large_weights():
     from osd.learn.checkpoint import spread_indices
 

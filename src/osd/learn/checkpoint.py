@@ -54,8 +54,10 @@ def base_fingerprint(model, saved: set[str]) -> str:
     """What a checkpoint must be loaded onto: a hash of the parameters it does not hold (names, shapes and 64
     evenly spaced values of each, rounded to bfloat16 so a float32 and a bfloat16 copy of one base agree)."""
     digest = hashlib.sha256()
+    everything = dict(model.named_parameters(remove_duplicate=False))  # tied weights under both names
+    held = {everything[n].data_ptr() for n in saved if n in everything}  # a tied twin of a saved weight is held too
     for name, p in sorted(model.named_parameters()):
-        if name in saved:
+        if name in saved or p.data_ptr() in held:
             continue
         flat = p.detach().reshape(-1)
         picks = flat[spread_indices(flat.numel(), 64)]
