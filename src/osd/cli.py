@@ -64,7 +64,8 @@ def cmd_bench_speed(args) -> None:
     from osd.bench.report import report_speed
 
     result = run_speed(config_from(args, ModelConfig), config_from(args, SpeculationConfig), args.per_domain,
-                       args.max_new_tokens, baselines=not args.no_baselines)
+                       args.max_new_tokens, llama_cpp=not args.no_llama_cpp, hf_baseline=args.hf_baseline,
+                       spec_k=args.llama_cpp_spec_k)
     report_speed(result, args.out, args.markdown)
 
 
@@ -164,10 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_replay)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    p = bench.add_parser("speed", help="tokens/s: target-only vs transformers assisted vs osd, one run")
+    p = bench.add_parser("speed", help="tokens/s: llama.cpp vs osd (vs transformers), same prompts, one run")
     p.add_argument("--per-domain", type=int, default=2, help="prompts per domain (code, gsm8k, spider, chat)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--no-baselines", action="store_true", help="skip the transformers baselines")
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp arms")
+    p.add_argument("--hf-baseline", action="store_true", help="add transformers' fp32 target-only greedy (slow; "
+                   "converts the GGUF to fp32 once)")
+    p.add_argument("--llama-cpp-spec-k", type=int, default=4, help="k of the llama.cpp-drafted arm")
     p.add_argument("--out", default="benchmarks/bench-speed.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
     for cls in (ModelConfig, SpeculationConfig):

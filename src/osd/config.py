@@ -44,6 +44,7 @@ class SpeculationConfig:
     adaptive: bool = True  # choose k per step from live acceptance and measured costs (k = 0 allowed)
     alpha_prior: float = 0.7  # acceptance assumed before anything is observed
     alpha_ema: float = 0.9  # smoothing of the live acceptance estimate (per proposed token)
+    lookup: bool = False  # propose by n-gram lookup in this request and earlier traffic first (propose/ngram.py)
 
     def __post_init__(self):
         if self.k is None or self.k < 0:
@@ -64,7 +65,9 @@ class ModelConfig:
     draft_dtype: str = "float32"  # dtype of the draft's master weights
     draft_quantize: str = "int8"  # "none" | "int8": serving copy of the draft (dynamic int8 linears)
     draft_vocab: int = 0  # 0 = full; N = draft proposes only among token ids < N (+ special tokens)
-    threads: int = 0  # torch threads; 0 = leave torch's default
+    target_backend: str = "auto"  # "torch" | "llama.cpp" | "auto" (llama.cpp for a GGUF target, torch otherwise)
+    n_ctx: int = 4096  # llama.cpp target: context (KV cache) length
+    threads: int = 0  # torch (and llama.cpp) threads; 0 = default (torch's; llama.cpp: the cores we may use)
     prepack_target: bool = True  # fast fp32 linears for the target (models/prepack.py; CPU speed trick)
     prepack_copy: bool = False  # prepack a copy (sharing its weights), keeping the given target model plain (benchmarks)
 
@@ -75,6 +78,8 @@ class ModelConfig:
             raise InvalidArgument(f"draft_dtype must be float32, bfloat16 or float16, got {self.draft_dtype}")
         if self.draft_quantize not in ("none", "int8"):
             raise InvalidArgument(f"draft_quantize must be none or int8, got {self.draft_quantize}")
+        if self.target_backend not in ("auto", "torch", "llama.cpp"):
+            raise InvalidArgument(f"target_backend must be auto, torch or llama.cpp, got {self.target_backend}")
         if self.draft_vocab < 0:
             raise InvalidArgument(f"draft_vocab must be >= 0, got {self.draft_vocab}")
 

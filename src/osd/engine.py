@@ -17,7 +17,7 @@ import torch
 from osd.config import SamplingConfig, SpeculationConfig
 from osd.errors import ContextTooLong, InvalidArgument
 from osd.metrics import SpecCounters, SpecMetrics
-from osd.models.cached import CachedModel
+from osd.models.runner import as_runner, eos_ids_of
 from osd.propose.base import Proposal, Proposer
 from osd.speed_model import KPolicy
 from osd.stopping import StopChecker
@@ -53,6 +53,7 @@ class GenerationResult:
     counters: SpecCounters
     seconds: float
     steps: list[tuple[int, int]] = field(default_factory=list)  # (k, n_accepted) per step
+    prefill_seconds: float = 0.0  # of `seconds`: feeding the prompt before the first step
 
     @property
     def stats(self) -> dict:
@@ -65,19 +66,21 @@ class GenerationResult:
 class SpeculativeEngine:
     """Serves one target with one proposer. Limitations: batch size 1; requests are serialised."""
 
-    def __init__(self, target_model, tokenizer, proposer: Proposer | None, spec: SpeculationConfig | None = None,
+    def __init__(self, target, tokenizer, proposer: Proposer | None, spec: SpeculationConfig | None = None,
                  metrics: SpecMetrics | None = None, clock: Callable[[], float] = time.perf_counter):
+        """target: a runner (models/runner.py: the torch CachedModel or the llama.cpp runner) or a torch causal LM."""
         self.spec = spec or SpeculationConfig()
-        self.target = CachedModel(target_model)
+        self.target = as_runner(target)
         self.tokenizer, self.proposer, self.clock = tokenizer, proposer, clock
         k_max = self.spec.k if proposer is not None else 0
+        k_max = min(k_max, getattr(self.target, "max_rows", k_max + 1) - 1)  # verify only batch-invariant row counts
         self.policy = KPolicy(k_max, self.spec.adaptive, self.spec.alpha_prior, self.spec.alpha_ema)
         self.metrics = metrics or SpecMetrics()
         self.observers: list[Callable[[StepRecord], None]] = []  # called after every step
         self.request_observers: list[Callable[[GenerationResult], None]] = []  # called after every request
-        self.context_window = int(getattr(target_model.config, "max_position_embeddings", 0) or 0)
-        self.vocab_size = int(target_model.config.vocab_size)
-        self.eos_ids = eos_token_ids(target_model, tokenizer)
+        self.context_window = self.target.context_window
+        self.vocab_size = self.target.vocab_size
+        self.eos_ids = self.target.eos_ids | tokenizer_eos_ids(tokenizer)
         self._lock = threading.Lock()
 
     def generate(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str | None = None,
@@ -101,6 +104,7 @@ class SpeculativeEngine:
         self.target.reset()
         if len(tokens) > 1:
             self.target.feed(tokens[:-1])  # prefill; the last prompt token is fed with the first proposal
+        prefill_seconds = self.clock() - start
         draft = ("none", -1)
         if self.proposer is not None:
             self.proposer.begin(tokens)
@@ -109,6 +113,7 @@ class SpeculativeEngine:
             k = self.policy.choose_k(sampling.max_new_tokens - len(stopper.token_ids))
             t0 = self.clock()
             proposal = self.proposer.propose(tokens, k, sampling, generator) if k else Proposal([])
+            k = proposal.k  # a proposer may find fewer than k tokens (a lookup with no match: none)
             t1 = self.clock()
             target_logits = self.target.feed(tokens[self.target.length:] + proposal.tokens, n_logits=k + 1)  # (k+1, V)
             t2 = self.clock()
@@ -132,7 +137,7 @@ class SpeculativeEngine:
                 sent = text
         self.metrics.record(draft, counters)
         return GenerationResult(request_id, prompt, stopper.token_ids, stopper.text, stopper.finish_reason, draft,
-                                counters, self.clock() - start, steps)
+                                counters, self.clock() - start, steps, prefill_seconds)
 
     def _verify(self, target_logits, proposal: Proposal, sampling: SamplingConfig, generator):
         """-> (VerifyOutcome, betas): greedy or lossless rejection sampling, plus exact acceptance."""
@@ -183,7 +188,9 @@ class SpeculativeEngine:
             self.proposer.propose(dummy, 1, greedy)  # prefill
             self.proposer.propose(dummy + [0], 2, greedy)  # warm-up
             self.proposer.rollback(len(dummy))
-            timings = self.proposer.propose(dummy + [0], 8, greedy).single_token_seconds  # first forward feeds 1 token
+            t0 = self.clock()
+            proposal = self.proposer.propose(dummy + [0], 8, greedy)  # first forward feeds 1 token
+            timings = proposal.single_token_seconds or [(self.clock() - t0) / max(proposal.k, 1)]  # lookups: no forwards
             t_draft = sorted(timings)[len(timings) // 2]  # median: robust to a noisy neighbour
         self.target.reset()
         self.policy.calibrate(t_draft, t_target)
@@ -191,12 +198,6 @@ class SpeculativeEngine:
                 "verify_cost": [t / t_target[0] for t in t_target]}
 
 
-def eos_token_ids(model, tokenizer) -> set[int]:
-    ids = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos:
-            ids.update(int(e) for e in eos)
-    return ids
+def tokenizer_eos_ids(tokenizer) -> set[int]:
+    return eos_ids_of(tokenizer)
+

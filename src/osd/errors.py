@@ -34,3 +34,7 @@ class DatasetNotFound(OsdError, FileNotFoundError):
 
 class CheckpointMismatch(OsdError):
     """A checkpoint holds only the trained part of a draft and was made on another base draft than the one given."""
+
+
+class BackendUnavailable(OsdError):
+    """A model backend was asked for that is not installed here (with how to install it)."""

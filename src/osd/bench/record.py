@@ -21,6 +21,20 @@ def git_revision() -> str:
         return "unknown"
 
 
+def cpu_flags() -> str:
+    """The vector-ISA flags that decide kernel speed here (AVX2, AVX-512, VNNI, AMX), as /proc/cpuinfo names them."""
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
+              "amx_int8", "amx_bf16")
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return " ".join(f for f in wanted if f in have)
+    except OSError:
+        pass
+    return "unknown"
+
+
 def machine() -> dict:
     cpu = platform.processor()
     try:
@@ -35,7 +49,7 @@ def machine() -> dict:
         mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError):
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "memory_gib": mem,
+    return {"cpu": cpu, "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "memory_gib": mem,
             "python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform()}
 
 

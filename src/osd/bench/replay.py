@@ -34,7 +34,7 @@ def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig,
 
         system.publish_draft(name="static")
         static = SpeculativeEngine(system.target_model, system.tokenizer,
-                                   DraftModelProposer(system.registry, "static", system.target_model.config.vocab_size), spec)
+                                   DraftModelProposer(system.registry, "static", system.engine.vocab_size), spec)
         static.policy = KPolicy(spec.k, adaptive=False)  # fixed k: alpha comparable to online
     plain = SpeculativeEngine(system.target_model, system.tokenizer, None, SpeculationConfig(k=0, adaptive=False)) \
         if target_only else None

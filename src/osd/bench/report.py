@@ -15,22 +15,25 @@ def table(rows: list[list], header: list[str]) -> str:
 
 def report_speed(result: dict, out: str, markdown: str) -> None:
     path = write_result(result, out)
-    rates, speedups = result["tokens_per_second"], result["speedup_vs_target_hf"]
-    diffs = result["outputs_differing_from_reference"]
-    rows = [[name, rates[name], speedups[name], diffs[name]] for name in rates]
-    t = table(rows, ["config", "tokens/s", "x vs target_hf", "outputs != reference"])
+    decode, e2e = result["decode_tokens_per_second"], result["end_to_end_tokens_per_second"]
+    base, diffs = result["baseline"], result["outputs_differing_from_osd_target"]
+    rows = [[name, decode[name], decode[name] / decode[base], e2e[name], e2e[name] / e2e[base], diffs[name]]
+            for name in decode]
+    t = table(rows, ["arm", "decode tok/s", f"x {base}", "end-to-end tok/s", f"x {base} (e2e)",
+                     "outputs != osd_target"])
     s, cal = result["osd_spec_stats"], result["calibration"]
+    rss = ", ".join(f"{k} {v:.2f}" for k, v in result["peak_rss_gib"].items())
     notes = (f"osd: alpha {s['alpha']:.3f}, tokens/step {s['tokens_per_step']:.2f}, acceptance {s['acceptance_rate']:.3f}, "
-             f"draft time share {s['draft_time_share']:.2f}; osd vs osd_target {result['speedup_osd_vs_osd_target']:.2f}x; "
-             f"measured c = {cal['c']:.3f}, verify cost (k+1 tokens / 1) = "
-             + ", ".join(f"{v:.2f}" for v in cal["verify_cost"]))
+             f"proposed {s.get('proposed', '-')}; measured c = {cal['c']:.3f}, verify cost (k+1 tokens / 1) = "
+             + ", ".join(f"{v:.2f}" for v in cal["verify_cost"])
+             + f"; target backend {result['target_backend']} (max rows per verify {result['target_max_rows']}); "
+             f"peak RSS GiB: {rss}")
     cfg, m = result["config"], machine()
     emit_report("Speed (`osd bench speed`)",
                 f"`{redacted_command(sys.argv[1:])}` per_domain={cfg['per_domain']} max_new_tokens={cfg['max_new_tokens']} "
-                f"k={cfg['spec']['k']} adaptive={cfg['spec']['adaptive']} draft_quantize={cfg['models']['draft_quantize']} "
-                f"draft_vocab={cfg['models']['draft_vocab']} prepack_target={cfg['models']['prepack_target']} "
-                f"rows_linear_kernel={result.get('rows_linear_kernel')}; "
-                f"machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}",
+                f"k={cfg['spec']['k']} adaptive={cfg['spec']['adaptive']} lookup={cfg['spec'].get('lookup')} "
+                f"draft={cfg['models']['draft']!r} llama_cpp_spec_k={cfg['llama_cpp_spec_k']}; "
+                f"machine: {m['cpu']} ({m.get('cpu_flags')}), {m['cores']} cores, threads {cfg['models']['threads'] or 'default'}",
                 [t, notes], path, markdown)
 
 

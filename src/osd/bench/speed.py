@@ -1,15 +1,19 @@
-"""`osd bench speed`: tokens/s of target-only, transformers assisted generation and osd, side by side.
+"""`osd bench speed`: tokens/s of llama.cpp, transformers and osd on the same prompts, side by side in one run.
 
-For each prompt (after a warm-up that is not counted) every configuration runs back to back, so
-machine noise hits all of them alike:
-  target_hf      transformers greedy `generate` with the dense target (the user's baseline)
-  assisted_hf    transformers assisted generation, same target and the fp32 draft
-  osd_target     osd with k = 0: plain target decoding on osd's kernels (prepacked target)
-  osd            osd speculative decoding (int8 serving draft, adaptive or fixed k)
-Outputs of every configuration are compared token by token with target_hf.
+For each prompt (after a warm-up that is not counted) every arm runs back to back, so machine noise hits all
+of them alike. Arms (same GGUF files, same prompts, same token counts, greedy):
+  llama_cpp_target  llama-cpp-python's own `Llama.generate` with the target GGUF (what a CPU user runs today)
+  llama_cpp_spec    the target GGUF verified by llama.cpp, the bundled 0.5B GGUF drafting on llama.cpp, fixed k
+                    (osd's loop: llama-cpp-python has no draft-model speculation of its own)
+  target_hf         transformers greedy `generate` with the dense fp32 target (--hf-baseline)
+  osd_target        osd with k = 0 on its target backend (llama.cpp for a GGUF target)
+  osd               osd speculative decoding: the configured draft (lookup and/or model), adaptive k
+Decode tokens/s leaves out the prompt (time to the first token for llama.cpp's loop, the prefill for osd's);
+end-to-end tokens/s includes it. Outputs of every arm are compared token by token with osd_target.
 """
 from __future__ import annotations
 
+import resource
 import time
 
 import torch
@@ -19,8 +23,6 @@ from osd.build import build_system
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.data import load_records, prompt_ids
 from osd.engine import SpeculativeEngine
-from osd.models.kernels import rows_linear
-from osd.models.loading import load_model
 
 DOMAINS = ("code", "gsm8k", "spider", "chat")
 
@@ -32,72 +34,146 @@ def bench_prompts(per_domain: int, split: str = "test") -> list[dict]:
     return out
 
 
-def _hf_generate(model, ids, max_new, eos, assistant=None) -> list[int]:
-    inputs = torch.tensor([ids])
-    kwargs = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=list(eos), pad_token_id=list(eos)[0],
-                  temperature=None, top_p=None, top_k=None)
-    if assistant is not None:
-        kwargs["assistant_model"] = assistant
-    with torch.inference_mode():
-        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
-    return [t for t in out[0, len(ids):].tolist() if t not in eos]
+def rss_gib() -> float:
+    """Peak resident memory of this process so far (GiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class Timed:
+    """One arm's output and timings for one prompt."""
+
+    def __init__(self, tokens: list[int], seconds: float, prompt_seconds: float):
+        self.tokens, self.seconds, self.prompt_seconds = tokens, seconds, prompt_seconds
+
+
+def _engine_arm(engine: SpeculativeEngine, max_new: int):
+    sampling = SamplingConfig(max_new_tokens=max_new)
+
+    def run(ids):
+        result = engine.generate(ids, sampling)
+        return Timed(result.token_ids, result.seconds, result.prefill_seconds)
+    return run
+
+
+def _llama_cpp_arm(gguf, threads: int, n_ctx: int, max_new: int, eos: set[int]):
+    from llama_cpp import Llama
+
+    from osd.models.llama_cpp_runner import default_threads, llama_cpp_lib
+
+    llama_cpp_lib()
+    llm = Llama(str(gguf), n_ctx=n_ctx, n_threads=threads or default_threads(), n_batch=512, verbose=False)
+
+    def run(ids):
+        out, t0, first = [], time.perf_counter(), None
+        for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            first = first or time.perf_counter()
+            if token in eos:
+                break
+            out.append(token)
+            if len(out) >= max_new:
+                break
+        return Timed(out, time.perf_counter() - t0, (first or t0) - t0)
+    return run
+
+
+def _hf_arm(dense_target, max_new: int, eos: set[int]):
+    def run(ids):
+        inputs = torch.tensor([ids])
+        kwargs = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=list(eos), pad_token_id=list(eos)[0],
+                      temperature=None, top_p=None, top_k=None)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            first = dense_target(inputs).logits  # the prompt's forward alone: its time stands in for the prefill
+        prompt_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = dense_target.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
+        del first
+        return Timed([t for t in out[0, len(ids):].tolist() if t not in eos], time.perf_counter() - t0, prompt_seconds)
+    return run
+
+
+def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama_cpp: bool, hf: bool, spec_k: int):
+    """name -> (run(prompt_ids) -> Timed), plus the osd system and what each arm added to peak RSS."""
+    from osd.models.loading import gguf_file
+
+    arms, rss, start = {}, {}, rss_gib()
+    system = build_system(models, spec)
+    engine = system.engine
+    arms["osd_target"] = _engine_arm(SpeculativeEngine(system.target_model, system.tokenizer, None,
+                                                       SpeculationConfig(k=0, adaptive=False)), max_new)
+    arms["osd"] = _engine_arm(engine, max_new)
+    rss["osd (target + draft)"] = rss_gib() - start
+    target_gguf = gguf_file(models.target)
+    if llama_cpp and target_gguf is not None:
+        from osd.models.llama_cpp_runner import LlamaCppRunner
+        from osd.propose import RunnerProposer
+
+        before = rss_gib()
+        arms["llama_cpp_target"] = _llama_cpp_arm(target_gguf, models.threads, models.n_ctx, max_new, engine.eos_ids)
+        draft_gguf = gguf_file(models.draft) if models.draft else None
+        if draft_gguf is not None:
+            target = LlamaCppRunner(target_gguf, models.n_ctx, models.threads)
+            draft = RunnerProposer(LlamaCppRunner(draft_gguf, models.n_ctx, models.threads), "llama.cpp-draft",
+                                   target.vocab_size)
+            spec_engine = SpeculativeEngine(target, system.tokenizer, draft, SpeculationConfig(k=spec_k, adaptive=False))
+            arms["llama_cpp_spec"] = _engine_arm(spec_engine, max_new)
+        rss["llama.cpp arms"] = rss_gib() - before
+    if hf:
+        from osd.models.loading import load_model
+
+        before = rss_gib()
+        arms["target_hf"] = _hf_arm(load_model(models.target, models.dtype), max_new, engine.eos_ids)
+        rss["transformers fp32 target"] = rss_gib() - before
+    return arms, system, rss
 
 
 def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2, max_new_tokens: int = 64,
-              baselines: bool = True) -> dict:
-    dense_target = load_model(models.target, models.dtype)
-    models.prepack_copy = True
-    system = build_system(models, spec, target_model=dense_target)
-    tokenizer, engine = system.tokenizer, system.engine
-    target_only = SpeculativeEngine(system.target_model, tokenizer, None, SpeculationConfig(k=0, adaptive=False))
-    fp32_draft = system.draft_master
+              llama_cpp: bool = True, hf_baseline: bool = False, spec_k: int = 4) -> dict:
+    arms, system, rss = build_arms(models, spec, max_new_tokens, llama_cpp, hf_baseline, spec_k)
+    engine = system.engine
     calibration = engine.calibrate()
-    sampling = SamplingConfig(max_new_tokens=max_new_tokens)
-    eos = engine.eos_ids
-
-    runners = {"osd_target": lambda ids: target_only.generate(ids, sampling).token_ids,
-               "osd": lambda ids: engine.generate(ids, sampling).token_ids}
-    if baselines:
-        runners = {"target_hf": lambda ids: _hf_generate(dense_target, ids, max_new_tokens, eos),
-                   "assisted_hf": lambda ids: _hf_generate(dense_target, ids, max_new_tokens, eos, fp32_draft),
-                   **runners}
-    warm = prompt_ids(tokenizer, "Write a haiku about the sea.")
-    for run in runners.values():  # warm-up, not counted
-        run(warm)[:4]
+    warm = prompt_ids(system.tokenizer, "Write a haiku about the sea.")
+    for run in arms.values():  # warm-up, not counted
+        run(warm)
 
     records = bench_prompts(per_domain)
-    totals = {name: {"tokens": 0, "seconds": 0.0} for name in runners}
-    per_prompt, mismatches = [], {name: 0 for name in runners}
+    totals = {name: {"tokens": 0, "seconds": 0.0, "decode_seconds": 0.0} for name in arms}
+    per_prompt, mismatches = [], {name: 0 for name in arms}
     engine.metrics.reset()
     for record in tqdm(records, desc="bench speed", unit="prompt"):
-        ids = prompt_ids(tokenizer, record["prompt"])
+        ids = prompt_ids(system.tokenizer, record["prompt"])
         row, outputs = {"id": record["id"], "prompt_tokens": len(ids)}, {}
-        for name, run in runners.items():
-            t0 = time.perf_counter()
-            outputs[name] = run(ids)
-            seconds = time.perf_counter() - t0
-            totals[name]["tokens"] += len(outputs[name])
-            totals[name]["seconds"] += seconds
-            row[name] = {"tokens": len(outputs[name]), "seconds": round(seconds, 3)}
-        reference = outputs.get("target_hf", outputs["osd_target"])
+        for name, run in arms.items():
+            timed = run(ids)
+            outputs[name] = timed.tokens
+            totals[name]["tokens"] += len(timed.tokens)
+            totals[name]["seconds"] += timed.seconds
+            totals[name]["decode_seconds"] += timed.seconds - timed.prompt_seconds
+            row[name] = {"tokens": len(timed.tokens), "seconds": round(timed.seconds, 3),
+                         "prompt_seconds": round(timed.prompt_seconds, 3)}
         for name, out in outputs.items():
-            same = out == reference
+            same = out == outputs["osd_target"]
             mismatches[name] += int(not same)
-            row[name]["identical_to_reference"] = same
+            row[name]["identical_to_osd_target"] = same
         per_prompt.append(row)
-    spec_stats = engine.metrics.total().summary()
-    rates = {name: t["tokens"] / t["seconds"] for name, t in totals.items()}
-    base = rates.get("target_hf", rates["osd_target"])
+    end_to_end = {name: t["tokens"] / t["seconds"] for name, t in totals.items()}
+    decode = {name: t["tokens"] / t["decode_seconds"] for name, t in totals.items()}
+    base = "llama_cpp_target" if "llama_cpp_target" in arms else "osd_target"
     return {
         "config": {"models": vars(models), "spec": vars(spec), "per_domain": per_domain, "max_new_tokens": max_new_tokens,
-                   "prompts": [r["id"] for r in records]},
+                   "llama_cpp_spec_k": spec_k, "prompts": [r["id"] for r in records]},
+        "target_backend": type(engine.target).__name__,
+        "target_max_rows": getattr(engine.target, "max_rows", None),
         "calibration": calibration,
-        "rows_linear_kernel": rows_linear() is not None,  # models/kernels.py; False: torch's kernels served
-        "tokens_per_second": rates,
-        "speedup_vs_target_hf": {name: r / base for name, r in rates.items()},
-        "speedup_osd_vs_osd_target": rates["osd"] / rates["osd_target"],
-        "outputs_differing_from_reference": mismatches,
-        "osd_spec_stats": spec_stats,
+        "decode_tokens_per_second": decode,
+        "end_to_end_tokens_per_second": end_to_end,
+        "baseline": base,
+        "decode_speedup_vs_baseline": {name: r / decode[base] for name, r in decode.items()},
+        "end_to_end_speedup_vs_baseline": {name: r / end_to_end[base] for name, r in end_to_end.items()},
+        "outputs_differing_from_osd_target": mismatches,
+        "osd_spec_stats": engine.metrics.total().summary(),
+        "peak_rss_gib": {"after_all_arms": rss_gib(), **{f"added by {k}": v for k, v in rss.items()}},
         "warmup_excluded": True,
         "per_prompt": per_prompt,
     }

@@ -58,7 +58,7 @@ def run_distill(models: ModelConfig, settings: DecodeSettings, config: DistillCo
     features of teacher samples, shareable between runs with the same draft and train_layers (a sweep);
     eval_before False: skip measuring the starting draft (a sweep measures it once).
     """
-    from osd.engine import eos_token_ids
+    from osd.models.runner import eos_token_ids
 
     start = time.perf_counter()
     samples, eval_samples, tokenizer = [], [], None

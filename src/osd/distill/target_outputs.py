@@ -33,7 +33,7 @@ def dataset_samples(models, dataset: str, split: str | None, limit: int | None, 
 
     from osd.data import load_records, prompt_ids
     from osd.distill.cache import default_cache_root, model_fingerprint
-    from osd.engine import eos_token_ids
+    from osd.models.runner import eos_token_ids
     from osd.models.loading import load_model, load_tokenizer, resolve_model_dir
     from osd.models.prepack import prepack_linears
 

@@ -1,4 +1,4 @@
-"""A causal LM plus its KV cache over one sequence. Rollback is a crop: no prefix is re-encoded."""
+"""The torch runner (models/runner.py): a causal LM plus its KV cache over one sequence. Rollback is a crop."""
 from __future__ import annotations
 
 import torch
@@ -11,9 +11,15 @@ class CachedModel:
     """
 
     def __init__(self, model):
+        from osd.models.runner import eos_ids_of
+
         self.model = model
         self.cache = None
         self.length = 0  # tokens whose keys/values are in the cache
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
+        self.context_window = int(getattr(config, "max_position_embeddings", 0) or 0)
+        self.eos_ids = eos_ids_of(getattr(model, "generation_config", None), config)
 
     def reset(self) -> None:
         self.cache, self.length = None, 0

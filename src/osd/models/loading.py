@@ -57,14 +57,58 @@ def tokenizer_kwargs(where: str) -> dict:
     return {"fix_mistral_regex": False} if model_type and model_type not in MISTRAL_TYPES else {}
 
 
+def gguf_file(spec: str) -> Path | None:
+    """The GGUF file behind a spec (bundled:<name> or a .gguf path), assembled if need be; None otherwise."""
+    from osd.models.bundled import BUNDLED, assemble_gguf
+
+    if isinstance(spec, str) and spec.startswith("bundled:"):
+        name = spec.split(":", 1)[1]
+        if name not in BUNDLED:
+            raise ModelNotFound(f"unknown bundled model {name!r}; known: {', '.join(BUNDLED)}")
+        return assemble_gguf(BUNDLED[name])
+    path = Path(spec).expanduser() if isinstance(spec, str) and spec else None
+    if path is not None and path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFound(f"GGUF file not found: {path}")
+        return path
+    return None
+
+
+def _gguf_tokenizer_dir(gguf: Path) -> Path:
+    """The tokenizer of a GGUF, saved once as a Hugging Face tokenizer (no weights converted)."""
+    from transformers import AutoTokenizer
+
+    digest = hashlib.sha256(f"{gguf.resolve()}:{gguf.stat().st_size}".encode()).hexdigest()[:16]
+    out = cache_root() / "tokenizers" / f"{gguf.stem}-{digest}"
+    if not (out / "tokenizer_config.json").exists():
+        tmp = out.with_name(out.name + ".partial")
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        if not out.exists():
+            tmp.replace(out)
+    return out
+
+
 def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
-    where = resolve_model_dir(spec)
+    gguf = gguf_file(spec) if isinstance(spec, str) and (spec.startswith("bundled:") or spec.endswith(".gguf")) else None
+    if gguf is not None and not _converted(spec):
+        where = str(_gguf_tokenizer_dir(gguf))  # a GGUF target served by llama.cpp needs no fp32 conversion
+    else:
+        where = resolve_model_dir(spec)
     try:
         return AutoTokenizer.from_pretrained(where, **tokenizer_kwargs(where))
     except OSError as e:
         raise ModelNotFound(f"cannot load tokenizer for {spec!r}: {e}") from e
+
+
+def _converted(spec: str) -> bool:
+    """Whether a GGUF spec already has its converted Hugging Face directory."""
+    if spec.startswith("bundled:"):
+        return (cache_root() / "hf" / spec.split(":", 1)[1] / "model.safetensors").exists()
+    path = Path(spec).expanduser()
+    digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:16]
+    return (cache_root() / "hf" / f"{path.stem}-{digest}" / "model.safetensors").exists()
 
 
 def load_model(spec: str, dtype: str = "float32"):

@@ -61,3 +61,17 @@ class DraftModelProposer:
 
     def rollback(self, length: int) -> None:
         self.runner.rollback(length)
+
+
+class RunnerProposer(DraftModelProposer):
+    """Proposes with a fixed, frozen draft runner, e.g. a GGUF draft on llama.cpp (models/llama_cpp_runner.py).
+
+    The same drafting loop as the learned draft; nothing publishes to it (version stays 0).
+    """
+
+    def __init__(self, runner, name: str, vocab_size: int):
+        self.runner, self.name, self.vocab_size = runner, name, vocab_size
+        self.version, self.vocab_ids = 0, None
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.runner.reset()

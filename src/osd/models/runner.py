@@ -1,0 +1,54 @@
+"""The one seam between the engine and a model backend.
+
+A runner holds one sequence's KV cache and answers:
+  feed(token_ids, n_logits) -> (n_logits, V) float32 logits at the last n_logits positions fed
+  rollback(length)          keep the first `length` cached tokens
+  reset()                   empty the cache
+  length, vocab_size, context_window (0 = unknown), eos_ids
+Backends: the torch reference and training path (models/cached.py, any Hugging Face causal LM) and
+the quantized llama.cpp path (models/llama_cpp_runner.py, a GGUF). The engine never knows which.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Runner(Protocol):
+    length: int
+    vocab_size: int
+    context_window: int
+    eos_ids: set[int]
+
+    def feed(self, token_ids: list[int], n_logits: int = 1) -> torch.Tensor: ...
+
+    def rollback(self, length: int) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+def eos_ids_of(*sources) -> set[int]:
+    """End-of-sequence ids named by configs / tokenizers (an int or a list each)."""
+    ids = set()
+    for source in sources:
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """A torch model's end-of-sequence ids (generation config, model config) plus the tokenizer's."""
+    return eos_ids_of(getattr(model, "generation_config", None), model.config, tokenizer)
+
+
+def as_runner(target) -> Runner:
+    """A runner as given, or a torch causal LM wrapped in the torch runner."""
+    if hasattr(target, "feed") and hasattr(target, "rollback"):
+        return target
+    from osd.models.cached import CachedModel
+
+    return CachedModel(target)

@@ -1,0 +1,135 @@
+"""The llama.cpp target backend against a reference computation of the same (quantized) weights.
+
+A tiny seeded Qwen2 is written as a Q4_K/Q6_K GGUF; its torch twin holds the exact dequantized weights.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp")
+
+from osd.config import SamplingConfig, SpeculationConfig  # noqa: E402
+from osd.drafts import DraftRegistry  # noqa: E402
+from osd.engine import SpeculativeEngine  # noqa: E402
+from osd.errors import BackendUnavailable  # noqa: E402
+from osd.models.llama_cpp_runner import LlamaCppRunner  # noqa: E402
+from osd.propose import DraftModelProposer  # noqa: E402
+from osd.propose.ngram import NgramProposer  # noqa: E402
+from tests.models.tiny_gguf import EOS, VOCAB, tiny_torch_model, write_tiny_gguf  # noqa: E402
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 84, 104, 105, 115, 32, 105, 115]
+
+
+class ByteTokenizer:
+    eos_token_id = EOS
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i < 256).decode("latin-1")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q4k.gguf"
+    reference = write_tiny_gguf(path, seed=0)
+    return path, reference
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["repack", "no-repack"])
+def runner(tiny, request):
+    return LlamaCppRunner(tiny[0], n_ctx=256, threads=2, repack=request.param)
+
+
+def test_logits_match_the_dequantized_reference_and_greedy_agrees(tiny, runner):
+    _, reference = tiny
+    runner.reset()
+    got = runner.feed(PROMPT, n_logits=len(PROMPT))  # (T, V)
+    with torch.inference_mode():
+        want = reference(torch.tensor([PROMPT])).logits[0]  # (T, V)
+    assert got.shape == want.shape == (len(PROMPT), VOCAB)
+    # llama.cpp rounds activations to 8 bits for its integer dot products: a small, bounded error
+    # (measured: max 5.3%, mean 1.0% of the logits' spread; a wrong layer would be of the order of 100%)
+    error = (got - want).abs().max().item()
+    assert error < 0.08 * want.std().item(), error
+    assert (got - want).abs().mean().item() < 0.02 * want.std().item()
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * error  # positions whose winner the tolerance cannot flip
+    assert clear.sum() >= len(PROMPT) // 2
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+def test_a_positions_logits_do_not_depend_on_how_many_rows_were_verified_with_it(runner):
+    """Greedy identity by construction: bitwise-equal logits for every k the engine may verify, rollback included."""
+    tokens = PROMPT + [101, 32, 97, 32, 116, 101, 115, 116, 46, 10]
+    start = len(PROMPT)
+    runner.reset()
+    runner.feed(tokens[: start - 1])
+    one_at_a_time = [runner.feed([t])[0] for t in tokens[start - 1 :]]  # logits after each token, k = 0 style
+    assert runner.max_rows in (3, 7)
+    for k in range(0, runner.max_rows):
+        runner.rollback(start - 1)
+        rows = runner.feed(tokens[start - 1 : start + k], n_logits=k + 1)  # pending token + k proposals
+        for i in range(k + 1):
+            assert torch.equal(rows[i], one_at_a_time[i]), (k, i)
+    runner.reset()
+    runner.feed(tokens[: start + 3])
+    runner.rollback(start - 1)  # a rejected tail removed from llama.cpp's KV cache
+    assert torch.equal(runner.feed(tokens[start - 1 : start + 2], n_logits=3)[2], one_at_a_time[2])
+
+
+def _target_only(runner, tokenizer, prompt, n):
+    engine = SpeculativeEngine(runner, tokenizer, None, SpeculationConfig(k=0, adaptive=False))
+    return engine.generate(prompt, SamplingConfig(max_new_tokens=n)).token_ids
+
+
+@pytest.mark.parametrize("draft_seed", [0, 7])  # seed 0: the target's own twin (long accepted chains); 7: a stranger
+def test_speculative_output_equals_target_only_at_every_k(runner, draft_seed):
+    tokenizer = ByteTokenizer()
+    plain = _target_only(runner, tokenizer, PROMPT, 24)
+    assert len(plain) >= 8
+    registry = DraftRegistry()
+    registry.publish("d", write_draft(draft_seed))
+    for k in range(1, 9):
+        engine = SpeculativeEngine(runner, tokenizer, DraftModelProposer(registry, "d", VOCAB),
+                                   SpeculationConfig(k=k, adaptive=False))
+        result = engine.generate(PROMPT, SamplingConfig(max_new_tokens=24))
+        assert result.token_ids == plain, k
+        assert max(step_k for step_k, _ in result.steps) == min(k, runner.max_rows - 1)  # never more rows than invariant
+        if draft_seed == 0:
+            assert result.counters.accepted > 0  # chains of accepted tokens were exercised
+
+
+def write_draft(seed):
+    return tiny_torch_model(seed) if seed else _twin()
+
+
+_twins = {}
+
+
+def _twin():
+    return _twins["twin"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _keep_twin(tiny):
+    _twins["twin"] = tiny[1]
+
+
+def test_lookup_proposals_keep_output_identical(runner):
+    tokenizer = ByteTokenizer()
+    prompt = PROMPT * 3  # repetition gives the lookup matches
+    plain = _target_only(runner, tokenizer, prompt, 32)
+    engine = SpeculativeEngine(runner, tokenizer, NgramProposer(VOCAB), SpeculationConfig(k=6, adaptive=False))
+    result = engine.generate(prompt, SamplingConfig(max_new_tokens=32))
+    assert result.token_ids == plain
+    assert result.counters.proposed > 0
+
+
+def test_missing_llama_cpp_is_a_clear_error(monkeypatch, tiny):
+    import osd.models.llama_cpp_runner as backend
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
+    with pytest.raises(BackendUnavailable, match="llama-cpp-python"):
+        backend.llama_cpp_lib()

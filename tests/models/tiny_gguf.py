@@ -1,0 +1,110 @@
+"""A tiny seeded Qwen2 written as a quantized GGUF (gguf-py), and the same weights dequantized into torch.
+
+The torch twin is the reference computation for the llama.cpp backend: same architecture, the exact
+weights llama.cpp holds (each quantized tensor dequantized by gguf-py), fp32 arithmetic.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2  # K-quants need rows of a multiple of 256
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB = 256 + len(SPECIALS)
+EOS = 256 + 2  # <|im_end|>
+
+
+def _byte_tokens() -> list[str]:
+    """GPT-2's byte -> printable character map: the 256 byte tokens of a byte-level BPE vocabulary."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = printable[:], 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    by_byte = dict(zip(printable, chars))
+    return [chr(by_byte[b]) for b in range(256)]
+
+
+def tiny_torch_model(seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
+                         rope_theta=10000.0, rms_norm_eps=1e-6, eos_token_id=EOS, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # a peaked output distribution, as real models have
+    return model.eval().requires_grad_(False)
+
+
+def _gguf_names(layers: int) -> dict[str, str]:
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    parts = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+             "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+             "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    for i in range(layers):
+        names.update({f"model.layers.{i}.{hf}": f"blk.{i}.{g}" for hf, g in parts.items()})
+    return names
+
+
+def write_tiny_gguf(path: Path, seed: int = 0):
+    """Write a Q4_K_M GGUF of a seeded tiny Qwen2 (quantized by llama.cpp itself, as the real GGUFs were);
+    return the torch model holding exactly the dequantized weights llama.cpp serves."""
+    import ctypes
+
+    import gguf
+    import llama_cpp
+
+    from osd.models.llama_cpp_runner import llama_cpp_lib
+
+    llama_cpp_lib()  # initialised, its log quiet
+    model = tiny_torch_model(seed)
+    f32 = path.with_name(path.stem + "-f32.gguf")
+    writer = gguf.GGUFWriter(str(f32), "qwen2")
+    writer.add_context_length(512)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(LAYERS)
+    writer.add_feed_forward_length(INTER)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(_byte_tokens() + SPECIALS)
+    writer.add_token_types([gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * len(SPECIALS))
+    writer.add_token_merges(["Ġ t"])  # llama.cpp refuses a BPE vocabulary without merges
+    writer.add_eos_token_id(EOS)
+    writer.add_bos_token_id(256)
+    names = _gguf_names(LAYERS)
+    state = model.state_dict()
+    for hf_name, gguf_name in names.items():
+        writer.add_tensor(gguf_name, state[hf_name].float().numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.nthread = 1
+    if llama_cpp.llama_model_quantize(str(f32).encode(), str(path).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError("llama_model_quantize failed")
+    f32.unlink()
+
+    by_gguf = {g: h for h, g in names.items()}
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        target = state[by_gguf[tensor.name]]
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        target.copy_(torch.from_numpy(np.array(values, dtype=np.float32)).reshape(target.shape))
+    return model
