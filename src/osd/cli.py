@@ -69,6 +69,13 @@ def cmd_bench_speed(args) -> None:
     report_speed(result, args.out, args.markdown)
 
 
+def cmd_bench_rows(args) -> None:
+    from osd.bench.report import report_rows
+    from osd.bench.rows import run_rows
+
+    report_rows(run_rows(args.target, args.threads, args.context, args.repeats), args.out, args.markdown)
+
+
 def cmd_bench_train_step(args) -> None:
     from tqdm import tqdm
 
@@ -177,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     for cls in (ModelConfig, SpeculationConfig):
         add_config_flags(p, cls)
     p.set_defaults(func=cmd_bench_speed)
+    p = bench.add_parser("rows", help="cost of verifying 1..9 tokens in one target forward, per backend")
+    p.add_argument("--target", default=ModelConfig.target)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--context", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="benchmarks/bench-rows.json")
+    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.set_defaults(func=cmd_bench_rows)
     p = bench.add_parser("train-step", help="seconds per draft distillation step: whole last layer vs rows only")
     p.add_argument("--dataset", default="spider")
     p.add_argument("--split", default="train")

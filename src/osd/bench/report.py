@@ -87,3 +87,19 @@ def report_train_step(result: dict, out: str, markdown: str) -> None:
                 f"batch {cfg['batch_size']}, {cfg['repeats']} repeats after a warm-up; machine: {m['cpu']}, "
                 f"{m['cores']} cores, torch threads {m['torch_threads']}",
                 [t, notes], path, markdown)
+
+
+def report_rows(result: dict, out: str, markdown: str) -> None:
+    path = write_result(result, out)
+    rows = []
+    for name, r in result["backends"].items():
+        rows.append([name, f"{1000 * r['seconds'][0]:.1f}"] + [f"{c:.2f}" + ("" if ok else "*")
+                                                                 for c, ok in zip(r["cost_vs_one_row"], r["bitwise_invariant"])])
+    t = table(rows, ["backend", "ms / 1 row"] + [f"{n} rows" for n in range(1, 10)])
+    notes = ("cost of one feed of n rows / one row (best of repeats, warm); * = some row's logits differ bitwise from "
+             "the same position fed alone (the engine never verifies that many rows on that configuration)")
+    cfg, m = result["config"], machine()
+    emit_report("Verification cost by rows (`osd bench rows`)",
+                f"`{redacted_command(sys.argv[1:])}` target={cfg['target']} context={cfg['context']} threads="
+                f"{cfg['threads'] or 'default'}; machine: {m['cpu']} ({m['cpu_flags']}), {m['cores']} cores",
+                [t, notes], path, markdown)

@@ -8,6 +8,7 @@ of them alike. Arms (same GGUF files, same prompts, same token counts, greedy):
   target_hf         transformers greedy `generate` with the dense fp32 target (--hf-baseline)
   osd_target        osd with k = 0 on its target backend (llama.cpp for a GGUF target)
   osd               osd speculative decoding: the configured draft (lookup and/or model), adaptive k
+  osd_lookup        osd with the n-gram lookup proposer alone (drafting costs ~0), adaptive k
 Decode tokens/s leaves out the prompt (time to the first token for llama.cpp's loop, the prefill for osd's);
 end-to-end tokens/s includes it. Outputs of every arm are compared token by token with osd_target.
 """
@@ -103,6 +104,12 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
     arms["osd_target"] = _engine_arm(SpeculativeEngine(system.target_model, system.tokenizer, None,
                                                        SpeculationConfig(k=0, adaptive=False)), max_new)
     arms["osd"] = _engine_arm(engine, max_new)
+    from osd.propose.ngram import NgramProposer
+
+    lookup = SpeculativeEngine(system.target_model, system.tokenizer, NgramProposer(engine.vocab_size),
+                               SpeculationConfig(k=spec.k, adaptive=spec.adaptive))
+    lookup.calibrate()
+    arms["osd_lookup"] = _engine_arm(lookup, max_new)
     rss["osd (target + draft)"] = rss_gib() - start
     target_gguf = gguf_file(models.target)
     if llama_cpp and target_gguf is not None:
