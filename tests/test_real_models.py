@@ -77,3 +77,26 @@ def test_missing_model_files_name_the_problem(tmp_path):
         load_model(str(tmp_path / "x.gguf"))
     with pytest.raises(ModelNotFound, match="unknown bundled model"):
         load_model("bundled:llama-70b")
+
+
+def test_bundled_gguf_target_on_llama_cpp_speculative_equals_target_only():
+    """The quantized path: the bundled Q4_K_M target on llama.cpp, the bundled 0.5B GGUF drafting on llama.cpp,
+    fixed k (adaptive k would pick k = 0 on a loaded machine): output identical to osd's target-only output."""
+    pytest.importorskip("llama_cpp")
+    from osd.engine import SpeculativeEngine
+    from osd.models.llama_cpp_runner import LlamaCppRunner
+    from osd.models.loading import gguf_file
+    from osd.propose import RunnerProposer
+
+    models = ModelConfig()
+    tokenizer = load_tokenizer(models.target)
+    target = LlamaCppRunner(gguf_file(models.target), n_ctx=1024)
+    draft = RunnerProposer(LlamaCppRunner(gguf_file(models.draft), n_ctx=1024), "gguf-draft", target.vocab_size)
+    plain = SpeculativeEngine(target, tokenizer, None, SpeculationConfig(k=0, adaptive=False))
+    spec = SpeculativeEngine(target, tokenizer, draft, SpeculationConfig(k=2, adaptive=False))
+    for record in load_records("spider", split="test", limit=2):
+        ids = prompt_ids(tokenizer, record["prompt"])
+        want = plain.generate(ids, SamplingConfig(max_new_tokens=24)).token_ids
+        got = spec.generate(ids, SamplingConfig(max_new_tokens=24))
+        assert got.token_ids == want
+        assert got.counters.accepted > 0
