@@ -53,7 +53,7 @@ def rejection_verify(
     p_target = target_probs[idx, draft_tokens]  # (k,)
     p_draft = draft_probs[idx, draft_tokens]  # (k,)
     u = torch.rand(k, generator=generator)
-    accept = u * p_draft <= p_target  # u <= p/q without dividing by zero
+    accept = u * p_draft < p_target  # u < p/q without dividing by zero; strict, as u = 0 occurs (u in [0, 1))
     rejected = (~accept).nonzero()
     if not rejected.numel():
         return VerifyOutcome(k, sample_from(target_probs[k], generator))
