@@ -80,7 +80,7 @@ class SpeculativeEngine:
         self.request_observers: list[Callable[[GenerationResult], None]] = []  # called after every request
         self.context_window = self.target.context_window
         self.vocab_size = self.target.vocab_size
-        self.eos_ids = self.target.eos_ids | tokenizer_eos_ids(tokenizer)
+        self.eos_ids = self.target.eos_ids | eos_ids_of(tokenizer)
         self._lock = threading.Lock()
 
     def generate(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str | None = None,
@@ -196,8 +196,3 @@ class SpeculativeEngine:
         self.policy.calibrate(t_draft, t_target)
         return {"t_draft": t_draft, "t_target": t_target, "c": t_draft / t_target[0],
                 "verify_cost": [t / t_target[0] for t in t_target]}
-
-
-def tokenizer_eos_ids(tokenizer) -> set[int]:
-    return eos_ids_of(tokenizer)
-

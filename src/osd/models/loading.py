@@ -27,8 +27,7 @@ def resolve_model_dir(spec: str) -> str:
     if path.suffix == ".gguf":
         if not path.exists():
             raise ModelNotFound(f"GGUF file not found: {path}")
-        digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:16]
-        out = cache_root() / "hf" / f"{path.stem}-{digest}"
+        out = converted_dir(spec)
         if not (out / "model.safetensors").exists():
             convert_gguf_to_dir(path, out)
         return str(out)
@@ -91,9 +90,9 @@ def _gguf_tokenizer_dir(gguf: Path) -> Path:
 def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
-    gguf = gguf_file(spec) if isinstance(spec, str) and (spec.startswith("bundled:") or spec.endswith(".gguf")) else None
-    if gguf is not None and not _converted(spec):
-        where = str(_gguf_tokenizer_dir(gguf))  # a GGUF target served by llama.cpp needs no fp32 conversion
+    is_gguf = isinstance(spec, str) and (spec.startswith("bundled:") or spec.endswith(".gguf"))
+    if is_gguf and not (converted_dir(spec) / "model.safetensors").exists():
+        where = str(_gguf_tokenizer_dir(gguf_file(spec)))  # a GGUF target served by llama.cpp needs no fp32 conversion
     else:
         where = resolve_model_dir(spec)
     try:
@@ -102,13 +101,13 @@ def load_tokenizer(spec: str):
         raise ModelNotFound(f"cannot load tokenizer for {spec!r}: {e}") from e
 
 
-def _converted(spec: str) -> bool:
-    """Whether a GGUF spec already has its converted Hugging Face directory."""
+def converted_dir(spec: str) -> Path:
+    """Where a GGUF spec (bundled:<name> or a .gguf path) is converted to a Hugging Face directory."""
     if spec.startswith("bundled:"):
-        return (cache_root() / "hf" / spec.split(":", 1)[1] / "model.safetensors").exists()
+        return cache_root() / "hf" / spec.split(":", 1)[1]
     path = Path(spec).expanduser()
     digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:16]
-    return (cache_root() / "hf" / f"{path.stem}-{digest}" / "model.safetensors").exists()
+    return cache_root() / "hf" / f"{path.stem}-{digest}"
 
 
 def load_model(spec: str, dtype: str = "float32"):

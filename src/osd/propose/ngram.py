@@ -16,6 +16,16 @@ from osd.config import SamplingConfig
 from osd.propose.base import Proposal
 
 
+def ngrams_before(tokens: list[int], i: int, min_n: int, max_n: int):
+    """The n-grams (min_n <= n <= max_n) that end right before position i."""
+    return (tuple(tokens[i - n : i]) for n in range(min_n, max_n + 1) if i - n >= 0)
+
+
+def suffixes_longest_first(tokens: list[int], min_n: int, max_n: int):
+    """The sequence's last n tokens as tuples, n = max_n (or fewer if shorter) down to min_n."""
+    return (tuple(tokens[-n:]) for n in range(min(max_n, len(tokens)), min_n - 1, -1))
+
+
 class NgramIndex:
     """n-gram (tuple of n ids, min_n <= n <= max_n) -> the position right after its latest occurrence."""
 
@@ -30,14 +40,13 @@ class NgramIndex:
         self.tokens += new_tokens
         end = len(self.tokens) if upto is None else upto
         for i in range(max(start, 1), end):  # continuation position i: n-grams ending at i - 1
-            for n in range(self.min_n, self.max_n + 1):
-                if i - n >= 0:
-                    self.where[tuple(self.tokens[i - n : i])] = i
+            for key in ngrams_before(self.tokens, i, self.min_n, self.max_n):
+                self.where[key] = i
 
     def lookup(self, suffix: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest matching suffix, or []."""
-        for n in range(min(self.max_n, len(suffix)), self.min_n - 1, -1):
-            i = self.where.get(tuple(suffix[-n:]))
+        for key in suffixes_longest_first(suffix, self.min_n, self.max_n):
+            i = self.where.get(key)
             if i is not None:
                 return self.tokens[i : i + k]
         return []
@@ -53,17 +62,15 @@ class TrafficIndex:
     def add(self, tokens: list[int]) -> None:
         for i in range(1, len(tokens)):
             follow = tuple(tokens[i : i + self.span])
-            for n in range(self.min_n, self.max_n + 1):
-                if i - n >= 0:
-                    key = tuple(tokens[i - n : i])
-                    self.table[key] = follow
-                    self.table.move_to_end(key)
+            for key in ngrams_before(tokens, i, self.min_n, self.max_n):
+                self.table[key] = follow
+                self.table.move_to_end(key)
         while len(self.table) > self.capacity:
             self.table.popitem(last=False)
 
     def lookup(self, suffix: list[int], k: int) -> list[int]:
-        for n in range(min(self.max_n, len(suffix)), self.min_n - 1, -1):
-            follow = self.table.get(tuple(suffix[-n:]))
+        for key in suffixes_longest_first(suffix, self.min_n, self.max_n):
+            follow = self.table.get(key)
             if follow:
                 return list(follow[:k])
         return []
