@@ -85,12 +85,12 @@ def _target_only(runner, tokenizer, prompt, n):
 
 
 @pytest.mark.parametrize("draft_seed", [0, 7])  # seed 0: the target's own twin (long accepted chains); 7: a stranger
-def test_speculative_output_equals_target_only_at_every_k(runner, draft_seed):
+def test_speculative_output_equals_target_only_at_every_k(tiny, runner, draft_seed):
     tokenizer = ByteTokenizer()
     plain = _target_only(runner, tokenizer, PROMPT, 24)
     assert len(plain) >= 8
     registry = DraftRegistry()
-    registry.publish("d", write_draft(draft_seed))
+    registry.publish("d", tiny[1] if draft_seed == 0 else tiny_torch_model(draft_seed))
     for k in range(1, 9):
         engine = SpeculativeEngine(runner, tokenizer, DraftModelProposer(registry, "d", VOCAB),
                                    SpeculationConfig(k=k, adaptive=False))
@@ -99,22 +99,6 @@ def test_speculative_output_equals_target_only_at_every_k(runner, draft_seed):
         assert max(step_k for step_k, _ in result.steps) == min(k, runner.max_rows - 1)  # never more rows than invariant
         if draft_seed == 0:
             assert result.counters.accepted > 0  # chains of accepted tokens were exercised
-
-
-def write_draft(seed):
-    return tiny_torch_model(seed) if seed else _twin()
-
-
-_twins = {}
-
-
-def _twin():
-    return _twins["twin"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _keep_twin(tiny):
-    _twins["twin"] = tiny[1]
 
 
 def test_lookup_proposals_keep_output_identical(runner):
