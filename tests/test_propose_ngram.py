@@ -80,12 +80,71 @@ def test_lookup_speculation_keeps_greedy_output_identical():
     assert got.counters.proposed > 0
 
 
-def test_k_zero_when_the_draft_is_artificially_slow():
-    """With drafting dearer than what acceptance can repay, the policy does not speculate (but probes rarely)."""
-    policy = KPolicy(k_max=6, adaptive=True, alpha_prior=0.8, probe_every=16)
+def test_k_zero_when_the_draft_is_artificially_slow_and_probes_back_off():
+    """With drafting dearer than what acceptance can repay, the policy does not speculate; its probes (k = 1,
+    each of which makes a model draft catch up on the whole context) come ever more rarely."""
+    policy = KPolicy(k_max=6, adaptive=True, alpha_prior=0.8, probe_every=16, max_probe_every=512)
     policy.calibrate(t_draft=0.050, t_target=[0.030, 0.060, 0.085, 0.11, 0.13, 0.16, 0.19])  # c = 1.7
-    ks = [policy.choose_k(remaining=64) for _ in range(32)]
-    assert ks.count(0) == 30 and set(ks) == {0, 1}  # two probes in 32 steps
+    ks = [policy.choose_k(remaining=64) for _ in range(1000)]
+    assert set(ks) == {0, 1}
+    assert [i for i, k in enumerate(ks) if k] == [15, 47, 111, 239, 495]  # intervals 16, 32, 64, 128, 256 (then 512)
     cheap = KPolicy(k_max=6, adaptive=True, alpha_prior=0.8)
     cheap.calibrate(t_draft=0.001, t_target=[0.030, 0.031, 0.032, 0.033, 0.034, 0.035, 0.036])  # ~free verification
     assert cheap.choose_k(remaining=64) == 6
+
+
+def test_probe_interval_resets_once_speculation_pays_again():
+    policy = KPolicy(k_max=4, adaptive=True, alpha_prior=0.3, probe_every=4)
+    policy.calibrate(t_draft=0.001, t_target=[0.030, 0.054, 0.075, 0.09, 0.10])
+    assert [policy.choose_k(64) for _ in range(12)] == [0, 0, 0, 1] + [0] * 7 + [1]  # backed off to 8
+    for _ in range(20):  # the draft turned out right every time
+        policy.observe(4, 4, [0.001])
+    assert policy.choose_k(64) == 4
+    policy.accepted, policy.rejected = 3.0, 7.0  # and wrong again
+    assert [policy.choose_k(64) for _ in range(4)] == [0, 0, 0, 1]  # back to the base interval
+
+
+class SlowRightDraft:
+    """Proposes the target's own greedy tokens (always accepted) but reports 5 s per draft forward."""
+
+    name, version, runner = "slow", 0, None
+
+    def __init__(self, want):
+        self.want, self.calls = want, 0
+
+    def begin(self, prompt_ids):
+        self.prompt_len = len(prompt_ids)
+
+    def propose(self, tokens, k, sampling, generator=None):
+        self.calls += 1
+        done = len(tokens) - self.prompt_len
+        return Proposal(self.want[done:done + k], single_token_seconds=[5.0] * k)
+
+    def rollback(self, length):
+        pass
+
+
+def _engine_with_costs(target, draft, t_draft):
+    engine = SpeculativeEngine(target, ToyTokenizer(), draft, SpeculationConfig(k=4, adaptive=True))
+    engine.target_costs.calibrate([0.030, 0.054, 0.075, 0.09, 0.10])
+    for policy, t in zip(engine.policies, t_draft):
+        policy.calibrate(t)
+    return engine
+
+
+def test_engine_stops_speculating_with_a_slow_draft_and_keeps_a_free_lookup():
+    target = tiny_qwen2(0)
+    prompt = [5, 6, 7, 8, 9, 10] * 3
+    sampling = SamplingConfig(max_new_tokens=48)
+    want = SpeculativeEngine(target, ToyTokenizer(), None, SpeculationConfig(k=0)).generate(prompt, sampling).token_ids
+    slow = _engine_with_costs(target, SlowRightDraft(want), [5.0])
+    result = slow.generate(prompt, sampling)
+    assert result.token_ids == want
+    ks = [k for k, _ in result.steps]
+    assert sum(k > 0 for k in ks) <= 2 and ks.count(0) >= 40  # at most the probes speculated
+    # a free lookup in front of the same slow draft: the lookup keeps speculating, the model draft stays idle
+    draft = SlowRightDraft(want)
+    chained = _engine_with_costs(target, LookupThenDraft(NgramProposer(VOCAB), draft), [0.0, 5.0])
+    result = chained.generate(prompt, sampling)
+    assert result.token_ids == want
+    assert result.counters.proposed > 0 and draft.calls <= 2

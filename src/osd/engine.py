@@ -19,7 +19,7 @@ from osd.errors import ContextTooLong, InvalidArgument
 from osd.metrics import SpecCounters, SpecMetrics
 from osd.models.runner import as_runner, eos_ids_of
 from osd.propose.base import Proposal, Proposer
-from osd.speed_model import KPolicy
+from osd.speed_model import KPolicy, TargetCosts
 from osd.stopping import StopChecker
 from osd.verify import acceptance_beta, greedy_verify, rejection_verify, warp_probs
 
@@ -64,7 +64,12 @@ class GenerationResult:
 
 
 class SpeculativeEngine:
-    """Serves one target with one proposer. Limitations: batch size 1; requests are serialised."""
+    """Serves one target with one proposer. Limitations: batch size 1; requests are serialised.
+
+    A proposer may be a chain of sources tried in order (`proposer.sources`, e.g. the n-gram lookup, then
+    the draft model): each source has its own k policy (its own acceptance and cost; verification costs
+    are shared), and a step uses the first source whose policy asks for k > 0 and that finds tokens.
+    """
 
     def __init__(self, target, tokenizer, proposer: Proposer | None, spec: SpeculationConfig | None = None,
                  metrics: SpecMetrics | None = None, clock: Callable[[], float] = time.perf_counter):
@@ -74,7 +79,10 @@ class SpeculativeEngine:
         self.tokenizer, self.proposer, self.clock = tokenizer, proposer, clock
         k_max = self.spec.k if proposer is not None else 0
         k_max = min(k_max, getattr(self.target, "max_rows", k_max + 1) - 1)  # verify only batch-invariant row counts
-        self.policy = KPolicy(k_max, self.spec.adaptive, self.spec.alpha_prior, self.spec.alpha_ema)
+        self.sources = list(getattr(proposer, "sources", [proposer])) if proposer is not None else []
+        self.target_costs = TargetCosts(k_max)
+        self.policies = [KPolicy(k_max, self.spec.adaptive, self.spec.alpha_prior, self.spec.alpha_ema,
+                                 costs=self.target_costs) for _ in self.sources]
         self.metrics = metrics or SpecMetrics()
         self.observers: list[Callable[[StepRecord], None]] = []  # called after every step
         self.request_observers: list[Callable[[GenerationResult], None]] = []  # called after every request
@@ -110,10 +118,9 @@ class SpeculativeEngine:
             self.proposer.begin(tokens)
             draft = (self.proposer.name, self.proposer.version)
         while stopper.finish_reason is None:
-            k = self.policy.choose_k(sampling.max_new_tokens - len(stopper.token_ids))
             t0 = self.clock()
-            proposal = self.proposer.propose(tokens, k, sampling, generator) if k else Proposal([])
-            k = proposal.k  # a proposer may find fewer than k tokens (a lookup with no match: none)
+            proposal, source = self._propose(tokens, sampling.max_new_tokens - len(stopper.token_ids), sampling, generator)
+            k = proposal.k
             t1 = self.clock()
             target_logits = self.target.feed(tokens[self.target.length:] + proposal.tokens, n_logits=k + 1)  # (k+1, V)
             t2 = self.clock()
@@ -125,8 +132,10 @@ class SpeculativeEngine:
             tokens += emitted
             self.target.rollback(len(tokens) - 1)  # keep the accepted prefix; the last token is pending
             if k:
-                self.proposer.rollback(len(tokens) - 1)
-            self.policy.observe(k, outcome.n_accepted, proposal.single_token_seconds or [], t2 - t1)
+                self._rollback_sources(len(tokens) - 1)
+            self.target_costs.observe(k, t2 - t1)
+            if source is not None:
+                source.observe(k, outcome.n_accepted, proposal.single_token_seconds or [])
             counters.add_step(k, outcome.n_accepted, len(emitted), betas, t1 - t0, t2 - t1)
             steps.append((k, outcome.n_accepted))
             for observe in self.observers:
@@ -138,6 +147,35 @@ class SpeculativeEngine:
         self.metrics.record(draft, counters)
         return GenerationResult(request_id, prompt, stopper.token_ids, stopper.text, stopper.finish_reason, draft,
                                 counters, self.clock() - start, steps, prefill_seconds)
+
+    def _propose(self, tokens, remaining: int, sampling: SamplingConfig, generator) -> tuple[Proposal, KPolicy | None]:
+        """The first source whose policy asks for k > 0 and that finds tokens; (no proposal, None) when none does."""
+        for proposer, policy in zip(self.sources, self.policies):
+            k = policy.choose_k(remaining)
+            if k and (proposal := proposer.propose(tokens, k, sampling, generator)).k:
+                return proposal, policy
+        return Proposal([]), None
+
+    def _rollback_sources(self, length: int) -> None:
+        for proposer in self.sources:
+            proposer.rollback(length)
+
+    def set_adaptive(self, adaptive: bool) -> None:
+        """Adaptive k on/off for every source (off: each step proposes k = spec.k, capped by the tokens left)."""
+        for policy in self.policies:
+            policy.adaptive = adaptive
+
+    def _draft_seconds(self, proposer, dummy: list[int]) -> float:
+        """Median seconds of one single-token draft forward (~0 for sources without forwards, e.g. lookup)."""
+        proposer.begin(dummy)
+        greedy = SamplingConfig(max_new_tokens=1)
+        proposer.propose(dummy, 1, greedy)  # prefill
+        proposer.propose(dummy + [0], 2, greedy)  # warm-up
+        proposer.rollback(len(dummy))
+        t0 = self.clock()
+        proposal = proposer.propose(dummy + [0], 8, greedy)  # first forward feeds 1 token
+        timings = proposal.single_token_seconds or [(self.clock() - t0) / max(proposal.k, 1)]
+        return sorted(timings)[len(timings) // 2]  # median: robust to a noisy neighbour
 
     def _verify(self, target_logits, proposal: Proposal, sampling: SamplingConfig, generator):
         """-> (VerifyOutcome, betas): greedy or lossless rejection sampling, plus exact acceptance."""
@@ -172,7 +210,7 @@ class SpeculativeEngine:
         """Warm up and measure draft/target forward costs; feeds the k policy. Returns seconds."""
         dummy = [int(t) for t in torch.randint(0, min(self.vocab_size, 1000), (context_len,), generator=torch.Generator().manual_seed(0))]
         t_target = []
-        for n in range(1, self.policy.k_max + 2):
+        for n in range(1, self.target_costs.k_max + 2):
             best = float("inf")
             for _ in range(repeats + (1 if n == 1 else 0)):
                 self.target.reset()
@@ -181,18 +219,11 @@ class SpeculativeEngine:
                 self.target.feed(dummy[-n:], n_logits=n)
                 best = min(best, self.clock() - t0)
             t_target.append(best)
-        t_draft = 0.0
-        if self.proposer is not None and self.policy.k_max > 0:
-            self.proposer.begin(dummy)
-            greedy = SamplingConfig(max_new_tokens=1)
-            self.proposer.propose(dummy, 1, greedy)  # prefill
-            self.proposer.propose(dummy + [0], 2, greedy)  # warm-up
-            self.proposer.rollback(len(dummy))
-            t0 = self.clock()
-            proposal = self.proposer.propose(dummy + [0], 8, greedy)  # first forward feeds 1 token
-            timings = proposal.single_token_seconds or [(self.clock() - t0) / max(proposal.k, 1)]  # lookups: no forwards
-            t_draft = sorted(timings)[len(timings) // 2]  # median: robust to a noisy neighbour
+        t_drafts = [self._draft_seconds(proposer, dummy) for proposer in self.sources] if self.target_costs.k_max else []
         self.target.reset()
-        self.policy.calibrate(t_draft, t_target)
-        return {"t_draft": t_draft, "t_target": t_target, "c": t_draft / t_target[0],
+        self.target_costs.calibrate(t_target)
+        for policy, t_draft in zip(self.policies, t_drafts):
+            policy.calibrate(t_draft)
+        t_draft = max(t_drafts, default=0.0)
+        return {"t_draft": t_draft, "t_draft_by_source": t_drafts, "t_target": t_target, "c": t_draft / t_target[0],
                 "verify_cost": [t / t_target[0] for t in t_target]}

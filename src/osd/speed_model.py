@@ -28,53 +28,89 @@ def best_k(alpha: float, t_draft: float, t_target: list[float], k_max: int) -> i
     return max(range(k_max + 1), key=rate)
 
 
+class TargetCosts:
+    """EMAs of measured target-forward seconds by rows fed (t[n] = verifying n = k+1 rows), shared by the policies."""
+
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+        self.seconds: list[float | None] = [None] * (k_max + 1)
+
+    def calibrate(self, t_target: list[float]) -> None:
+        self.seconds = list(t_target[: self.k_max + 1]) + [None] * max(0, self.k_max + 1 - len(t_target))
+
+    def observe(self, k: int, seconds: float) -> None:
+        if math.isfinite(seconds) and k <= self.k_max:
+            old = self.seconds[k]
+            self.seconds[k] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def by_rows(self) -> list[float] | None:
+        """t[k] for k = 0..k_max; unmeasured k extrapolated linearly from the measured ones; None if none is."""
+        known = [(n, t) for n, t in enumerate(self.seconds) if t is not None]
+        if not known:
+            return None
+        n0, t0 = known[0]
+        slope = (known[-1][1] - t0) / (known[-1][0] - n0) if len(known) > 1 else 0.25 * t0
+        return [t if t is not None else t0 + slope * (n - n0) for n, t in enumerate(self.seconds)]
+
+
 class KPolicy:
-    """Chooses k each step from a live acceptance estimate and measured costs.
+    """Chooses k each step for one proposal source from its live acceptance estimate and measured costs.
 
     alpha is estimated by the truncated-geometric MLE accepted / (accepted + rejections), smoothed
-    with an EMA; costs are EMAs of measured seconds. With adaptive=False it always returns k_max.
-    Steps at k = 0 teach nothing about alpha, so every `probe_every` such steps it tries k = 1.
+    with an EMA; the draft cost is an EMA of single-token draft forwards; target costs are shared
+    (`TargetCosts`). With adaptive=False it always returns k_max.
+    Steps at k = 0 teach nothing about alpha, so after `probe_every` such steps it tries k = 1. A probe
+    costs more than a draft token (a model draft first catches up on every token committed without it),
+    so the interval doubles after each probe that does not change the decision (up to `max_probe_every`)
+    and returns to `probe_every` once speculation pays again: probing costs a bounded share of steps.
     """
 
-    def __init__(self, k_max: int, adaptive: bool = True, alpha_prior: float = 0.7, ema: float = 0.9, probe_every: int = 16):
-        self.k_max, self.adaptive, self.ema, self.probe_every = k_max, adaptive, ema, probe_every
+    def __init__(self, k_max: int, adaptive: bool = True, alpha_prior: float = 0.7, ema: float = 0.9, probe_every: int = 16,
+                 costs: TargetCosts | None = None, max_probe_every: int = 512):
+        self.k_max, self.adaptive, self.ema = k_max, adaptive, ema
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.accepted, self.rejected = alpha_prior * 10, (1 - alpha_prior) * 10  # prior worth ~10 tokens
         self.t_draft: float | None = None
-        self.t_target: list[float | None] = [None] * (k_max + 1)
-        self._zero_steps = 0
+        self.costs = costs or TargetCosts(k_max)
+        self._zero_steps, self._interval, self.probes = 0, probe_every, 0
 
     @property
     def alpha(self) -> float:
         return self.accepted / max(self.accepted + self.rejected, 1e-9)
 
-    def calibrate(self, t_draft: float, t_target: list[float]) -> None:
-        self.t_draft = t_draft
-        self.t_target = list(t_target[: self.k_max + 1]) + [None] * max(0, self.k_max + 1 - len(t_target))
+    @property
+    def t_target(self) -> list[float | None]:
+        return self.costs.seconds
 
-    def _target_costs(self) -> list[float] | None:
-        known = [(n, t) for n, t in enumerate(self.t_target) if t is not None]
-        if not known:
+    def calibrate(self, t_draft: float, t_target: list[float] | None = None) -> None:
+        self.t_draft = t_draft
+        if t_target is not None:
+            self.costs.calibrate(t_target)
+
+    def _best(self, cap: int) -> int | None:
+        costs = self.costs.by_rows()
+        if costs is None or self.t_draft is None:
             return None
-        # unmeasured n: linear extrapolation from the nearest measured point (verification grows with n)
-        n0, t0 = known[0]
-        slope = (known[-1][1] - t0) / (known[-1][0] - n0) if len(known) > 1 else 0.25 * t0
-        return [t if t is not None else t0 + slope * (n - n0) for n, t in enumerate(self.t_target)]
+        return best_k(self.alpha, self.t_draft, costs[: cap + 1], cap)
 
     def choose_k(self, remaining: int) -> int:
         cap = max(0, min(self.k_max, remaining - 1))
         if not self.adaptive or cap == 0:
             return cap
-        costs = self._target_costs()
-        if costs is None or self.t_draft is None:
+        k = self._best(cap)
+        if k is None:
             return cap
-        k = best_k(self.alpha, self.t_draft, costs, cap)
-        if k == 0:
-            self._zero_steps += 1
-            if self._zero_steps % self.probe_every == 0:
-                return 1
-        return k
+        if k > 0:
+            self._zero_steps, self._interval = 0, self.probe_every
+            return k
+        self._zero_steps += 1
+        if self._zero_steps >= self._interval:
+            self._zero_steps, self._interval = 0, min(2 * self._interval, self.max_probe_every)
+            self.probes += 1
+            return 1
+        return 0
 
-    def observe(self, k: int, n_accepted: int, draft_forward_seconds: list[float], t_target: float) -> None:
+    def observe(self, k: int, n_accepted: int, draft_forward_seconds: list[float], t_target: float | None = None) -> None:
         """draft_forward_seconds: timings of single-token draft forwards (catch-up forwards excluded)."""
         if k > 0:
             rejected = 1 if n_accepted < k else 0
@@ -82,7 +118,5 @@ class KPolicy:
             self.rejected = self.ema * self.rejected + rejected
         for t in draft_forward_seconds:
             self.t_draft = t if self.t_draft is None else 0.8 * self.t_draft + 0.2 * t
-        old = self.t_target[k]
-        if not math.isfinite(t_target):
-            return
-        self.t_target[k] = t_target if old is None else 0.8 * old + 0.2 * t_target
+        if t_target is not None:
+            self.costs.observe(k, t_target)

@@ -13,7 +13,6 @@ from osd.data import load_records, prompt_ids
 from osd.engine import SpeculativeEngine
 from osd.learn.online import LearnConfig
 from osd.propose import DraftModelProposer
-from osd.speed_model import KPolicy
 
 
 def parse_stream(spec: str, split: str, per_segment: int) -> list[dict]:
@@ -35,10 +34,10 @@ def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig,
         system.publish_draft(name="static")
         static = SpeculativeEngine(system.target_model, system.tokenizer,
                                    DraftModelProposer(system.registry, "static", system.engine.vocab_size), spec)
-        static.policy = KPolicy(spec.k, adaptive=False)  # fixed k: alpha comparable to online
+        static.set_adaptive(False)  # fixed k: alpha comparable to online
     plain = SpeculativeEngine(system.target_model, system.tokenizer, None, SpeculationConfig(k=0, adaptive=False)) \
         if target_only else None
-    system.engine.policy.adaptive = False  # the replay measures acceptance at fixed k
+    system.engine.set_adaptive(False)  # the replay measures acceptance at fixed k
     learner = attach_learner(system, learn)
     sampling = SamplingConfig(max_new_tokens=max_new_tokens)
     records = parse_stream(stream, split, per_segment)

@@ -117,11 +117,14 @@ class NgramProposer:
 class LookupThenDraft:
     """The n-gram lookup first; where it finds nothing, the draft model (if any) proposes.
 
-    The draft model's cache catches up on the tokens lookup steps committed the next time it drafts.
+    The engine tries `sources` in order, each under its own k policy (lookup proposals cost ~nothing, model
+    proposals cost draft forwards). The draft model's cache catches up on the tokens committed without it
+    the next time it drafts.
     """
 
     def __init__(self, lookup: NgramProposer, draft=None):
         self.lookup, self.draft = lookup, draft
+        self.sources = [lookup] + ([draft] if draft is not None else [])
         self.name = f"{lookup.name}+{draft.name}" if draft is not None else lookup.name
 
     @property
@@ -129,19 +132,19 @@ class LookupThenDraft:
         return self.draft.version if self.draft is not None else self.lookup.version
 
     def begin(self, prompt_ids: list[int]) -> None:
-        self.lookup.begin(prompt_ids)
-        if self.draft is not None:
-            self.draft.begin(prompt_ids)
+        for source in self.sources:
+            source.begin(prompt_ids)
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator=None) -> Proposal:
-        proposal = self.lookup.propose(tokens, k, sampling, generator)
-        if proposal.k or self.draft is None:
-            return proposal
-        return self.draft.propose(tokens, k, sampling, generator)
+        """Both sources at the same k (the engine calls the sources itself, each at its own k)."""
+        for source in self.sources:
+            if (proposal := source.propose(tokens, k, sampling, generator)).k:
+                return proposal
+        return Proposal([])
 
     def rollback(self, length: int) -> None:
-        if self.draft is not None and self.draft.runner is not None and self.draft.runner.length > length:
-            self.draft.rollback(length)
+        for source in self.sources:
+            source.rollback(length)
 
     def observe_request(self, token_ids: list[int]) -> None:
         self.lookup.observe_request(token_ids)
