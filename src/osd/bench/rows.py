@@ -31,7 +31,7 @@ def feed_costs(runner, context: int = 100, max_n: int = 9, repeats: int = 5) -> 
 
 
 def run_rows(target: str, threads: int = 0, context: int = 100, repeats: int = 5) -> dict:
-    from osd.models.llama_cpp_runner import LlamaCppRunner
+    from osd.models.llama_cpp_runner import LlamaCppRunner, build_info
     from osd.models.loading import gguf_file
 
     gguf = gguf_file(target)
@@ -42,4 +42,5 @@ def run_rows(target: str, threads: int = 0, context: int = 100, repeats: int = 5
         runner = LlamaCppRunner(gguf, 2048, threads, **kwargs)
         results[name] = {"max_rows": runner.max_rows, **feed_costs(runner, context, 9, repeats)}
         runner.close()
-    return {"config": {"target": target, "threads": threads, "context": context, "repeats": repeats}, "backends": results}
+    return {"config": {"target": target, "threads": threads, "context": context, "repeats": repeats},
+            "llama_cpp_build": build_info(), "backends": results}

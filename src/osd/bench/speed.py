@@ -172,6 +172,7 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
                    "llama_cpp_spec_k": spec_k, "prompts": [r["id"] for r in records]},
         "target_backend": type(engine.target).__name__,
         "target_max_rows": getattr(engine.target, "max_rows", None),
+        "llama_cpp_build": _llama_cpp_build() if llama_cpp or "LlamaCpp" in type(engine.target).__name__ else None,
         "calibration": calibration,
         "decode_tokens_per_second": decode,
         "end_to_end_tokens_per_second": end_to_end,
@@ -184,3 +185,12 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
         "warmup_excluded": True,
         "per_prompt": per_prompt,
     }
+
+
+def _llama_cpp_build() -> str | None:
+    try:
+        from osd.models.llama_cpp_runner import build_info
+
+        return build_info()
+    except Exception:  # no llama-cpp-python: nothing to describe
+        return None

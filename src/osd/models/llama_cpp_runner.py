@@ -51,6 +51,11 @@ def llama_cpp_lib():
     return llama_cpp
 
 
+def build_info() -> str:
+    """llama.cpp's own account of the CPU features it was compiled for (e.g. "AVX2 = 1 | AVX512 = 0 ...")."""
+    return llama_cpp_lib().llama_print_system_info().decode(errors="replace").strip()
+
+
 def _quiet(level, text, user_data):  # llama.cpp's logger: keep stderr clean (OSD_LLAMA_LOG=1 shows it)
     return None
 
