@@ -10,6 +10,7 @@ of the full cost.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -34,9 +35,12 @@ class LoRALinear(nn.Module):
         return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scale
 
     def merged(self) -> nn.Linear:
+        """A plain linear with the adapter folded in; a new weight tensor (the base's is left as it is)."""
+        linear = copy.copy(self.base)
+        linear._parameters = dict(self.base._parameters)
         with torch.no_grad():
-            self.base.weight += (self.lora_b @ self.lora_a) * self.scale
-        return self.base
+            linear.weight = nn.Parameter(self.base.weight + (self.lora_b @ self.lora_a) * self.scale, requires_grad=False)
+        return linear
 
 
 def decoder_layers(model) -> nn.ModuleList:

@@ -9,11 +9,15 @@
 - draft_vocab=N: the LM head keeps only token ids < N plus the special tokens. Qwen2.5's BPE ids
   are roughly in merge (frequency) order, so low ids cover nearly all text; the LM head over the
   full 151,936-token vocabulary is ~27% of a 0.5B draft's per-token work.
-The master weights stay untouched (the learner trains them); these copies are rebuilt on publish.
+- the int8 copy's embedding is int8 too (per-row scale), and shares the LM head's int8 rows when the head covers
+  the whole vocabulary (Qwen2.5 ties them): the serving copy holds no fp32 matrix at all.
+The master weights stay untouched (the learner trains them); these copies are rebuilt on publish, without a
+transient fp32 copy of the whole draft (only tensors the copy keeps are cloned).
 """
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 
 import torch
@@ -46,6 +50,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
         self.kernel, self.in_features, self.out_features = kernel, linear.in_features, linear.out_features
+        self.source_weight_id = id(linear.weight)  # which float matrix it came from (to detect a tied embedding)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -58,6 +63,33 @@ class Int8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+class Int8Embedding(nn.Module):
+    """Embedding rows stored int8 with one symmetric scale per row (the layout of Int8Linear's weight)."""
+
+    def __init__(self, weight_int8: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight_int8", weight_int8)  # (V, H)
+        self.register_buffer("scale", scale)  # (V,)
+
+    @classmethod
+    def from_float(cls, embedding: nn.Embedding) -> "Int8Embedding":
+        weight = embedding.weight.detach().float()
+        scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        return cls(torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8), scale)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight_int8[ids].float() * self.scale[ids].unsqueeze(-1)  # (..., H)
+
+
+def _quantize_embedding(model) -> None:
+    """int8 input embedding, sharing the int8 LM head's rows where the head covers the same vocabulary."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if isinstance(head, Int8Linear) and head.source_weight_id == id(embedding.weight):
+        model.set_input_embeddings(Int8Embedding(head.weight_int8, head.scale))
+    else:
+        model.set_input_embeddings(Int8Embedding.from_float(embedding))
+
+
 def quantize_int8(model):
     """int8 weights for all nn.Linear layers (in place): weight-only with our kernel, else torch's dynamic int8."""
     kernel = rows_linear_int8()
@@ -66,6 +98,7 @@ def quantize_int8(model):
             for name, child in list(module.named_children()):
                 if type(child) is nn.Linear:
                     setattr(module, name, Int8Linear(child, kernel))
+        _quantize_embedding(model)
         model.config.tie_word_embeddings = False
         return model
     with warnings.catch_warnings():
@@ -74,14 +107,32 @@ def quantize_int8(model):
 
 
 def make_serving_draft(master, quantize: str = "none", draft_vocab: int = 0, keep_ids: list[int] = ()):
-    """Return (serving_model, vocab_ids or None): a frozen, possibly quantised/truncated copy."""
+    """Return (serving_model, vocab_ids or None): a frozen, possibly quantised/truncated copy.
+
+    The copy starts by sharing every master tensor (no transient fp32 copy of the draft); quantisation and
+    truncation replace the big ones with new tensors, and whatever is still shared at the end is cloned, so
+    later updates of the master never reach a published copy.
+    """
     from osd.learn.trainable import merge_lora
 
-    model = copy.deepcopy(master).float().eval().requires_grad_(False)
-    merge_lora(model)  # a LoRA-trained master serves as a plain model
+    shared = {id(t): t for t in itertools.chain(master.parameters(), master.buffers())}
+    model = copy.deepcopy(master, dict(shared))
+    merge_lora(model)  # a LoRA-trained master serves as a plain model (merged out of place)
     vocab_ids = None
     if draft_vocab:
         vocab_ids = truncate_lm_head(model, draft_vocab, list(keep_ids))
     if quantize == "int8":
         model = quantize_int8(model)
-    return model, vocab_ids
+    _unshare(model, shared)
+    return model.float().eval().requires_grad_(False), vocab_ids
+
+
+def _unshare(model, shared: dict) -> None:
+    """Clone every parameter / buffer of `model` that is still one of the master's tensors."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in shared and shared[id(p)] is p:
+                module._parameters[name] = nn.Parameter(p.detach().clone(), requires_grad=False)
+        for name, b in list(module._buffers.items()):
+            if b is not None and id(b) in shared and shared[id(b)] is b:
+                module._buffers[name] = b.clone()
