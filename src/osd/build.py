@@ -9,6 +9,7 @@ from osd.config import ModelConfig, SpeculationConfig
 from osd.drafts import DraftRegistry
 from osd.engine import SpeculativeEngine
 from osd.errors import InvalidArgument
+from osd.memory import trim
 from osd.models.loading import gguf_file, load_model, load_tokenizer
 from osd.models.prepack import prepack_linears, shared_weights_copy
 from osd.models.serving_draft import make_serving_draft
@@ -35,7 +36,9 @@ class System:
         master = master if master is not None else self.draft_master
         serving, vocab_ids = make_serving_draft(master, self.models.draft_quantize, self.models.draft_vocab,
                                                 special_ids(self.tokenizer))
-        return self.registry.publish(name, serving, vocab_ids, version)
+        snapshot = self.registry.publish(name, serving, vocab_ids, version)
+        trim()  # building the copy's transients (float temporaries of each matrix) went back to the heap
+        return snapshot
 
 
 def special_ids(tokenizer) -> list[int]:

@@ -48,7 +48,9 @@ def cmd_serve(args) -> None:
     from osd.cli import config_from
     from osd.config import ModelConfig, SpeculationConfig
     from osd.learn.online import LearnConfig
+    from osd.memory import return_freed_memory_to_the_system
 
+    return_freed_memory_to_the_system()  # a long-running process: freed tensors must not stay resident
     settings = config_from(args, ServeSettings)
     models = config_from(args, ModelConfig)
     system = build_system(models, config_from(args, SpeculationConfig))
