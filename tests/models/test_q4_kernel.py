@@ -67,13 +67,15 @@ def test_activation_quantization_is_ggmls_bit_for_bit():
     q, d, bs = q8k_reference(x)
     assert torch.equal(acts.q, q[..., q4.kernel_order()])  # kernel order = natural order permuted
     assert torch.equal(acts.d, d)
-    assert torch.equal(acts.bs, bs)
+    pairs = bs.reshape(5, 3, 8, 2)  # ggml's bsums, as the kernels use them: Q4_K's min sums, Q6_K's -32 offsets
+    assert torch.equal(acts.ybs, d[..., None] * (pairs[..., 0].float() + pairs[..., 1].float()))
+    assert torch.equal(acts.nbs, -32 * torch.cat([pairs[..., 0], pairs[..., 1]], dim=-1).int())
     assert acts.d[2, 1] > 0 and acts.d[1, 0] == 0
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
-@pytest.mark.parametrize("n,k", [(40, 512), (17, 768), (3, 256)])
+@pytest.mark.parametrize("n,k", [(40, 512), (17, 768), (3, 256), (32, 256)])  # whole and partial tiles of 16
 def test_matmul_matches_dequantized_reference(type_name, n, k, isa):
     raw = random_blocks(n, k, type_name, seed=n + k)
     weight = q4.repack(raw, type_name)
@@ -94,7 +96,7 @@ def test_a_wrong_layout_would_fail_the_reference_check():
     """The tolerance above is tight enough to catch a swapped scale (a bug the kernel could have)."""
     raw = random_blocks(8, 512, "Q4_K", seed=3)
     weight = q4.repack_q4k(raw)
-    swapped = q4.Q4KWeight(weight.qs, weight.sm[..., [1, 0, *range(2, 16)]].contiguous(), weight.dd)
+    swapped = q4.Q4KWeight(weight.n, weight.qs, weight.sm[..., [1, 0, *range(2, 16)]].contiguous(), weight.dd)
     x = activations(2, 512, seed=4)
     q, d, _ = q8k_reference(x)
     expected = (q.double() * d.double()[..., None]).reshape(2, 512) @ dequantized(raw, "Q4_K").T

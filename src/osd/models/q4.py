@@ -29,6 +29,7 @@ QK = 256  # weights per K-quant block
 Q4K_BLOCK_BYTES = 144  # ggml's block_q4_K
 Q6K_BLOCK_BYTES = 210  # ggml's block_q6_K
 ISAS = {"best": 0, "avx2": 1, "avx512_vnni": 2}
+TILE = 16  # output columns per tile of the weight layout (q4_kernel.cpp's TILE)
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -96,24 +97,46 @@ def resolve_isa(isa: str | None = None) -> str:
 
 # ------------------------------------------------------------------------------------------ tensors
 class Q8KActivations(NamedTuple):
-    """Rows quantized as ggml's Q8_K, in the kernel's element order (see q4_kernel.cpp)."""
+    """Rows quantized as ggml's Q8_K: one record per row and 256-block (the `Rec` struct of q4_kernel.cpp)."""
 
-    q: torch.Tensor  # (M, B, 256) int8
-    d: torch.Tensor  # (M, B) float32: row block = d * q
-    bs: torch.Tensor  # (M, B, 16) int16: sums of 16 consecutive quants, natural order
+    records: torch.Tensor  # (M, B, 384) uint8
+
+    def _field(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.records[..., start:stop].contiguous().view(dtype)
+
+    @property
+    def q(self) -> torch.Tensor:  # (M, B, 256) int8, kernel order
+        return self._field(0, 256, torch.int8)
+
+    @property
+    def ybs(self) -> torch.Tensor:  # (M, B, 8) float32: d * sums of 32-element sub-blocks
+        return self._field(256, 288, torch.float32)
+
+    @property
+    def nbs(self) -> torch.Tensor:  # (M, B, 16) int32: -32 * sums of 16-element sub-blocks 0, 2, .., 14, 1, 3, .., 15
+        return self._field(288, 352, torch.int32)
+
+    @property
+    def d(self) -> torch.Tensor:  # (M, B) float32: block = d * q
+        return self._field(352, 356, torch.float32)[..., 0]
+
 
 
 @dataclass(frozen=True)
 class Q4KWeight:
-    """A Q4_K matrix (N, K) repacked for the kernel: same 144 bytes per 256 weights as the GGUF (+4: scales unpacked)."""
+    """A Q4_K matrix (N, K) repacked for the kernel: 148 bytes per 256 weights (the GGUF's 144, scales unpacked).
 
-    qs: torch.Tensor  # (N, B, 128) uint8: nibbles
-    sm: torch.Tensor  # (N, B, 16) uint8: 8 sub-block scales, 8 sub-block mins
-    dd: torch.Tensor  # (N, B, 2) float16: d, dmin
+    Blocks are in tile order (`tile_order`): 16 output columns at a time, block-major within a tile.
+    """
+
+    n: int  # output features N
+    qs: torch.Tensor  # (N B, 128) uint8: nibbles
+    sm: torch.Tensor  # (N B, 16) uint8: 8 sub-block scales, 8 sub-block mins
+    dd: torch.Tensor  # (N B, 2) float16: d, dmin
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.qs.shape[0], self.qs.shape[1] * QK
+        return self.n, self.qs.shape[0] // self.n * QK
 
     @property
     def nbytes(self) -> int:
@@ -122,16 +145,17 @@ class Q4KWeight:
 
 @dataclass(frozen=True)
 class Q6KWeight:
-    """A Q6_K matrix (N, K) repacked for the kernel: 210 bytes per 256 weights, as in the GGUF."""
+    """A Q6_K matrix (N, K) repacked for the kernel: 210 bytes per 256 weights, as in the GGUF; tile order."""
 
-    ql: torch.Tensor  # (N, B, 128) uint8: low 4 bits
-    qh: torch.Tensor  # (N, B, 64) uint8: high 2 bits
-    sc: torch.Tensor  # (N, B, 16) int8: sub-block scales
-    d: torch.Tensor  # (N, B) float16
+    n: int
+    ql: torch.Tensor  # (N B, 128) uint8: low 4 bits
+    qh: torch.Tensor  # (N B, 64) uint8: high 2 bits
+    sc: torch.Tensor  # (N B, 16) int8: sub-block scales
+    d: torch.Tensor  # (N B, 1) float16
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.ql.shape[0], self.ql.shape[1] * QK
+        return self.n, self.ql.shape[0] // self.n * QK
 
     @property
     def nbytes(self) -> int:
@@ -142,17 +166,17 @@ def quantize_activations(x: torch.Tensor) -> Q8KActivations:
     """x (M, K) float32 -> Q8_K rows (ggml's quantize_row_q8_K_ref, bit for bit); K a multiple of 256."""
     if x.dim() != 2 or x.shape[1] % QK:
         raise InvalidArgument(f"activations must be (M, K) with K a multiple of {QK}, got {tuple(x.shape)}")
-    return Q8KActivations(*kernel().quantize_q8k(x.float()))
+    return Q8KActivations(kernel().quantize_q8k(x.float()))
 
 
 def matmul(acts: Q8KActivations, weight: Q4KWeight | Q6KWeight, isa: str | None = None) -> torch.Tensor:
     """(M, K) activations x (N, K) weight^T -> (M, N) float32, any M >= 1 (8 rows per pass over the weight)."""
     code = ISAS[resolve_isa(isa)]
-    if acts.q.shape[1] * QK != weight.shape[1]:
-        raise InvalidArgument(f"activations have K = {acts.q.shape[1] * QK}, the weight {weight.shape[1]}")
+    if acts.records.shape[1] * QK != weight.shape[1]:
+        raise InvalidArgument(f"activations have K = {acts.records.shape[1] * QK}, the weight {weight.shape[1]}")
     if isinstance(weight, Q4KWeight):
-        return kernel().q4k_matmul(acts.q, acts.d, acts.bs, weight.qs, weight.sm, weight.dd, code)
-    return kernel().q6k_matmul(acts.q, acts.d, acts.bs, weight.ql, weight.qh, weight.sc, weight.d, code)
+        return kernel().q4k_matmul(acts.records, weight.qs, weight.sm, weight.dd, weight.n, code)
+    return kernel().q6k_matmul(acts.records, weight.ql, weight.qh, weight.sc, weight.d, weight.n, code)
 
 
 # ------------------------------------------------------------------------------------------ repacking (pure)
@@ -198,36 +222,44 @@ def q6k_quants(ql: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
     return (low | (high << 4)).reshape(*lead, QK)
 
 
+def tile_order(t: torch.Tensor, tile: int = TILE) -> torch.Tensor:
+    """(N, B, X) per-block data -> (N B, X) in the kernel's order: columns in tiles of `tile`, block-major within."""
+    n, b, x = t.shape
+    full = n - n % tile
+    head = t[:full].reshape(full // tile, tile, b, x).transpose(1, 2).reshape(-1, x)
+    return torch.cat([head, t[full:].transpose(0, 1).reshape(-1, x)])
+
+
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:  # (..., 256) values 0..15 in kernel order -> (..., 128)
     return q[..., :128] | (q[..., 128:] << 4)
 
 
-def repack_q4k(raw: torch.Tensor, chunk_rows: int = 8192) -> Q4KWeight:
+def repack_q4k(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q4KWeight:
     """A GGUF Q4_K tensor's bytes (N, B * 144) uint8 -> the kernel's layout."""
     blocks = _blocks(raw, Q4K_BLOCK_BYTES)
     order = kernel_order()
     qs, sm, dd = [], [], []
     for part in blocks.split(chunk_rows):
         sc, mins = q4k_scales(part[..., 4:16])
-        qs.append(_pack_nibbles(q4k_quants(part[..., 16:144])[..., order]))
-        sm.append(torch.cat([sc, mins], dim=-1))
-        dd.append(torch.stack([_f16(part[..., 0:2]), _f16(part[..., 2:4])], dim=-1))
-    return Q4KWeight(torch.cat(qs).contiguous(), torch.cat(sm).contiguous(), torch.cat(dd).contiguous())
+        qs.append(tile_order(_pack_nibbles(q4k_quants(part[..., 16:144])[..., order])))  # chunks hold whole tiles
+        sm.append(tile_order(torch.cat([sc, mins], dim=-1)))
+        dd.append(tile_order(torch.stack([_f16(part[..., 0:2]), _f16(part[..., 2:4])], dim=-1)))
+    return Q4KWeight(raw.shape[0], *(torch.cat(t).contiguous() for t in (qs, sm, dd)))
 
 
-def repack_q6k(raw: torch.Tensor, chunk_rows: int = 8192) -> Q6KWeight:
+def repack_q6k(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q6KWeight:
     """A GGUF Q6_K tensor's bytes (N, B * 210) uint8 -> the kernel's layout."""
     blocks = _blocks(raw, Q6K_BLOCK_BYTES)
     order = kernel_order()
     ql, qh, sc, d = [], [], [], []
     for part in blocks.split(chunk_rows):
         q = q6k_quants(part[..., 0:128], part[..., 128:192])[..., order]  # (n, B, 256) 0..63, kernel order
-        ql.append(_pack_nibbles(q & 0xF))
+        ql.append(tile_order(_pack_nibbles(q & 0xF)))
         top = (q >> 4).reshape(*q.shape[:-1], 4, 64)  # byte p + 64 c -> bits 2c..2c+1 of qh byte p
-        qh.append(top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6))
-        sc.append(part[..., 192:208].contiguous().view(torch.int8))
-        d.append(_f16(part[..., 208:210]))
-    return Q6KWeight(*(torch.cat(t).contiguous() for t in (ql, qh, sc, d)))
+        qh.append(tile_order(top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)))
+        sc.append(tile_order(part[..., 192:208].contiguous().view(torch.int8)))
+        d.append(tile_order(part[..., 208:210].contiguous().view(torch.float16)))
+    return Q6KWeight(raw.shape[0], *(torch.cat(t).contiguous() for t in (ql, qh, sc, d)))
 
 
 def repack(raw: torch.Tensor, type_name: str) -> Q4KWeight | Q6KWeight:
