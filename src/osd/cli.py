@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
     add_config_flags(p, ModelConfig)
     p.set_defaults(func=cmd_bench_train_step)
+    from osd.bench.kernel import register as register_bench_kernel  # `osd bench kernel`
+
+    register_bench_kernel(bench)
     from osd.serve.cli import register as register_serve  # `osd serve`, `osd bench serve`
 
     register_serve(sub, bench)

@@ -1,0 +1,292 @@
+"""Multi-row products on llama.cpp's 4-bit (Q4_K) and 6-bit (Q6_K) weights with our own CPU kernel (q4_kernel.cpp).
+
+Verification multiplies k+1 rows by every target weight. `matmul(quantize_activations(x), weight)` reads each
+weight block once for up to 8 rows and computes ggml's Q4_K x Q8_K / Q6_K x Q8_K math: activations quantized per
+256-block to int8 with one scale exactly as llama.cpp does (`quantize_row_q8_K_ref`), exact integer block dot
+products, only the float sum over blocks in another order than ggml's. Each row's result is bitwise the same
+whatever the number of rows computed with it, and the AVX2 and AVX-512 VNNI paths give bitwise equal results.
+
+Measured here (`osd bench kernel --clock cpu`: 1 thread, CPU time, AMD EPYC Zen 4; ms per token for all 196 layer
+matrices + the LM head, random weights streaming from memory; llama.cpp = its whole forward, same thread/clock):
+
+    rows                              1      2      4      8
+    this kernel, AVX-512 VNNI      51.8   58.2   80.5  119.5   (1.12x / 1.56x / 2.31x one row)
+    this kernel, AVX2 path         51.3   65.5  104.9  156.7
+    llama.cpp (AVX2 build)         54.6  114.3  181.5  509.0   (2.09x / 3.32x / 9.32x)
+
+One row is memory-bound (~20 GB/s on one core); more rows are compute-bound (~9 cycles per row and 256-block
+on VNNI, of which 4 are the vpdpbusd themselves).
+
+Weights are repacked once from the GGUF's blocks (`repack_q4k`, `repack_q6k`: same bytes per block, another
+order; layout in q4_kernel.cpp). The path runs where the CPU has AVX2 (AVX-512 VNNI is used where present, chosen
+at run time; OSD_Q4_ISA=avx2 forces AVX2). The build (~1 min) happens once per machine and torch version, in
+torch's extension cache. Limitations: K must be a multiple of 256; no bias; not yet used by any model runner
+(a microbenchmark, `osd bench kernel`, measures it against the target's shapes).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from osd.errors import BackendUnavailable, InvalidArgument
+
+QK = 256  # weights per K-quant block
+Q4K_BLOCK_BYTES = 144  # ggml's block_q4_K
+Q6K_BLOCK_BYTES = 210  # ggml's block_q6_K
+ISAS = {"best": 0, "avx2": 1, "avx512_vnni": 2}
+TILE = 16  # output columns per tile of the weight layout (q4_kernel.cpp's TILE)
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+# ------------------------------------------------------------------------------------------ build and dispatch
+def _module():
+    with _lock:
+        if "module" not in _state:
+            _state["module"], _state["error"] = _build()
+        return _state["module"]
+
+
+def _build():
+    from osd.models.kernels import cpu_has_avx2
+
+    if os.environ.get("OSD_NO_KERNELS"):
+        return None, "disabled by OSD_NO_KERNELS"
+    if not cpu_has_avx2():
+        return None, "this CPU has no AVX2"
+    try:
+        from torch.utils.cpp_extension import load
+
+        source = Path(__file__).with_name("q4_kernel.cpp")
+        print("[osd] loading the Q4_K/Q6_K CPU kernels (compiled once per machine, ~1 min) ...", file=sys.stderr, flush=True)
+        module = load("osd_q4_kernel", [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False)
+        return module, None
+    except Exception as e:  # no compiler / ninja / headers
+        return None, f"{type(e).__name__}: {e}"
+
+
+def available() -> bool:
+    return _module() is not None
+
+
+def build_error() -> str | None:
+    """Why the kernel is unavailable (after available() returned False)."""
+    _module()
+    return _state.get("error")
+
+
+def kernel():
+    module = _module()
+    if module is None:
+        raise BackendUnavailable(f"the Q4_K CPU kernel is unavailable here: {_state.get('error')}")
+    return module
+
+
+def has_vnni() -> bool:
+    """Whether this CPU runs the AVX-512 VNNI path."""
+    return bool(kernel().has_vnni())
+
+
+def resolve_isa(isa: str | None = None) -> str:
+    """The path a call runs: `isa`, else $OSD_Q4_ISA, else the best this CPU has ('avx512_vnni' or 'avx2')."""
+    isa = isa or os.environ.get("OSD_Q4_ISA") or "best"
+    if isa not in ISAS:
+        raise InvalidArgument(f"unknown ISA {isa!r}: one of {', '.join(ISAS)}")
+    if isa == "best":
+        return "avx512_vnni" if has_vnni() else "avx2"
+    if isa == "avx512_vnni" and not has_vnni():
+        raise InvalidArgument("this CPU has no AVX-512 VNNI")
+    return isa
+
+
+# ------------------------------------------------------------------------------------------ tensors
+class Q8KActivations(NamedTuple):
+    """Rows quantized as ggml's Q8_K: one record per row and 256-block (the `Rec` struct of q4_kernel.cpp)."""
+
+    records: torch.Tensor  # (M, B, 384) uint8
+
+    def _field(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.records[..., start:stop].contiguous().view(dtype)
+
+    @property
+    def q(self) -> torch.Tensor:  # (M, B, 256) int8, kernel order
+        return self._field(0, 256, torch.int8)
+
+    @property
+    def ybs(self) -> torch.Tensor:  # (M, B, 8) float32: d * sums of 32-element sub-blocks
+        return self._field(256, 288, torch.float32)
+
+    @property
+    def nbs(self) -> torch.Tensor:  # (M, B, 16) int32: -32 * sums of 16-element sub-blocks 0, 2, .., 14, 1, 3, .., 15
+        return self._field(288, 352, torch.int32)
+
+    @property
+    def d(self) -> torch.Tensor:  # (M, B) float32: block = d * q
+        return self._field(352, 356, torch.float32)[..., 0]
+
+
+
+@dataclass(frozen=True)
+class Q4KWeight:
+    """A Q4_K matrix (N, K) repacked for the kernel: 148 bytes per 256 weights (the GGUF's 144, scales unpacked).
+
+    Blocks are in tile order (`tile_order`): 16 output columns at a time, block-major within a tile.
+    """
+
+    n: int  # output features N
+    qs: torch.Tensor  # (N B, 128) uint8: nibbles
+    sm: torch.Tensor  # (N B, 16) uint8: 8 sub-block scales, 8 sub-block mins
+    dd: torch.Tensor  # (N B, 2) float16: d, dmin
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.qs.shape[0] // self.n * QK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.sm, self.dd))
+
+
+@dataclass(frozen=True)
+class Q6KWeight:
+    """A Q6_K matrix (N, K) repacked for the kernel: 210 bytes per 256 weights, as in the GGUF; tile order."""
+
+    n: int
+    ql: torch.Tensor  # (N B, 128) uint8: low 4 bits
+    qh: torch.Tensor  # (N B, 64) uint8: high 2 bits
+    sc: torch.Tensor  # (N B, 16) int8: sub-block scales
+    d: torch.Tensor  # (N B, 1) float16
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.ql.shape[0] // self.n * QK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.ql, self.qh, self.sc, self.d))
+
+
+def quantize_activations(x: torch.Tensor) -> Q8KActivations:
+    """x (M, K) float32 -> Q8_K rows (ggml's quantize_row_q8_K_ref, bit for bit); K a multiple of 256."""
+    if x.dim() != 2 or x.shape[1] % QK:
+        raise InvalidArgument(f"activations must be (M, K) with K a multiple of {QK}, got {tuple(x.shape)}")
+    return Q8KActivations(kernel().quantize_q8k(x.float()))
+
+
+def matmul(acts: Q8KActivations, weight: Q4KWeight | Q6KWeight, isa: str | None = None) -> torch.Tensor:
+    """(M, K) activations x (N, K) weight^T -> (M, N) float32, any M >= 1 (8 rows per pass over the weight)."""
+    code = ISAS[resolve_isa(isa)]
+    if acts.records.shape[1] * QK != weight.shape[1]:
+        raise InvalidArgument(f"activations have K = {acts.records.shape[1] * QK}, the weight {weight.shape[1]}")
+    if isinstance(weight, Q4KWeight):
+        return kernel().q4k_matmul(acts.records, weight.qs, weight.sm, weight.dd, weight.n, code)
+    return kernel().q6k_matmul(acts.records, weight.ql, weight.qh, weight.sc, weight.d, weight.n, code)
+
+
+# ------------------------------------------------------------------------------------------ repacking (pure)
+def kernel_order() -> torch.Tensor:
+    """(256,) long: the block element that the kernel's byte u holds (u = 32 v + 4 l + t -> element 32 l + 4 v + t)."""
+    u = torch.arange(QK)
+    return 32 * ((u % 32) // 4) + 4 * (u // 32) + u % 4
+
+
+def _blocks(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """GGUF tensor bytes (N, B * block_bytes) uint8 -> (N, B, block_bytes)."""
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % block_bytes:
+        raise InvalidArgument(f"expected (N, B * {block_bytes}) uint8 block bytes, got {tuple(raw.shape)} {raw.dtype}")
+    return raw.reshape(raw.shape[0], -1, block_bytes)
+
+
+def _f16(two_bytes: torch.Tensor) -> torch.Tensor:  # (..., 2) uint8 -> (...) float16
+    return two_bytes.contiguous().view(torch.float16)[..., 0]
+
+
+def q4k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 packed bytes (..., 12) -> 8 sub-block scales and 8 mins (6-bit each), as ggml's get_scale_min_k4."""
+    s = scales.to(torch.uint8)
+    lo, hi, mix = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([lo & 63, (mix & 0xF) | ((lo >> 6) << 4)], dim=-1)
+    mins = torch.cat([hi & 63, (mix >> 4) | ((hi >> 6) << 4)], dim=-1)
+    return sc, mins
+
+
+def q4k_quants(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K's 128 quant bytes (..., 128) -> the 256 quants 0..15 in element order."""
+    chunks = qs.reshape(*qs.shape[:-1], 4, 1, 32)  # 64 elements per 32 bytes: low nibbles, then high nibbles
+    return torch.cat([chunks & 0xF, chunks >> 4], dim=-2).reshape(*qs.shape[:-1], QK)
+
+
+def q6k_quants(ql: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
+    """Q6_K's ql (..., 128) and qh (..., 64) -> the 256 quants 0..63 in element order (as ggml's dequantize_row_q6_K)."""
+    lead = ql.shape[:-1]
+    low = ql.reshape(*lead, 2, 1, 64)
+    low = torch.cat([low & 0xF, low >> 4], dim=-2).reshape(*lead, 2, 4, 32)  # per half: 4 runs of 32
+    high = qh.reshape(*lead, 2, 1, 32)
+    high = torch.cat([(high >> s) & 3 for s in (0, 2, 4, 6)], dim=-2)  # (.., 2, 4, 32)
+    return (low | (high << 4)).reshape(*lead, QK)
+
+
+def tile_order(t: torch.Tensor, tile: int = TILE) -> torch.Tensor:
+    """(N, B, X) per-block data -> (N B, X) in the kernel's order: columns in tiles of `tile`, block-major within."""
+    n, b, x = t.shape
+    full = n - n % tile
+    head = t[:full].reshape(full // tile, tile, b, x).transpose(1, 2).reshape(-1, x)
+    return torch.cat([head, t[full:].transpose(0, 1).reshape(-1, x)])
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:  # (..., 256) values 0..15 in kernel order -> (..., 128)
+    return q[..., :128] | (q[..., 128:] << 4)
+
+
+def repack_q4k(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q4KWeight:
+    """A GGUF Q4_K tensor's bytes (N, B * 144) uint8 -> the kernel's layout."""
+    blocks = _blocks(raw, Q4K_BLOCK_BYTES)
+    order = kernel_order()
+    qs, sm, dd = [], [], []
+    for part in blocks.split(chunk_rows):
+        sc, mins = q4k_scales(part[..., 4:16])
+        qs.append(tile_order(_pack_nibbles(q4k_quants(part[..., 16:144])[..., order])))  # chunks hold whole tiles
+        sm.append(tile_order(torch.cat([sc, mins], dim=-1)))
+        dd.append(tile_order(torch.stack([_f16(part[..., 0:2]), _f16(part[..., 2:4])], dim=-1)))
+    return Q4KWeight(raw.shape[0], *(torch.cat(t).contiguous() for t in (qs, sm, dd)))
+
+
+def repack_q6k(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q6KWeight:
+    """A GGUF Q6_K tensor's bytes (N, B * 210) uint8 -> the kernel's layout."""
+    blocks = _blocks(raw, Q6K_BLOCK_BYTES)
+    order = kernel_order()
+    ql, qh, sc, d = [], [], [], []
+    for part in blocks.split(chunk_rows):
+        q = q6k_quants(part[..., 0:128], part[..., 128:192])[..., order]  # (n, B, 256) 0..63, kernel order
+        ql.append(tile_order(_pack_nibbles(q & 0xF)))
+        top = (q >> 4).reshape(*q.shape[:-1], 4, 64)  # byte p + 64 c -> bits 2c..2c+1 of qh byte p
+        qh.append(tile_order(top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)))
+        sc.append(tile_order(part[..., 192:208].contiguous().view(torch.int8)))
+        d.append(tile_order(part[..., 208:210].contiguous().view(torch.float16)))
+    return Q6KWeight(raw.shape[0], *(torch.cat(t).contiguous() for t in (ql, qh, sc, d)))
+
+
+def repack(raw: torch.Tensor, type_name: str) -> Q4KWeight | Q6KWeight:
+    """GGUF tensor bytes of type 'Q4_K' or 'Q6_K' -> the kernel's weight."""
+    if type_name == "Q4_K":
+        return repack_q4k(raw)
+    if type_name == "Q6_K":
+        return repack_q6k(raw)
+    raise InvalidArgument(f"the Q4 kernel handles Q4_K and Q6_K weights, not {type_name}")
+
+
+def load_gguf_weight(path: str | Path, name: str) -> Q4KWeight | Q6KWeight:
+    """One Q4_K/Q6_K tensor of a GGUF file (e.g. 'blk.0.ffn_up.weight'), repacked. The file is memory-mapped."""
+    from gguf import GGUFReader
+
+    for t in GGUFReader(str(path)).tensors:
+        if t.name == name:
+            return repack(torch.from_numpy(t.data.copy()), t.tensor_type.name)
+    raise InvalidArgument(f"no tensor {name!r} in {path}")

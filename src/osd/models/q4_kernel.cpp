@@ -1,0 +1,458 @@
+// Multi-row products with llama.cpp's K-quant weights (Q4_K, Q6_K) on a CPU: y (M, N) = x (M, K) W^T, M = 1..any.
+//
+// The math is ggml's Q4_K x Q8_K and Q6_K x Q8_K dot products: each row of x is quantized per 256-block to int8
+// with one float scale (quantize_row_q8_K_ref, bit for bit), the integer part of each block's dot product is
+// exact, and only the float combination of blocks differs from ggml (its order, not its terms).
+//
+// Why: verifying k+1 draft tokens multiplies k+1 rows by every weight. One row is memory-bound (~1 GB of 4-bit
+// weights per token); llama.cpp's CPU kernels cost ~1.8x for 2 rows and ~2.9x for 4 here. This kernel reads each
+// weight block once, unpacks its nibbles once and multiplies them with up to 8 rows held in registers.
+//
+// Weight layout (repacked once from the GGUF's blocks by models/q4.py): per 256-block, "unpacked" byte u (0..255)
+// holds element 32*l + 4*v + t of the block, where v = u / 32 (the 32-byte vector), l = (u % 32) / 4 (the 32-bit
+// lane), t = u % 4. So every 32-bit lane l of every vector belongs to Q4_K's sub-block l (32 elements) and to
+// Q6_K's sub-blocks 2l (vectors 0-3) or 2l+1 (vectors 4-7): integer dot products (maddubs / vpdpbusd) sum within
+// one sub-block per lane and the sub-block scales apply once per lane. Activations are permuted the same way.
+// Blocks are stored in tile order: output columns in tiles of 16, a tile's blocks block-major (block b of its
+// 16 columns, then block b + 1), so a tile streams through memory in order while the rows' activations of
+// block b stay in L1. Per block (N * B blocks, B = K / 256):
+//   Q4_K: qs (N B, 128) u8: low nibble = unpacked byte p, high nibble = unpacked byte p + 128
+//         sm (N B, 16) u8: 8 sub-block scales, then 8 sub-block mins (6-bit values)
+//         dd (N B, 2) f16: d, dmin
+//   Q6_K: ql (N B, 128) u8: low 4 bits, packed like Q4_K's qs
+//         qh (N B, 64) u8: bits 2c..2c+1 of byte p = high 2 bits of unpacked byte p + 64 c
+//         sc (N B, 16) i8: the 16 sub-block scales (natural order); d (N B, 1) f16
+//
+// Two code paths: AVX2 (maddubs) and AVX-512 VNNI (vpdpbusd), chosen at run time. Both produce the same 8 int32
+// per block and row and then run identical float instructions, so their results are bitwise equal; and each row's
+// float accumulation is the same whatever the number of rows computed together (bitwise row-count invariance).
+// Limitations: K must be a multiple of 256; no bias (add it outside); rows beyond 8 go in further passes of 8
+// over the same weights (hot in cache per tile of output columns).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+constexpr int QK = 256;       // weights per block
+constexpr int MAX_R = 8;      // rows per pass over the weights
+constexpr int64_t TILE = 16;  // output columns per tile: the weight layout stores a tile's blocks together
+constexpr int REC = 384;      // bytes per activation record (one row, one block; a multiple of 64), see Rec
+
+#define VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// One row's 256-block of Q8_K activations and what the kernels derive from it once per row instead of once per
+// weight row: float sums for Q4_K's mins, the -32 offset of Q6_K's quants in integers.
+struct Rec {
+  int8_t q[QK];     // quants, kernel order
+  float ybs[8];     // d * (sum of the quants of 32-element sub-block l), l = 0..7
+  int32_t nbs[16];  // -32 * (sum of the quants of 16-element sub-block 2l) for l = 0..7, then of sub-block 2l+1
+  float d;          // row block = d * q
+  uint8_t pad[REC - QK - 32 - 64 - 4];
+};
+static_assert(sizeof(Rec) == REC, "activation record size");
+
+struct Q4W {
+  const uint8_t* qs;
+  const uint8_t* sm;
+  const uint16_t* dd;
+  int64_t B;
+};
+
+struct Q6W {
+  const uint8_t* ql;
+  const uint8_t* qh;
+  const int8_t* sc;
+  const uint16_t* d;
+  int64_t B;
+};
+
+inline float fp16(uint16_t h) { return _cvtsh_ss(h); }
+
+inline float hsum8(__m256 v) {  // fixed order: both paths and every row count use this one
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// ---------------------------------------------------------------- activations: ggml's quantize_row_q8_K_ref
+void quantize_block(const float* x, Rec* rec) {
+  std::memset(rec, 0, sizeof(Rec));
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 vmax = _mm256_setzero_ps();
+  for (int j = 0; j < QK; j += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + j), absmask));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vmax);
+  float amax = 0.f;
+  for (float a : lanes) amax = a > amax ? a : amax;
+  if (!(amax > 0.f)) return;  // all zero (ggml tests !amax): d = 0, quants 0
+  int first = 0;  // ggml keeps the first element of largest magnitude, with its sign
+  while (std::fabs(x[first]) != amax) ++first;
+  const float iscale = -127.f / x[first];
+  const __m256 vs = _mm256_set1_ps(iscale);
+  const __m256i top = _mm256_set1_epi32(127);
+  alignas(32) int8_t nat[QK];  // natural order
+  for (int j = 0; j < QK; j += 32) {
+    __m256i a = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + j))), top);  // round half even
+    __m256i b = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + j + 8))), top);
+    __m256i c = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + j + 16))), top);
+    __m256i e = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + j + 24))), top);
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, e));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(nat + j), p);
+  }
+  rec->d = 1.f / iscale;
+  int bs[16];  // ggml's bsums: sums of 16 consecutive quants
+  for (int g = 0; g < 16; ++g) {
+    bs[g] = 0;
+    for (int i = 0; i < 16; ++i) bs[g] += nat[16 * g + i];
+  }
+  for (int l = 0; l < 8; ++l) {
+    rec->ybs[l] = rec->d * static_cast<float>(bs[2 * l] + bs[2 * l + 1]);
+    rec->nbs[l] = -32 * bs[2 * l];
+    rec->nbs[8 + l] = -32 * bs[2 * l + 1];
+  }
+  int32_t words[64];  // kernel order: word (v, l) <- natural word (l, v)
+  std::memcpy(words, nat, QK);
+  int32_t out[64];
+  for (int l = 0; l < 8; ++l)
+    for (int v = 0; v < 8; ++v) out[8 * v + l] = words[8 * l + v];
+  std::memcpy(rec->q, out, QK);
+}
+
+// Both paths reduce a row's block to 8 exact int32 lanes (lane l = sub-block l's integer dot product), then run
+// these float steps. Q4_K: acc += (dot * d sc_l) * dy - (dmin m_l) * (dy bsum_l).
+inline void q4_finish(__m256& acc, __m256i dot, __m256 dsc, __m256 dmn, const Rec* y) {
+  const __m256 dy = _mm256_broadcast_ss(&y->d), ybs = _mm256_loadu_ps(y->ybs);  // loads first: one store of acc
+  const __m256 a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), dsc), dy, acc);
+  acc = _mm256_fnmadd_ps(dmn, ybs, a);
+}
+
+// Q6_K: even/odd = sub-blocks 2l / 2l+1's dot products with the -32 offset (|.| <= 16*32*127: exact in float);
+// acc += (even * d sc_2l + odd * d sc_2l+1) * dy.
+inline void q6_finish(__m256& acc, __m256i even, __m256i odd, __m256 dsce, __m256 dsco, const Rec* y) {
+  const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd), dsco, _mm256_mul_ps(_mm256_cvtepi32_ps(even), dsce));
+  acc = _mm256_fmadd_ps(t, _mm256_broadcast_ss(&y->d), acc);
+}
+
+// Weights stream in layout order; fetching them PREFETCH bytes ahead hides more of the memory latency than the
+// hardware prefetcher alone when many rows make each block slow (measured ~25% faster at 8 rows).
+constexpr int PREFETCH = 2048;
+inline void prefetch(const uint8_t* p, int lines) {
+  for (int i = 0; i < lines; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + 64 * i), _MM_HINT_T0);
+}
+
+inline __m256 scaled(const uint8_t* p, float d) {  // 8 u8 -> float (x * d)
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(d));
+}
+
+inline void q6_scales(const int8_t* sc, float d, __m256& dsce, __m256& dsco) {
+  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));  // (sc_2l, sc_2l+1)
+  dsce = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(s, 16), 16)), _mm256_set1_ps(d));
+  dsco = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(s, 16)), _mm256_set1_ps(d));
+}
+
+// The four kernels share one loop: for each block b, for each output column i of the tile, unpack the column's
+// weight block once and update the accumulators of the R rows (held in memory, one per column and row; the
+// rows' records of block b stay in L1 while the tile's weights stream through in layout order). The VNNI
+// kernels take two columns at a time so that each row's activations are loaded once for both (~10% faster).
+
+// ---------------------------------------------------------------- Q4_K
+template <int R>
+void q4_avx2(const Rec* a, const Q4W& w, __m256* accs, int64_t first, int64_t nt, int64_t r0) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t B = w.B;
+  for (int64_t b = 0; b < B; ++b) {
+    const Rec* y[R];
+    for (int r = 0; r < R; ++r) y[r] = a + (r0 + r) * B + b;
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t nb = first + b * nt + i;
+      const uint8_t* qs = w.qs + nb * 128;
+      prefetch(qs, 2);
+      __m256i wv[8];
+      for (int j = 0; j < 4; ++j) {
+        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+        wv[j] = _mm256_and_si256(p, m4);
+        wv[j + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+      }
+      const __m256 dsc = scaled(w.sm + nb * 16, fp16(w.dd[2 * nb]));
+      const __m256 dmn = scaled(w.sm + nb * 16 + 8, fp16(w.dd[2 * nb + 1]));
+      __m256* acc = accs + i * MAX_R;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i* q = reinterpret_cast<const __m256i*>(y[r]->q);
+        __m256i p = _mm256_maddubs_epi16(wv[0], _mm256_loadu_si256(q));  // int16 pairs, |.| <= 2*15*127
+        for (int v = 1; v < 8; ++v) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(wv[v], _mm256_loadu_si256(q + v)));
+        q4_finish(acc[r], _mm256_madd_epi16(p, ones), dsc, dmn, y[r]);  // |p| <= 8*3810 < 2^15: no overflow
+      }
+    }
+  }
+}
+
+struct Q4Block {  // one column's weight block, unpacked
+  __m512i w[4];
+  __m256 dsc, dmn;
+};
+
+VNNI_TARGET inline Q4Block q4_block(const Q4W& w, int64_t nb) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const uint8_t* qs = w.qs + nb * 128;
+  prefetch(qs, 2);
+  const __m512i p0 = _mm512_loadu_si512(qs), p1 = _mm512_loadu_si512(qs + 64);
+  return {{_mm512_and_si512(p0, m4), _mm512_and_si512(p1, m4),  // unpacked bytes 0-63, 64-127
+           _mm512_and_si512(_mm512_srli_epi16(p0, 4), m4), _mm512_and_si512(_mm512_srli_epi16(p1, 4), m4)},
+          scaled(w.sm + nb * 16, fp16(w.dd[2 * nb])), scaled(w.sm + nb * 16 + 8, fp16(w.dd[2 * nb + 1]))};
+}
+
+// C consecutive columns (blocks nb..nb+C-1 of the tile layout) x R rows; each row's activations loaded once.
+template <int R, int C>
+VNNI_TARGET inline void q4_vnni_cols(const Rec* const* y, const Q4W& w, int64_t nb, __m256* acc) {
+  Q4Block k[C];
+  for (int c = 0; c < C; ++c) k[c] = q4_block(w, nb + c);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const int8_t* q = y[r]->q;
+    const __m512i y0 = _mm512_loadu_si512(q), y1 = _mm512_loadu_si512(q + 64);
+    const __m512i y2 = _mm512_loadu_si512(q + 128), y3 = _mm512_loadu_si512(q + 192);
+    for (int c = 0; c < C; ++c) {
+      __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k[c].w[0], y0);
+      s = _mm512_dpbusd_epi32(s, k[c].w[1], y1);
+      s = _mm512_dpbusd_epi32(s, k[c].w[2], y2);
+      s = _mm512_dpbusd_epi32(s, k[c].w[3], y3);  // lane i: sub-block i % 8
+      q4_finish(acc[c * MAX_R + r], _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1)),
+                k[c].dsc, k[c].dmn, y[r]);
+    }
+  }
+}
+
+template <int R>
+VNNI_TARGET void q4_vnni(const Rec* a, const Q4W& w, __m256* accs, int64_t first, int64_t nt, int64_t r0) {
+  const int64_t B = w.B;
+  for (int64_t b = 0; b < B; ++b) {
+    const Rec* y[R];
+    for (int r = 0; r < R; ++r) y[r] = a + (r0 + r) * B + b;
+    int64_t i = 0;
+    for (; i + 2 <= nt; i += 2) q4_vnni_cols<R, 2>(y, w, first + b * nt + i, accs + i * MAX_R);
+    if (i < nt) q4_vnni_cols<R, 1>(y, w, first + b * nt + i, accs + i * MAX_R);
+  }
+}
+
+// ---------------------------------------------------------------- Q6_K
+template <int R>
+void q6_avx2(const Rec* a, const Q6W& w, __m256* accs, int64_t first, int64_t nt, int64_t r0) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  const int64_t B = w.B;
+  for (int64_t b = 0; b < B; ++b) {
+    const Rec* y[R];
+    for (int r = 0; r < R; ++r) y[r] = a + (r0 + r) * B + b;
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t nb = first + b * nt + i;
+      const uint8_t* ql = w.ql + nb * 128;
+      prefetch(ql, 2);
+      prefetch(w.qh + nb * 64 - PREFETCH / 2, 1);  // qh: half the bytes, half the distance
+      const uint8_t* qh = w.qh + nb * 64;
+      const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+      const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32));
+      const __m256i high[8] = {  // bits 2c..2c+1 -> bits 4-5, c = v / 2, qh vector v % 2
+          _mm256_and_si256(_mm256_slli_epi16(h0, 4), m30), _mm256_and_si256(_mm256_slli_epi16(h1, 4), m30),
+          _mm256_and_si256(_mm256_slli_epi16(h0, 2), m30), _mm256_and_si256(_mm256_slli_epi16(h1, 2), m30),
+          _mm256_and_si256(h0, m30), _mm256_and_si256(h1, m30),
+          _mm256_and_si256(_mm256_srli_epi16(h0, 2), m30), _mm256_and_si256(_mm256_srli_epi16(h1, 2), m30)};
+      __m256i wv[8];
+      for (int j = 0; j < 4; ++j) {
+        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * j));
+        wv[j] = _mm256_or_si256(_mm256_and_si256(p, m4), high[j]);
+        wv[j + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), m4), high[j + 4]);
+      }
+      __m256 dsce, dsco;
+      q6_scales(w.sc + nb * 16, fp16(w.d[nb]), dsce, dsco);
+      __m256* acc = accs + i * MAX_R;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i* q = reinterpret_cast<const __m256i*>(y[r]->q);
+        __m256i t[4];  // sums of two vectors' int16 pairs, |.| <= 4*63*127 < 2^15
+        for (int j = 0; j < 4; ++j)
+          t[j] = _mm256_add_epi16(_mm256_maddubs_epi16(wv[2 * j], _mm256_loadu_si256(q + 2 * j)),
+                                  _mm256_maddubs_epi16(wv[2 * j + 1], _mm256_loadu_si256(q + 2 * j + 1)));
+        const __m256i* nbs = reinterpret_cast<const __m256i*>(y[r]->nbs);
+        const __m256i even = _mm256_add_epi32(_mm256_add_epi32(_mm256_loadu_si256(nbs), _mm256_madd_epi16(t[0], ones)),
+                                              _mm256_madd_epi16(t[1], ones));  // vectors 0-3: sub-blocks 2l
+        const __m256i odd = _mm256_add_epi32(_mm256_add_epi32(_mm256_loadu_si256(nbs + 1), _mm256_madd_epi16(t[2], ones)),
+                                             _mm256_madd_epi16(t[3], ones));  // vectors 4-7: sub-blocks 2l+1
+        q6_finish(acc[r], even, odd, dsce, dsco, y[r]);
+      }
+    }
+  }
+}
+
+struct Q6Block {
+  __m512i w[4];
+  __m256 dsce, dsco;
+};
+
+VNNI_TARGET inline Q6Block q6_block(const Q6W& w, int64_t nb) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const uint8_t* ql = w.ql + nb * 128;
+  prefetch(ql, 2);
+  prefetch(w.qh + nb * 64 - PREFETCH / 2, 1);  // qh: half the bytes, half the distance
+  const __m512i l0 = _mm512_loadu_si512(ql), l1 = _mm512_loadu_si512(ql + 64);
+  const __m512i h = _mm512_loadu_si512(w.qh + nb * 64);
+  Q6Block k;
+  k.w[0] = _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
+  k.w[1] = _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
+  k.w[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4), _mm512_and_si512(h, m30));
+  k.w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
+  q6_scales(w.sc + nb * 16, fp16(w.d[nb]), k.dsce, k.dsco);
+  return k;
+}
+
+template <int R, int C>
+VNNI_TARGET inline void q6_vnni_cols(const Rec* const* y, const Q6W& w, int64_t nb, __m256* acc) {
+  Q6Block k[C];
+  for (int c = 0; c < C; ++c) k[c] = q6_block(w, nb + c);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const int8_t* q = y[r]->q;
+    const __m512i y0 = _mm512_loadu_si512(q), y1 = _mm512_loadu_si512(q + 64);
+    const __m512i y2 = _mm512_loadu_si512(q + 128), y3 = _mm512_loadu_si512(q + 192);
+    const __m256i* nbs = reinterpret_cast<const __m256i*>(y[r]->nbs);
+    const __m512i ne = _mm512_zextsi256_si512(_mm256_loadu_si256(nbs));  // the -32 offset, in the low half only
+    const __m512i no = _mm512_zextsi256_si512(_mm256_loadu_si256(nbs + 1));
+    for (int c = 0; c < C; ++c) {
+      const __m512i e = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ne, k[c].w[0], y0), k[c].w[1], y1);
+      const __m512i o = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(no, k[c].w[2], y2), k[c].w[3], y3);
+      q6_finish(acc[c * MAX_R + r], _mm256_add_epi32(_mm512_castsi512_si256(e), _mm512_extracti64x4_epi64(e, 1)),
+                _mm256_add_epi32(_mm512_castsi512_si256(o), _mm512_extracti64x4_epi64(o, 1)), k[c].dsce, k[c].dsco,
+                y[r]);
+    }
+  }
+}
+
+template <int R>
+VNNI_TARGET void q6_vnni(const Rec* a, const Q6W& w, __m256* accs, int64_t first, int64_t nt, int64_t r0) {
+  const int64_t B = w.B;
+  for (int64_t b = 0; b < B; ++b) {
+    const Rec* y[R];
+    for (int r = 0; r < R; ++r) y[r] = a + (r0 + r) * B + b;
+    int64_t i = 0;
+    for (; i + 2 <= nt; i += 2) q6_vnni_cols<R, 2>(y, w, first + b * nt + i, accs + i * MAX_R);
+    if (i < nt) q6_vnni_cols<R, 1>(y, w, first + b * nt + i, accs + i * MAX_R);
+  }
+}
+
+// ---------------------------------------------------------------- dispatch
+bool cpu_has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+// isa: 0 = best available, 1 = AVX2, 2 = AVX-512 VNNI (an error where the CPU lacks it)
+bool use_vnni(int64_t isa) {
+  static const bool have = cpu_has_vnni();
+  TORCH_CHECK(isa >= 0 && isa <= 2, "q4_kernel: isa must be 0 (best), 1 (avx2) or 2 (avx512_vnni)");
+  TORCH_CHECK(isa != 2 || have, "q4_kernel: this CPU has no AVX-512 VNNI");
+  return isa == 2 || (isa == 0 && have);
+}
+
+template <class W>
+using RowsFn = void (*)(const Rec*, const W&, __m256*, int64_t, int64_t, int64_t);
+
+template <class W, RowsFn<W>... Fns>
+struct Table {  // the kernel for R = 1..MAX_R rows
+  static constexpr RowsFn<W> fn[MAX_R] = {Fns...};
+};
+using Q4Avx2 = Table<Q4W, q4_avx2<1>, q4_avx2<2>, q4_avx2<3>, q4_avx2<4>, q4_avx2<5>, q4_avx2<6>, q4_avx2<7>, q4_avx2<8>>;
+using Q4Vnni = Table<Q4W, q4_vnni<1>, q4_vnni<2>, q4_vnni<3>, q4_vnni<4>, q4_vnni<5>, q4_vnni<6>, q4_vnni<7>, q4_vnni<8>>;
+using Q6Avx2 = Table<Q6W, q6_avx2<1>, q6_avx2<2>, q6_avx2<3>, q6_avx2<4>, q6_avx2<5>, q6_avx2<6>, q6_avx2<7>, q6_avx2<8>>;
+using Q6Vnni = Table<Q6W, q6_vnni<1>, q6_vnni<2>, q6_vnni<3>, q6_vnni<4>, q6_vnni<5>, q6_vnni<6>, q6_vnni<7>, q6_vnni<8>>;
+
+// Output columns in tiles of TILE (the weight layout's tiles) split across threads; within a tile, rows in groups
+// of MAX_R (a row's float sum runs over the blocks in the same order whatever group it is in).
+template <class W>
+void run_rows(const Rec* a, const W& w, float* Y, int64_t M, int64_t N, const RowsFn<W>* fns) {
+  at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
+    alignas(32) __m256 accs[TILE * MAX_R];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * TILE, nt = std::min(TILE, N - n0);
+      for (int64_t r0 = 0; r0 < M; r0 += MAX_R) {
+        const int64_t R = std::min<int64_t>(MAX_R, M - r0);
+        for (auto& acc : accs) acc = _mm256_setzero_ps();
+        fns[R - 1](a, w, accs, n0 * w.B, nt, r0);
+        for (int64_t i = 0; i < nt; ++i)
+          for (int64_t r = 0; r < R; ++r) Y[(r0 + r) * N + n0 + i] = hsum8(accs[i * MAX_R + r]);
+      }
+    }
+  });
+}
+
+void check_blocks(const torch::Tensor& t, int64_t NB, int64_t last, const char* name, at::ScalarType type) {
+  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.dim() == 2 && t.size(0) == NB && t.size(1) == last,
+              "q4_kernel: ", name, " must be a contiguous (", NB, ", ", last, ") tensor of ", type,
+              " (N * K / 256 blocks in tile order)");
+}
+
+const Rec* check_act(const torch::Tensor& acts) {
+  TORCH_CHECK(acts.dim() == 3 && acts.size(2) == REC && acts.scalar_type() == at::kByte && acts.is_contiguous() &&
+                  acts.size(0) >= 1,
+              "q4_kernel: activations must be a contiguous (M >= 1, B, ", REC, ") uint8 tensor from quantize_q8k");
+  return reinterpret_cast<const Rec*>(acts.data_ptr<uint8_t>());
+}
+
+}  // namespace
+
+// x (M, K) f32 -> (M, K / 256, REC) uint8 records (see Rec)
+torch::Tensor quantize_q8k(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quantize_q8k: x must be (M, K) float32");
+  TORCH_CHECK(x.size(1) % QK == 0 && x.size(1) > 0, "quantize_q8k: K must be a positive multiple of 256");
+  x = x.contiguous();
+  const int64_t M = x.size(0), B = x.size(1) / QK;
+  auto acts = torch::empty({M, B, REC}, x.options().dtype(at::kByte));
+  const float* X = x.data_ptr<float>();
+  Rec* A = reinterpret_cast<Rec*>(acts.data_ptr<uint8_t>());
+  at::parallel_for(0, M * B, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) quantize_block(X + i * QK, A + i);
+  });
+  return acts;
+}
+
+torch::Tensor q4k_matmul(torch::Tensor acts, torch::Tensor qs, torch::Tensor sm, torch::Tensor dd, int64_t N,
+                         int64_t isa) {
+  const Rec* a = check_act(acts);
+  const int64_t M = acts.size(0), B = acts.size(1);
+  check_blocks(qs, N * B, 128, "qs", at::kByte);
+  check_blocks(sm, N * B, 16, "sm", at::kByte);
+  check_blocks(dd, N * B, 2, "dd", at::kHalf);
+  const Q4W w{qs.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr()), B};
+  auto y = torch::empty({M, N}, acts.options().dtype(at::kFloat));
+  run_rows(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? Q4Vnni::fn : Q4Avx2::fn);
+  return y;
+}
+
+torch::Tensor q6k_matmul(torch::Tensor acts, torch::Tensor ql, torch::Tensor qh, torch::Tensor sc, torch::Tensor wd,
+                         int64_t N, int64_t isa) {
+  const Rec* a = check_act(acts);
+  const int64_t M = acts.size(0), B = acts.size(1);
+  check_blocks(ql, N * B, 128, "ql", at::kByte);
+  check_blocks(qh, N * B, 64, "qh", at::kByte);
+  check_blocks(sc, N * B, 16, "sc", at::kChar);
+  check_blocks(wd, N * B, 1, "d", at::kHalf);
+  const Q6W w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(),
+              reinterpret_cast<const uint16_t*>(wd.data_ptr()), B};
+  auto y = torch::empty({M, N}, acts.options().dtype(at::kFloat));
+  run_rows(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? Q6Vnni::fn : Q6Avx2::fn);
+  return y;
+}
+
+bool has_vnni() { return cpu_has_vnni(); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantize_q8k", &quantize_q8k, "x (M, K) f32 -> Q8_K activation records (M, K / 256, 384) u8");
+  m.def("q4k_matmul", &q4k_matmul, "Q8_K activations x repacked Q4_K weights^T -> (M, N) f32");
+  m.def("q6k_matmul", &q6k_matmul, "Q8_K activations x repacked Q6_K weights^T -> (M, N) f32");
+  m.def("has_vnni", &has_vnni, "whether this CPU runs the AVX-512 VNNI path");
+}
