@@ -159,6 +159,8 @@ async def send(client: httpx.AsyncClient, case: Case) -> Outcome:
                 out.ok = await _read_stream(out, case, r)
     except (httpx.HTTPError, OSError) as e:
         out.error = f"{type(e).__name__}: {e}"
+    except (ValueError, LookupError, TypeError) as e:  # a malformed answer fails this request, not the soak
+        out.ok, out.error = False, f"malformed answer: {type(e).__name__}: {e}"
     out.seconds = time.perf_counter() - start
     return out
 
