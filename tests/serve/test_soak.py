@@ -52,6 +52,7 @@ def test_server_counted_every_response_and_reported_the_learner(soaked):
     assert result["learner"]["updates_published_end"] == 2  # FakeLearner's stat, read back from /metrics
     server = result["server"]
     assert server["rss_start_bytes"] > 0 and server["threads_end"] > 0 and server["rss_growth_pct"] is not None
+    assert server["rss_peak_bytes"] >= server["rss_mid_bytes"] > 0
     assert all(result["targets"][t] for t in ("all_valid_answered", "all_invalid_rejected_right",
                                               "disconnects_survived", "every_status_counted"))
 

@@ -347,9 +347,14 @@ def summarise(outcomes: list[Outcome], references: dict[GreedyKey, str]) -> dict
 
 
 def _server_figures(start: dict, end: dict, rss: list[int], pid: int | None) -> dict:
+    """RSS after the warm-up, at mid-soak (the middle sample) and at the end: growth over the whole soak includes
+    buffers filling up (the learner's replay buffer); growth over the second half tells a plateau from a leak."""
     r0, r1 = start.get("rss_bytes"), end.get("rss_bytes")
-    return {"pid": pid, "rss_start_bytes": r0, "rss_end_bytes": r1, "rss_peak_bytes": max(rss + [r1 or 0]) or None,
-            "rss_growth_pct": 100 * (r1 - r0) / r0 if r0 and r1 else None,
+    mid = rss[len(rss) // 2] if rss else None
+    growth = lambda a, b: 100 * (b - a) / a if a and b else None
+    return {"pid": pid, "rss_start_bytes": r0, "rss_mid_bytes": mid, "rss_end_bytes": r1,
+            "rss_peak_bytes": max(rss + [r1 or 0]) or None, "rss_growth_pct": growth(r0, r1),
+            "rss_growth_second_half_pct": growth(mid, r1),
             "threads_start": start.get("threads"), "threads_end": end.get("threads")}
 
 

@@ -35,8 +35,9 @@ def summary_lines(result: dict) -> str:
         f"{i['ok']}/{i['sent']}, mid-stream disconnects {d['ok']}/{d['sent']}",
         f"greedy answers identical to target-only: {g['identical']}/{g['checked']}; "
         f"latency of valid requests p50 {_secs(v['latency_p50'])}, p95 {_secs(v['latency_p95'])}",
-        f"server RSS {_mib(s['rss_start_bytes'])} after warm-up -> {_mib(s['rss_end_bytes'])} at the end "
-        f"({_pct(s['rss_growth_pct'])}), peak {_mib(s['rss_peak_bytes'])}; threads {s['threads_start']} -> "
+        f"server RSS {_mib(s['rss_start_bytes'])} after warm-up -> {_mib(s['rss_mid_bytes'])} mid-soak -> "
+        f"{_mib(s['rss_end_bytes'])} at the end ({_pct(s['rss_growth_pct'])}; second half "
+        f"{_pct(s['rss_growth_second_half_pct'])}), peak {_mib(s['rss_peak_bytes'])}; threads {s['threads_start']} -> "
         f"{s['threads_end']}",
         f"learner during the soak: updates published {learner['updates_published']}, rejected "
         f"{learner['updates_rejected']}, optimizer steps {learner['optimizer_steps']} (version {learner['version_start']} "
@@ -57,6 +58,7 @@ def report_soak(result: dict, out: str, markdown: str) -> None:
     cfg, m = result["config"], machine()
     emit_report("Soak (`osd bench soak`)",
                 f"`{redacted_command(sys.argv[1:])}`: {cfg['clients']} concurrent clients for {cfg['seconds']:.0f} s "
+                f"(pause between requests {cfg.get('pause', 0)} s) "
                 f"against `osd serve` on the {cfg.get('models', '?')} pair ({cfg.get('target', '?')} / "
                 f"{cfg.get('draft', '?')}), {cfg['cases']} request cases, max_tokens={cfg.get('max_tokens')}; "
                 f"machine: {m['cpu']}, {m['cores']} cores", [kinds_table(result), summary_lines(result)], path, markdown)
