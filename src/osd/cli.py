@@ -128,6 +128,26 @@ def cmd_replay_fast(args) -> None:
     report_fast_replay(result, args.out, args.markdown, args.window)
 
 
+def cmd_bench_soak(args) -> None:
+    from osd.bench.soak import SoakConfig
+    from osd.bench.soak_report import report_soak
+    from osd.bench.soak_server import run_soak_command
+    from osd.data import load_records
+    from osd.errors import InvalidArgument
+
+    if args.clients < 1 or args.minutes <= 0:
+        raise InvalidArgument("bench soak needs --clients >= 1 and --minutes > 0")
+    prompts = [r["prompt"][: args.max_prompt_chars] for r in load_records(args.prompts, split=args.split or None,
+                                                                            limit=args.limit)]
+    if not prompts:
+        raise InvalidArgument(f"no prompts in {args.prompts!r}")
+    config = SoakConfig(clients=args.clients, seconds=60 * args.minutes, seed=args.seed, pause=args.pause)
+    result = run_soak_command(args.models, prompts, args.max_tokens, config, url=args.url, api_key=args.api_key,
+                              pid=args.pid, max_body_bytes=args.max_body_bytes, serve_args=args.serve_arg or [],
+                              log_path=str(Path(args.out).with_suffix(".server.log")))
+    report_soak(result, args.out, args.markdown)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="osd", description="Online speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -210,6 +230,30 @@ def build_parser() -> argparse.ArgumentParser:
     from osd.bench.kernel import register as register_bench_kernel  # `osd bench kernel`
 
     register_bench_kernel(bench)
+
+    p = bench.add_parser("soak", help="N concurrent clients for M minutes against a live `osd serve`: valid and invalid "
+                         "requests, disconnects; every answer checked (greedy = target-only), RSS, threads, learner")
+    p.add_argument("--models", choices=("tiny", "bundled"), default="bundled",
+                   help="the pair the server runs (tiny: seeded random models written to ~/.cache/osd/tiny); the "
+                   "target-only reference uses its target")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients")
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--url", default=None, help="drive this running server (serving --models) instead of starting one")
+    p.add_argument("--api-key", default=None, help="with --url: the server's key (default none)")
+    p.add_argument("--pid", type=int, default=None, help="with --url: the server's process id, for RSS and threads")
+    p.add_argument("--prompts", default="chat", help="dataset name (shared/datasets) or JSONL path")
+    p.add_argument("--split", default="test")
+    p.add_argument("--limit", type=int, default=4, help="distinct prompts")
+    p.add_argument("--max-prompt-chars", type=int, default=200, help="prompts cut to this many characters")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-body-bytes", type=int, default=1_000_000, help="the server's body limit (oversized = one more)")
+    p.add_argument("--serve-arg", action="append", default=None,
+                   help="(repeatable) extra flag for the started `osd serve`, e.g. --serve-arg=--no-learn")
+    p.add_argument("--pause", type=float, default=0.0, help="seconds each client waits between requests (0 = saturate)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/bench-soak.json", help="result JSON (the server's log beside it)")
+    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.set_defaults(func=cmd_bench_soak)
     from osd.serve.cli import register as register_serve  # `osd serve`, `osd bench serve`
 
     register_serve(sub, bench)

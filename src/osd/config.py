@@ -32,6 +32,8 @@ class SamplingConfig:
             self.stop = [self.stop]
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise InvalidArgument("stop strings must be non-empty strings")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+            raise InvalidArgument(f"seed must be in [-2**63, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

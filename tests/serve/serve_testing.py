@@ -35,7 +35,7 @@ class FakeLearner:
         self.stopped += 1
 
     def stats(self) -> dict:
-        return {"buffer_size": 7, "updates_published": 2, "updates_rejected": 0, "version": 2,
+        return {"buffer_positions": 7, "updates_published": 2, "updates_rejected": 0, "version": 2,
                 "training": 1, "note": "not numeric: skipped"}
 
 

@@ -117,20 +117,33 @@ def test_metrics_count_per_draft_version(served):
     served.registry.publish("draft", copy.deepcopy(served.target))  # a new draft version, as the learner would
     client.completions.create(model=MODEL, prompt="abc", temperature=0, max_tokens=8)
     with served.http() as http:
-        text = http.get("/metrics").text
-    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        r = http.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    samples = metric_samples(r.text)
+    draft = lambda version: (("draft", "draft"), ("draft_version", str(version)))
     for version in (0, 1):
-        assert float(samples[f'osd_spec_proposed_total{{draft="draft",draft_version="{version}"}}']) > 0
-        assert f'osd_spec_accepted_at_total{{draft="draft",draft_version="{version}",position="0"}}' in samples
+        assert samples[("osd_spec_proposed_total", draft(version))] > 0
+        assert (("osd_spec_accepted_at_total", draft(version) + (("position", "0"),))) in samples
     # the draft equal to the target accepts everything it proposes
-    v1 = {n: float(samples[f'osd_spec_{n}_total{{draft="draft",draft_version="1"}}']) for n in ("proposed", "accepted")}
+    v1 = {n: samples[(f"osd_spec_{n}_total", draft(1))] for n in ("proposed", "accepted")}
     assert v1["accepted"] == v1["proposed"]
-    assert float(samples['osd_http_requests_total{endpoint="/v1/completions",status="200"}']) >= 2
-    assert float(samples["osd_completion_tokens_total"]) >= 16
-    assert float(samples["osd_request_seconds_count"]) >= 2
-    assert "osd_time_per_output_token_seconds_bucket{le=\"+Inf\"}" in samples
-    assert samples["osd_learner_buffer_size"] == "7" and samples["osd_learner_training"] == "1"
-    assert not any(name.startswith("osd_learner_note") for name in samples)
+    assert samples[("osd_http_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] >= 2
+    assert samples[("osd_completion_tokens_total", ())] >= 16
+    assert samples[("osd_request_duration_seconds_count", ())] >= 2
+    assert ("osd_time_per_output_token_seconds_bucket", (("le", "+Inf"),)) in samples
+    assert samples[("osd_queue_depth", ())] == 0
+    # the learner's stats: levels as gauges, running counts as counters (FakeLearner.stats)
+    assert samples[("osd_learner_buffer_positions", ())] == 7 and samples[("osd_learner_training", ())] == 1
+    assert samples[("osd_learner_version", ())] == 2 and samples[("osd_learner_updates_published_total", ())] == 2
+    assert not any(name.startswith("osd_learner_note") for name, _ in samples)
+
+
+def metric_samples(text: str) -> dict:
+    """Prometheus exposition -> {(sample name, sorted label pairs): value}, parsed by prometheus_client."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def test_graceful_shutdown_stops_the_learner():

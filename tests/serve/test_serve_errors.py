@@ -1,6 +1,8 @@
 """Every bad input gets an OpenAI-style error with the right status, and the server keeps serving."""
 import json
+from collections import Counter
 
+import httpx
 import openai
 import pytest
 from serve_testing import MODEL, tiny_server
@@ -22,8 +24,31 @@ BAD = [  # (id, path, JSON body or raw bytes, status, code, param)
     ("message not an object", CHAT, {"model": MODEL, "messages": ["hi"]}, 400, None, "messages"),
     ("message without role", CHAT, {"model": MODEL, "messages": [{"content": "abc"}]}, 400, None, "messages"),
     ("content not text", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, None, "messages"),
-    ("messages missing", CHAT, {"model": MODEL}, 422, "validation_error", "messages"),
-    ("messages wrong type", CHAT, {"model": MODEL, "messages": "abc"}, 422, "validation_error", "messages"),
+    ("messages missing", CHAT, {"model": MODEL}, 400, "missing_required_parameter", "messages"),
+    ("messages wrong type", CHAT, {"model": MODEL, "messages": "abc"}, 400, "invalid_type", "messages"),
+    ("max_tokens wrong type", COMPLETIONS, {"model": MODEL, "prompt": "abc", "max_tokens": "ten"}, 400, "invalid_type",
+     "max_tokens"),
+    ("stop wrong type", COMPLETIONS, {"model": MODEL, "prompt": "abc", "stop": 5}, 400, "invalid_type", "stop"),
+    ("unknown role", CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "abc"}]}, 400, None,
+     "messages[0].role"),
+    ("tool role (no tools here)", CHAT, {"model": MODEL, "messages": USER + [{"role": "tool", "content": "x"}]}, 400,
+     None, "messages[1].role"),
+    ("lone surrogate in content", CHAT, b'{"messages": [{"role": "user", "content": "ab\\ud800c"}]}', 400, None,
+     "messages[0].content"),
+    ("lone surrogate in a text part", CHAT,
+     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}', 400, None,
+     "messages[0].content"),
+    ("lone surrogate in prompt", COMPLETIONS, b'{"prompt": ["a\\udbff"]}', 400, None, "prompt"),
+    ("NUL in content", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "a\x00b"}]}, 400, None,
+     "messages[0].content"),
+    ("NUL in prompt", COMPLETIONS, {"model": MODEL, "prompt": "\x00"}, 400, None, "prompt"),
+    ("text outside the tokenizer", COMPLETIONS, {"model": MODEL, "prompt": "a b"}, 400, None, "prompt"),  # toy: no space
+    ("NaN temperature", COMPLETIONS, b'{"prompt": "abc", "temperature": NaN}', 400, "invalid_json", None),
+    ("Infinity top_p", COMPLETIONS, b'{"prompt": "abc", "top_p": -Infinity}', 400, "invalid_json", None),
+    ("seed out of range", COMPLETIONS, {"model": MODEL, "prompt": "abc", "temperature": 1, "seed": 2**80}, 400, None,
+     "seed"),
+    ("JSON nested too deep", COMPLETIONS, b'{"prompt": ' + b"[" * 5_000 + b"]" * 5_000 + b"}", 400, "invalid_json",
+     None),
     ("unknown model", CHAT, {"model": "gpt-4o", "messages": USER}, 404, "model_not_found", "model"),
     ("unknown model (completions)", COMPLETIONS, {"model": "nope", "prompt": "abc"}, 404, "model_not_found", "model"),
     ("max_tokens 0", CHAT, {"model": MODEL, "messages": USER, "max_tokens": 0}, 400, None, "max_tokens"),
@@ -104,3 +129,69 @@ def test_unknown_route_is_an_openai_error(served):
     with served.http() as http:
         r = http.get("/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
+
+
+def status_counts(http) -> Counter:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = Counter()
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for s in family.samples:
+            if s.name == "osd_http_requests_total":
+                counts[(s.labels["endpoint"], int(s.labels["status"]))] += s.value
+    return counts
+
+
+def test_every_response_status_is_counted(served):
+    sent = Counter()
+    with served.http() as http:
+        before = status_counts(http)
+        for _, path, body, status, *_ in BAD:
+            http.post(path, content=body if isinstance(body, bytes) else json.dumps(body).encode(),
+                      headers={"Content-Type": "application/json"})
+            sent[(path, status)] += 1
+        http.post(CHAT, json={"messages": USER}, headers={"Authorization": "Bearer wrong"})
+        http.get("/v1/nothing")
+        sent[(CHAT, 401)] += 1
+        sent[("other", 404)] += 1
+        sent[("/metrics", 200)] += 1  # the first scrape
+        after = status_counts(http)
+    assert after - before == sent
+
+
+class _BrokenEngine:
+    """An engine whose generate fails in a way no table entry knows: the server's 500 path."""
+
+    def __init__(self):
+        from osd.metrics import SpecMetrics
+
+        self.metrics = SpecMetrics()
+
+    def generate(self, prompt_ids, sampling, on_text=None):
+        raise RuntimeError("engine fault")
+
+
+def test_unexpected_error_is_a_counted_500_and_the_connection_survives():
+    from conftest import ToyTokenizer
+    from serve_testing import live_server
+
+    from osd.serve.app import create_app
+
+    app = create_app(_BrokenEngine(), ToyTokenizer(), MODEL)
+    with live_server(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        for _ in range(2):  # the same keep-alive connection answers again after a 500
+            r = http.post(COMPLETIONS, json={"prompt": "abc", "max_tokens": 2})
+            assert r.status_code == 500 and r.json()["error"] == {
+                "message": "internal server error", "type": "server_error", "param": None, "code": None}
+        assert http.get("/health").status_code == 200  # the worker survived
+        assert status_counts(http)[(COMPLETIONS, 500)] == 2
+
+
+def test_metrics_behind_the_key_when_asked():
+    with tiny_server(api_key=KEY, metrics_require_key=True) as s:
+        assert httpx.get(s.url + "/metrics").status_code == 401
+        assert httpx.get(s.url + "/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        with s.http() as http:  # sends the key
+            r = http.get("/metrics")
+            assert r.status_code == 200 and "osd_http_requests_total" in r.text
+            assert status_counts(http)[("/metrics", 401)] == 2

@@ -1,5 +1,6 @@
 """The serving layer's small parts: error table, request translation, Prometheus text, worker, CLI, load generator."""
 import asyncio
+import json
 
 import pytest
 from pydantic import ValidationError
@@ -8,7 +9,7 @@ from serve_testing import MODEL, tiny_server
 from osd.errors import ContextTooLong, InvalidArgument
 from osd.serve import errors
 from osd.bench.serve_load import percentile, run_load
-from osd.serve.prom import Histogram, learner_lines
+from osd.serve.prom import ServeMetrics, learner_families
 from osd.bench.serve_report import load_table
 from osd.serve.schemas import ChatCompletionRequest, CompletionRequest
 from osd.serve.settings import ServeSettings
@@ -34,11 +35,22 @@ def test_error_table(exc, status, code):
         assert "secret" not in body["error"]["message"]  # internals are logged, not sent
 
 
-def test_validation_error_is_422_with_the_field():
+@pytest.mark.parametrize("body,param,code", [
+    ({"messages": "abc"}, "messages", "invalid_type"),
+    ({"model": "m"}, "messages", "missing_required_parameter"),
+    ({"messages": [], "stop": 5}, "stop", "invalid_type"),  # the request field, not pydantic's union branch
+])
+def test_validation_error_is_400_with_the_field(body, param, code):
     with pytest.raises(ValidationError) as info:
-        ChatCompletionRequest.model_validate({"messages": "abc"})
-    status, body = errors.error_body(info.value)
-    assert status == 422 and body["error"]["param"] == "messages"
+        ChatCompletionRequest.model_validate(body)
+    status, error = errors.error_body(info.value)
+    assert status == 400 and (error["error"]["param"], error["error"]["code"]) == (param, code)  # as OpenAI, not 422
+
+
+def test_error_response_is_ascii_json_even_for_surrogates():
+    response = errors.error_response(errors.BadParam("bad text '\ud800'", param="prompt"))
+    assert response.status_code == 400 and response.body.isascii()
+    assert json.loads(response.body)["error"]["message"] == "bad text '\ud800'"
 
 
 def test_sampling_from_defaults_and_field_names():
@@ -54,21 +66,57 @@ def test_settings_validate():
     with pytest.raises(InvalidArgument):
         ServeSettings(max_body_bytes=0)
     assert ServeSettings(api_key="").api_key is None
+    with pytest.raises(InvalidArgument, match="api_key"):
+        ServeSettings(metrics_require_key=True)  # a key to require is needed
+    assert ServeSettings(api_key="k", metrics_require_key=True).metrics_require_key
 
 
-def test_histogram_buckets_are_cumulative():
-    h = Histogram("h", "help", (1.0, 2.0))
-    for v in (0.5, 1.5, 1.7, 5.0):
-        h.observe(v)
-    lines = h.lines()
-    assert 'h_bucket{le="1.0"} 1' in lines and 'h_bucket{le="2.0"} 3' in lines and 'h_bucket{le="+Inf"} 4' in lines
-    assert "h_count 4" in lines
+def test_learner_families_keep_numbers_only_gauges_for_levels():
+    families = {f.name: f for f in learner_families({"buffer_positions": 3, "training": True, "loss": float("nan"),
+                                                      "name": "x", "updates_published": 4, "train_seconds": 1.5})}
+    assert set(families) == {"osd_learner_buffer_positions", "osd_learner_training", "osd_learner_updates_published",
+                             "osd_learner_train_seconds"}
+    assert families["osd_learner_training"].type == "gauge" and families["osd_learner_training"].samples[0].value == 1
+    assert families["osd_learner_updates_published"].type == "counter"
+    assert families["osd_learner_updates_published"].samples[0].name == "osd_learner_updates_published_total"
 
 
-def test_learner_lines_keep_numbers_only():
-    text = "\n".join(learner_lines({"buffer_size": 3, "training": True, "loss": float("nan"), "name": "x"}))
-    assert "osd_learner_buffer_size 3" in text and "osd_learner_training 1" in text
-    assert "loss" not in text and "name" not in text
+class _Counters:
+    def counters(self):
+        from osd.metrics import SpecCounters
+
+        c = SpecCounters(requests=1)
+        c.add_step(2, 1, 2, [1.0, 0.0], 0.01, 0.02)
+        return {("draft", 3): c}
+
+
+class _BrokenLearner:
+    def stats(self):
+        raise RuntimeError("learner fault")
+
+
+def test_two_apps_keep_their_own_registries_and_a_learner_fault_spares_the_rest():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    first, second = ServeMetrics(), ServeMetrics()  # the same names twice in one process: no collision
+    first.attach(_Counters(), _BrokenLearner(), lambda: 5)
+    second.attach(_Counters())
+    first.count("/v1/completions", 500)
+    first.observe(0.3, 0.1, n_prompt=4, n_new=2, generation_seconds=0.2)
+    parsed = lambda m: {(s.name, tuple(sorted(s.labels.items()))): s.value
+                        for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+    one, two = parsed(first), parsed(second)
+    assert one[("osd_http_requests_total", (("endpoint", "/v1/completions"), ("status", "500")))] == 1
+    assert not any(name == "osd_http_requests_total" for name, _ in two)
+    assert one[("osd_queue_depth", ())] == 5 and one[("osd_prompt_tokens_total", ())] == 4
+    assert one[("osd_request_duration_seconds_bucket", (("le", "0.5"),))] == 1
+    assert one[("osd_request_duration_seconds_bucket", (("le", "0.25"),))] == 0
+    assert one[("osd_time_per_output_token_seconds_sum", ())] == pytest.approx(0.1)
+    labels = (("draft", "draft"), ("draft_version", "3"))
+    assert one[("osd_spec_proposed_total", labels)] == 2 and one[("osd_spec_accepted_total", labels)] == 1
+    assert one[("osd_spec_accepted_at_total", labels + (("position", "1"),))] == 0
+    assert one[("osd_spec_target_seconds_total", labels)] == pytest.approx(0.02)
+    assert not any(name.startswith("osd_learner") for name, _ in one)  # the fault is logged, the rest still served
 
 
 class _FailingEngine:
@@ -112,8 +160,9 @@ def test_worker_refuses_jobs_after_stop():
 def test_cli_registers_serve_commands():
     from osd.cli import build_parser
 
-    args = build_parser().parse_args(["serve", "--port", "9001", "--api-key", "k", "--k", "3"])
+    args = build_parser().parse_args(["serve", "--port", "9001", "--api-key", "k", "--k", "3", "--metrics-require-key"])
     assert (args.port, args.api_key, args.k, args.host) == (9001, "k", 3, "127.0.0.1")
+    assert args.metrics_require_key
     args = build_parser().parse_args(["bench", "serve", "--concurrency", "1", "2", "--max-tokens", "8"])
     assert args.concurrency == [1, 2] and args.max_tokens == 8
 

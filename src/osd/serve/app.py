@@ -1,7 +1,8 @@
 """OpenAI-compatible app factory. Routes translate HTTP <-> library; the engine works on one worker thread.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models,
-GET /health, GET /metrics (Prometheus text). Every completion carries an `osd` extension field
+GET /health, GET /metrics (Prometheus text, serve/prom.py; behind the API key with
+ServeSettings.metrics_require_key). Every completion carries an `osd` extension field
 with its own speculative decoding figures (accepted, proposed, alpha, tokens_per_step, draft, ...).
 
 Limitations: batch size 1 (requests queue in arrival order); n = 1; no logprobs, penalties or tools.
@@ -18,13 +19,13 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from osd.engine import GenerationResult
 from osd.serve import errors
 from osd.serve.errors import BadJSON, Unauthorized
 from osd.serve.middleware import BodyLimit, CountRequests
-from osd.serve.prom import ServeMetrics
+from osd.serve.prom import CONTENT_TYPE, ServeMetrics
 from osd.serve.schemas import ChatCompletionRequest, CompletionRequest
 from osd.serve.settings import ServeSettings
 from osd.serve.translate import (Shapes, chat_prompt, check_common, completion_prompt, osd_stats,
@@ -66,6 +67,7 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
     settings = settings or ServeSettings()
     model_name = settings.model_name or model_name
     worker, metrics = Worker(engine), ServeMetrics()
+    metrics.attach(engine.metrics, learner, lambda: worker.depth)
     lifecycle = Lifecycle(worker, learner)
 
     @asynccontextmanager
@@ -110,13 +112,12 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
         body = {"status": "ok" if ok else "unavailable", "model": model_name, "queue_depth": worker.depth}
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=auth if settings.metrics_require_key else [])
     async def prometheus():
-        text = metrics.render(engine.metrics, learner, worker.depth)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS)  # outermost: counts 413s too
+    app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS)  # outermost: counts 413s and 500s too
     return app
 
 
@@ -134,12 +135,17 @@ def _api_key_check(api_key: str | None):
 async def _parse(request: Request, model_cls):
     raw = await request.body()
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(raw, parse_constant=_not_json)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise BadJSON(f"request body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise BadJSON("request body must be a JSON object")
     return model_cls.model_validate(data)
+
+
+def _not_json(name: str):
+    """NaN and Infinity: Python's json accepts them, JSON (and OpenAI) does not."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 async def _next(job: Job):

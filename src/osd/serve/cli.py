@@ -16,7 +16,8 @@ def register(sub, bench) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding")
     add_config_flags(p, ServeSettings, skip=("api_key", "model_name"))
     p.add_argument("--api-key", default=os.environ.get("OSD_API_KEY"),
-                   help="require 'Authorization: Bearer <key>' on /v1/* (default $OSD_API_KEY; none = open)")
+                   help="require 'Authorization: Bearer <key>' on /v1/* (and on /metrics with --metrics-require-key; "
+                   "default $OSD_API_KEY; none = open)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
     p.add_argument("--learn", action=argparse.BooleanOptionalAction, default=True,
                    help="distill the draft online from served traffic (on by default; LearnConfig flags)")

@@ -10,7 +10,7 @@ import json
 import logging
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
@@ -61,7 +61,7 @@ ERROR_TABLE: dict[type, tuple[int, str, str | None]] = {
     ContextTooLong: (400, "invalid_request_error", "context_length_exceeded"),
     InvalidArgument: (400, "invalid_request_error", None),
     BadJSON: (400, "invalid_request_error", "invalid_json"),
-    ValidationError: (422, "invalid_request_error", "validation_error"),
+    ValidationError: (400, "invalid_request_error", "invalid_type"),  # as OpenAI: 400, not FastAPI's 422
     UnknownModel: (404, "invalid_request_error", "model_not_found"),
     Unauthorized: (401, "invalid_request_error", "invalid_api_key"),
     BodyTooLarge: (413, "invalid_request_error", "request_too_large"),
@@ -83,7 +83,8 @@ def error_body(exc: BaseException) -> tuple[int, dict]:
     param = getattr(exc, "param", None)
     if isinstance(exc, ValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        param = str(first["loc"][0]) if first.get("loc") else None  # the request field (not pydantic's union branch)
+        code = "missing_required_parameter" if first.get("type") == "missing" else code
         message = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
     elif status == 500:
         message = "internal server error"
@@ -92,12 +93,14 @@ def error_body(exc: BaseException) -> tuple[int, dict]:
     return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+def error_response(exc: BaseException) -> Response:
+    """The error as an HTTP response. The body is ASCII JSON, so a message quoting client text that holds
+    lone surrogates still encodes (a UTF-8 body would fail on them and turn a 400 into a 500)."""
     status, body = error_body(exc)
     if status == 500:
         log.error("unexpected error", exc_info=exc)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(body, status_code=status, headers=headers)
+    return Response(json.dumps(body), status_code=status, headers=headers, media_type="application/json")
 
 
 def sse_error(exc: BaseException) -> str:
@@ -106,15 +109,16 @@ def sse_error(exc: BaseException) -> str:
 
 
 def install(app: FastAPI) -> None:
-    """Route every exception through the table; routing errors (404/405) keep their status."""
+    """Route the table's exceptions through it; routing errors (404/405) keep their status. Any other
+    exception is answered by middleware.CountRequests (a 500, counted), not by Starlette's last resort."""
 
-    async def handle(request: Request, exc: Exception) -> JSONResponse:
+    async def handle(request: Request, exc: Exception) -> Response:
         return error_response(exc)
 
     async def handle_http(request: Request, exc: HTTPException) -> JSONResponse:
         body = {"error": {"message": str(exc.detail), "type": "invalid_request_error", "param": None, "code": None}}
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
-    for cls in list(ERROR_TABLE) + [Exception]:
+    for cls in ERROR_TABLE:
         app.add_exception_handler(cls, handle)
     app.add_exception_handler(HTTPException, handle_http)

@@ -1,4 +1,4 @@
-"""ASGI middleware: request body size limit (413) and counting answered requests per endpoint/status."""
+"""ASGI middleware: request body size limit (413); answering escaped errors and counting every response."""
 from __future__ import annotations
 
 from osd.serve.errors import BodyTooLarge, error_response
@@ -42,7 +42,13 @@ class BodyLimit:
 
 
 class CountRequests:
-    """Counts every answered HTTP request as (endpoint, status); unknown paths count as "other"."""
+    """Outermost: answers any exception that escaped the app (the error table's status, 500 for the
+    unexpected) and counts every HTTP response as (endpoint, status); unknown paths count as "other".
+
+    Answering here, rather than in Starlette's ServerErrorMiddleware, keeps 500s counted and keeps the
+    client's connection open. Limitation: an exception after a response has started (mid-stream) cannot
+    be answered; it propagates (the response's status was counted when it started).
+    """
 
     def __init__(self, app, metrics, endpoints: set[str]):
         self.app, self.metrics, self.endpoints = app, metrics, endpoints
@@ -51,10 +57,18 @@ class CountRequests:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
+        started = False
 
         async def counting_send(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.count(endpoint, message["status"])
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception as exc:
+            if started:
+                raise
+            await error_response(exc)(scope, receive, counting_send)

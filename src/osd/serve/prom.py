@@ -1,93 +1,39 @@
-"""GET /metrics: Prometheus text exposition, no extra dependency.
+"""GET /metrics through prometheus_client, one CollectorRegistry per app (not the process-global one, so
+several apps in one process, as in the tests, never collide).
 
-Counters first; rates are the scraper's to derive:
-  osd_http_requests_total{endpoint,status}           answered requests
-  osd_prompt_tokens_total, osd_completion_tokens_total
+Series, following Prometheus naming (counters end in _total, durations are seconds); rates are the
+scraper's to derive:
+  osd_http_requests_total{endpoint,status}          every HTTP response, errors included (middleware.py)
+  osd_prompt_tokens_total, osd_completion_tokens_total   tokens of completed requests
+  osd_request_duration_seconds                      histogram: arrival -> last token (completed requests)
+  osd_time_to_first_token_seconds                   histogram: arrival -> first text
+  osd_time_per_output_token_seconds                 histogram: generation seconds / output tokens
+  osd_queue_depth                                   gauge: requests waiting for the model
   osd_spec_{requests,steps,proposed,accepted,emitted}_total{draft,draft_version}
-  osd_spec_beta_sum_total, osd_spec_beta_n_total      alpha = beta_sum / beta_n
+  osd_spec_beta_sum_total, osd_spec_beta_n_total    alpha = beta_sum / beta_n
   osd_spec_{proposed,accepted}_at_total{draft,draft_version,position}   per-position acceptance
   osd_spec_{draft,target}_seconds_total
-  osd_request_seconds, osd_time_to_first_token_seconds, osd_time_per_output_token_seconds  histograms
-  osd_queue_depth, osd_learner_<stat>                  gauges
+  osd_learner_<stat>                                the learner's stats: LEARNER_GAUGES are gauges, every other
+                                                    numeric stat is a counter, osd_learner_<stat>_total
+
+The speculative counters (osd.metrics.SpecMetrics) and the learner's stats are read at scrape time by
+a custom collector, so they are never copied into a second set of counters that could drift.
+Limitation: a learner stat that is a level rather than a running count must be listed in LEARNER_GAUGES,
+or it is exposed as a counter (the learner's stats are counters first, so that is the default).
 """
 from __future__ import annotations
 
-import bisect
-import math
 import logging
-import threading
-from collections import Counter
+import math
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger("osd.serve")
 
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
-
-
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]):
-        self.name, self.help, self.buckets = name, help_text, tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)  # last slot: above the largest bucket
-        self.sum, self.n = 0.0, 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.n += 1
-
-    def lines(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, count in zip(self.buckets, self.counts):
-            cumulative += count
-            out.append(f'{self.name}_bucket{{le="{bound}"}} {cumulative}')
-        out += [f'{self.name}_bucket{{le="+Inf"}} {self.n}', f"{self.name}_sum {self.sum}", f"{self.name}_count {self.n}"]
-        return out
-
-
-class ServeMetrics:
-    """HTTP-level counters and latency histograms (the engine keeps the speculative counters)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.requests: Counter[tuple[str, int]] = Counter()
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.request_seconds = Histogram("osd_request_seconds", "Request latency, arrival to last token.", REQUEST_BUCKETS)
-        self.ttft = Histogram("osd_time_to_first_token_seconds", "Arrival to first streamed text.", REQUEST_BUCKETS)
-        self.tpot = Histogram("osd_time_per_output_token_seconds", "Generation seconds per output token.", TOKEN_BUCKETS)
-
-    def count(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            self.requests[(endpoint, status)] += 1
-
-    def observe(self, seconds: float, ttft: float | None, n_prompt: int, n_new: int, generation_seconds: float) -> None:
-        with self._lock:
-            self.prompt_tokens += n_prompt
-            self.completion_tokens += n_new
-            self.request_seconds.observe(seconds)
-            if ttft is not None:
-                self.ttft.observe(ttft)
-            if n_new:
-                self.tpot.observe(generation_seconds / n_new)
-
-    def render(self, spec_metrics, learner=None, queue_depth: int = 0) -> str:
-        with self._lock:
-            lines = _family("osd_http_requests_total", "counter", "Answered HTTP requests.",
-                            [({"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())])
-            lines += _family("osd_prompt_tokens_total", "counter", "Prompt tokens of completed requests.", [({}, self.prompt_tokens)])
-            lines += _family("osd_completion_tokens_total", "counter", "Generated tokens.", [({}, self.completion_tokens)])
-            for h in (self.request_seconds, self.ttft, self.tpot):
-                lines += h.lines()
-        lines += _family("osd_queue_depth", "gauge", "Requests waiting for the model.", [({}, queue_depth)])
-        lines += spec_lines(spec_metrics)
-        if learner is not None:
-            try:
-                lines += learner_lines(learner.stats())
-            except Exception:  # a learner fault must not take /metrics down
-                log.exception("learner.stats() failed")
-        return "\n".join(lines) + "\n"
-
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 SPEC_COUNTERS = {  # SpecCounters field -> help
     "requests": "Requests served.", "steps": "Verification steps.", "proposed": "Draft tokens proposed.",
@@ -96,38 +42,93 @@ SPEC_COUNTERS = {  # SpecCounters field -> help
     "beta_n": "Positions summed in beta_sum.", "draft_seconds": "Seconds in draft proposals.",
     "target_seconds": "Seconds in target verification.",
 }
+LEARNER_GAUGES = {"version", "training", "buffer_positions", "requests_since_update"}  # levels, not running counts
 
 
-def spec_lines(spec_metrics) -> list[str]:
-    items = sorted(spec_metrics.counters().items())  # (draft name, version) -> SpecCounters
-    labels = lambda key: {"draft": key[0], "draft_version": key[1]}
-    lines = []
+class ServeMetrics:
+    """HTTP-level counters and latency histograms in this app's own registry; the engine's speculative
+    counters and the learner's stats join at scrape time (`attach`)."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("osd_http_requests", "HTTP responses by endpoint and status.", ["endpoint", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("osd_prompt_tokens", "Prompt tokens of completed requests.", registry=r)
+        self.completion_tokens = Counter("osd_completion_tokens", "Generated tokens of completed requests.", registry=r)
+        self.request_seconds = Histogram("osd_request_duration_seconds", "Request latency, arrival to last token.",
+                                         buckets=REQUEST_BUCKETS, registry=r)
+        self.ttft = Histogram("osd_time_to_first_token_seconds", "Arrival to first text.", buckets=REQUEST_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("osd_time_per_output_token_seconds", "Generation seconds per output token.",
+                              buckets=TOKEN_BUCKETS, registry=r)
+
+    def attach(self, spec_metrics, learner=None, queue_depth=lambda: 0) -> None:
+        """Expose the engine's SpecMetrics, the learner's stats and the queue depth, read at each scrape."""
+        Gauge("osd_queue_depth", "Requests waiting for the model.", registry=self.registry).set_function(queue_depth)
+        self.registry.register(_LiveCollector(spec_metrics, learner))
+
+    def count(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def observe(self, seconds: float, ttft: float | None, n_prompt: int, n_new: int, generation_seconds: float) -> None:
+        self.prompt_tokens.inc(n_prompt)
+        self.completion_tokens.inc(n_new)
+        self.request_seconds.observe(seconds)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if n_new:
+            self.tpot.observe(generation_seconds / n_new)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _LiveCollector:
+    """A prometheus_client custom collector over state that lives elsewhere (engine, learner)."""
+
+    def __init__(self, spec_metrics, learner=None):
+        self.spec_metrics, self.learner = spec_metrics, learner
+
+    def collect(self):
+        yield from spec_families(self.spec_metrics.counters())
+        if self.learner is not None:
+            try:
+                stats = self.learner.stats()
+            except Exception:  # a learner fault must not take /metrics down
+                log.exception("learner.stats() failed")
+                return
+            yield from learner_families(stats)
+
+
+def spec_families(counters: dict) -> list:
+    """{(draft name, version): SpecCounters} -> counter families labelled by draft and draft_version."""
+    items = sorted(counters.items())
+    families = []
     for name, help_text in SPEC_COUNTERS.items():
-        lines += _family(f"osd_spec_{name}_total", "counter", help_text, [(labels(k), getattr(c, name)) for k, c in items])
+        family = CounterMetricFamily(f"osd_spec_{name}", help_text, labels=["draft", "draft_version"])
+        for (draft, version), c in items:
+            family.add_metric([draft, str(version)], getattr(c, name))
+        families.append(family)
     for name in ("proposed_at", "accepted_at"):
-        samples = [(labels(k) | {"position": i}, n) for k, c in items for i, n in enumerate(list(getattr(c, name)))]
-        lines += _family(f"osd_spec_{name}_total", "counter", f"Draft tokens {name.split('_')[0]} at proposal position.", samples)
-    return lines
+        family = CounterMetricFamily(f"osd_spec_{name}", f"Draft tokens {name.split('_')[0]} at proposal position.",
+                                     labels=["draft", "draft_version", "position"])
+        for (draft, version), c in items:
+            for i, n in enumerate(list(getattr(c, name))):
+                family.add_metric([draft, str(version), str(i)], n)
+        families.append(family)
+    return families
 
 
-def learner_lines(stats: dict) -> list[str]:
-    lines = []
+def learner_families(stats: dict) -> list:
+    """The learner's numeric stats (booleans as 0/1; non-numbers and non-finite values skipped)."""
+    families = []
     for key, value in sorted(stats.items()):
         if isinstance(value, bool):
             value = int(value)
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            name = "osd_learner_" + "".join(ch if ch.isalnum() else "_" for ch in key)
-            lines += _family(name, "gauge", f"Learner stat {key}.", [({}, value)])
-    return lines
-
-
-def _family(name: str, kind: str, help_text: str, samples: list[tuple[dict, float]]) -> list[str]:
-    out = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-    for labels, value in samples:
-        label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-        out.append(f"{name}{{{label_text}}} {value}" if label_text else f"{name} {value}")
-    return out
-
-
-def _escape(value) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue
+        name = "osd_learner_" + "".join(ch if ch.isalnum() else "_" for ch in key)
+        kind = GaugeMetricFamily if key in LEARNER_GAUGES else CounterMetricFamily
+        families.append(kind(name, f"Learner stat {key}.", value=value))
+    return families

@@ -15,6 +15,7 @@ class ServeSettings:
     default_max_tokens: int = 256  # when a request gives no max_tokens
     default_temperature: float = 1.0  # when a request gives no temperature (OpenAI's default)
     model_name: str | None = None  # the name clients send as `model`; None = the name given to create_app
+    metrics_require_key: bool = False  # GET /metrics needs the API key too (it needs api_key set)
 
     def __post_init__(self):
         if not (0 <= self.port <= 65535):
@@ -27,3 +28,5 @@ class ServeSettings:
             raise InvalidArgument(f"default_temperature must be >= 0, got {self.default_temperature}")
         if self.api_key == "":
             self.api_key = None
+        if self.metrics_require_key and self.api_key is None:
+            raise InvalidArgument("metrics_require_key needs an api_key (--api-key or $OSD_API_KEY)")

@@ -1,6 +1,7 @@
 """HTTP <-> library translation: request bodies -> (prompt ids, SamplingConfig); results -> OpenAI shapes."""
 from __future__ import annotations
 
+import re
 import time
 import uuid
 
@@ -53,16 +54,50 @@ def _offending_field(values: dict) -> str | None:
     return None
 
 
+# request role -> the role given to the chat template ("developer" is OpenAI's newer name for "system")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+TOOL_ROLES = ("tool", "function")  # OpenAI roles that need tools, which this server does not support
+BAD_TEXT = re.compile("[\ud800-\udfff\x00]")  # lone UTF-16 surrogates (not encodable text), NUL
+try:
+    from jinja2 import TemplateError  # a chat template that refuses the conversation (e.g. role order)
+except ImportError:  # pragma: no cover - transformers brings jinja2
+    TemplateError = ValueError
+TOKENIZER_ERRORS = (ValueError, TypeError, KeyError, UnicodeError, TemplateError)
+
+
 def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
     messages = []
     for i, m in enumerate(req.messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
             raise BadParam(f"messages[{i}] must be an object with a string role and a content", param="messages")
-        messages.append({"role": m["role"], "content": _text_content(m["content"], i)})
+        content = check_text(_text_content(m["content"], i), f"messages[{i}].content")
+        messages.append({"role": _role(m["role"], i), "content": content})
     try:
         return chat_ids(tokenizer, messages)
     except InvalidArgument as e:
         raise BadParam(str(e), param="messages") from e
+    except TOKENIZER_ERRORS as e:
+        raise BadParam(f"the tokenizer cannot take these messages ({type(e).__name__}: {e})", param="messages") from e
+
+
+def _role(role: str, i: int) -> str:
+    if role in TOOL_ROLES:
+        raise BadParam(f"messages[{i}].role {role!r} needs tools, which this server does not support",
+                       param=f"messages[{i}].role")
+    if role not in ROLES:
+        raise BadParam(f"invalid value for messages[{i}].role: {role!r}; supported values are "
+                       f"{', '.join(map(repr, ROLES))}", param=f"messages[{i}].role")
+    return ROLES[role]
+
+
+def check_text(text: str, param: str) -> str:
+    """Text a tokenizer can take, as a 400 otherwise: no lone UTF-16 surrogates (valid JSON such as "\\ud800"
+    decodes to one; it is not Unicode text and cannot be encoded) and no NUL characters."""
+    bad = BAD_TEXT.search(text)
+    if bad is not None:
+        what = "a NUL character" if bad.group() == "\x00" else f"a lone UTF-16 surrogate (U+{ord(bad.group()):04X})"
+        raise BadParam(f"{param} holds {what} at character {bad.start()}: not text the tokenizer can take", param=param)
+    return text
 
 
 def _text_content(content, i: int) -> str:
@@ -82,7 +117,10 @@ def completion_prompt(req: CompletionRequest, tokenizer) -> list[int]:
             raise BadParam("prompt: one prompt per request (a list of several strings is not supported)", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        try:
+            return list(tokenizer(check_text(prompt, "prompt"), add_special_tokens=False)["input_ids"])
+        except TOKENIZER_ERRORS as e:
+            raise BadParam(f"the tokenizer cannot take this prompt ({type(e).__name__}: {e})", param="prompt") from e
     return list(prompt)  # token ids; the engine checks the range
 
 

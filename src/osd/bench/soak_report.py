@@ -1,0 +1,64 @@
+"""`osd bench soak` results: JSON (with git revision and machine), a console table, a BENCHMARKS.md block."""
+from __future__ import annotations
+
+import sys
+
+from osd.bench.record import emit_report, machine, redacted_command, write_result
+
+
+def kinds_table(result: dict) -> str:
+    from osd.bench.report import table
+
+    rows = [[kind, k["expected"], k["sent"], k["ok"], ", ".join(f"{s}: {n}" for s, n in sorted(k["got"].items()))]
+            for kind, k in result["kinds"].items()]
+    return table(rows, ["request kind", "expected status", "sent", "right", "statuses got"])
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f} MiB"
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{value:+.2f}%"
+
+
+def _secs(value) -> str:
+    return "-" if value is None else f"{value:.3f} s"
+
+
+def summary_lines(result: dict) -> str:
+    v, i, d, g = result["valid"], result["invalid"], result["disconnects"], result["greedy"]
+    s, learner = result["server"], result["learner"]
+    lines = [
+        f"requests {result['requests']} in {result['wall_seconds']:.0f} s, answered {result['answered']}; "
+        f"valid answered in full {v['ok']}/{v['sent']}, invalid rejected with the right status and body "
+        f"{i['ok']}/{i['sent']}, mid-stream disconnects {d['ok']}/{d['sent']}",
+        f"greedy answers identical to target-only: {g['identical']}/{g['checked']}; "
+        f"latency of valid requests p50 {_secs(v['latency_p50'])}, p95 {_secs(v['latency_p95'])}",
+        f"server RSS {_mib(s['rss_start_bytes'])} after warm-up -> {_mib(s['rss_mid_bytes'])} mid-soak -> "
+        f"{_mib(s['rss_end_bytes'])} at the end ({_pct(s['rss_growth_pct'])}; second half "
+        f"{_pct(s['rss_growth_second_half_pct'])}), peak {_mib(s['rss_peak_bytes'])}; threads {s['threads_start']} -> "
+        f"{s['threads_end']}",
+        f"learner during the soak: updates published {learner['updates_published']}, rejected "
+        f"{learner['updates_rejected']}, optimizer steps {learner['optimizer_steps']} (version {learner['version_start']} "
+        f"-> {learner['version_end']}); every response counted in osd_http_requests_total: "
+        f"{result['metrics_match_responses']}",
+    ]
+    if result.get("shutdown"):
+        sd = result["shutdown"]
+        lines.append(f"SIGTERM shutdown: {'graceful' if sd['graceful'] else 'NOT graceful'} (exit code "
+                     f"{sd['returncode']}) after {sd['seconds']:.1f} s")
+    lines.append("targets: " + ", ".join(f"{name} {'-' if ok is None else 'yes' if ok else 'NO'}"
+                                         for name, ok in result["targets"].items()))
+    return "\n".join(lines)
+
+
+def report_soak(result: dict, out: str, markdown: str) -> None:
+    path = write_result(result, out)
+    cfg, m = result["config"], machine()
+    emit_report("Soak (`osd bench soak`)",
+                f"`{redacted_command(sys.argv[1:])}`: {cfg['clients']} concurrent clients for {cfg['seconds']:.0f} s "
+                f"(pause between requests {cfg.get('pause', 0)} s) "
+                f"against `osd serve` on the {cfg.get('models', '?')} pair ({cfg.get('target', '?')} / "
+                f"{cfg.get('draft', '?')}), {cfg['cases']} request cases, max_tokens={cfg.get('max_tokens')}; "
+                f"machine: {m['cpu']}, {m['cores']} cores", [kinds_table(result), summary_lines(result)], path, markdown)

@@ -1,0 +1,120 @@
+"""`osd bench soak`, short: concurrent clients against a live in-process server on tiny models."""
+import os
+
+import pytest
+from serve_testing import MODEL, FakeLearner, tiny_server
+
+from osd.bench.soak import (Case, GreedyKey, Outcome, SoakConfig, build_cases, error_body_ok, greedy_mismatches,
+                            run_soak, summarise)
+from osd.bench.soak_server import target_only_references
+from osd.engine import SpeculativeEngine
+
+KEY = "soak-key"
+PROMPTS = ["abc", "hello", "xyzzy"]  # the toy tokenizer's alphabet only
+MAX_BODY = 20_000
+
+
+@pytest.fixture(scope="module")
+def soaked():
+    with tiny_server(api_key=KEY, learner=FakeLearner(), max_body_bytes=MAX_BODY) as served:
+        cases = build_cases(MODEL, PROMPTS, max_tokens=8, context=served.engine.context_window,
+                            max_body_bytes=MAX_BODY, api_key=KEY)
+        target_only = SpeculativeEngine(served.target, served.tokenizer, proposer=None)  # k = 0
+        references = target_only_references(target_only, served.tokenizer, cases)
+        config = SoakConfig(clients=4, seconds=2.0, min_requests=2 * len(cases), seed=1, sample_every=0.5)
+        result = run_soak(served.url, cases, config, references, api_key=KEY, pid=os.getpid())
+    return cases, references, result
+
+
+def test_every_kind_was_sent_and_every_answer_is_right(soaked):
+    cases, _, result = soaked
+    assert set(result["kinds"]) == {c.kind for c in cases}  # malformed JSON ... wrong key, disconnects
+    assert result["requests"] >= 2 * len(cases) and result["warmup_ok"]
+    for kind, k in result["kinds"].items():
+        assert k["ok"] == k["sent"], (kind, k)  # the expected status, a full answer or an OpenAI-style error
+        assert k["got"] == {str(k["expected"]): k["sent"]}, (kind, k)
+    assert result["valid"]["ok"] == result["valid"]["sent"] > 0
+    assert result["invalid"]["ok"] == result["invalid"]["sent"] > 0
+    assert result["disconnects"]["sent"] > 0 and result["valid"]["latency_p95"] >= result["valid"]["latency_p50"] > 0
+
+
+def test_greedy_answers_equal_target_only(soaked):
+    cases, references, result = soaked
+    assert len(references) == len({c.greedy for c in cases if c.greedy})  # once per distinct greedy request
+    assert result["greedy"]["checked"] > 0 and result["greedy"]["identical"] == result["greedy"]["checked"]
+    assert result["targets"]["greedy_identical_to_target_only"] is True
+
+
+def test_server_counted_every_response_and_reported_the_learner(soaked):
+    _, _, result = soaked
+    assert result["metrics_match_responses"] is True
+    assert result["metrics_counted"]["/v1/chat/completions 413"] > 0
+    assert result["learner"]["updates_published_end"] == 2  # FakeLearner's stat, read back from /metrics
+    server = result["server"]
+    assert server["rss_start_bytes"] > 0 and server["threads_end"] > 0 and server["rss_growth_pct"] is not None
+    assert server["rss_peak_bytes"] >= server["rss_mid_bytes"] > 0
+    assert all(result["targets"][t] for t in ("all_valid_answered", "all_invalid_rejected_right",
+                                              "disconnects_survived", "every_status_counted"))
+
+
+def test_checks_catch_wrong_answers():
+    key = GreedyKey(True, "abc", 8)
+    right = Outcome("chat", 200, status=200, ok=True, text="xyz", greedy=key)
+    assert greedy_mismatches([right], {key: "xyz"}) == (1, [])
+    checked, bad = greedy_mismatches([right], {key: "xyy"})
+    assert checked == 1 and bad[0]["got"] == "xyz" and bad[0]["target_only"] == "xyy"
+    summary = summarise([right, Outcome("unknown_model", 404, status=400, ok=False, error="expected 404")], {key: "xyy"})
+    assert summary["invalid"] == {"sent": 1, "ok": 0} and summary["kinds"]["unknown_model"]["got"] == {"400": 1}
+    assert summary["greedy"]["identical"] == 0
+
+
+@pytest.mark.parametrize("body,code,ok", [
+    ({"error": {"message": "m", "type": "invalid_request_error", "param": None, "code": "invalid_json"}}, "invalid_json", True),
+    ({"error": {"message": "m", "type": "invalid_request_error", "param": None, "code": None}}, "invalid_json", False),
+    ({"error": {"message": "", "type": "invalid_request_error", "param": None, "code": None}}, None, False),
+    ({"error": {"message": "m", "type": "x", "code": None}}, None, False),
+    ({"detail": "Not Found"}, None, False),
+    (["not", "an", "object"], None, False),
+])
+def test_error_body_shape(body, code, ok):
+    assert error_body_ok(body, code) is ok
+
+
+def test_cli_registers_soak():
+    from osd.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "soak", "--clients", "8", "--minutes", "10", "--models", "tiny"])
+    assert (args.clients, args.minutes, args.models, args.url) == (8, 10.0, "tiny", None)
+
+
+def test_case_expectations_cover_the_issue():
+    cases = build_cases(MODEL, ["abc"], 4, context=256, max_body_bytes=100, api_key="k")
+    expect = {c.kind: (c.expect, c.code) for c in cases}
+    assert expect["oversized_body"] == (413, "request_too_large") and expect["wrong_key"] == (401, "invalid_api_key")
+    assert expect["prompt_past_context"] == (400, "context_length_exceeded")
+    assert expect["unknown_model"] == (404, "model_not_found") and expect["malformed_json"] == (400, "invalid_json")
+    assert {"lone_surrogate", "nul_character", "unknown_role", "stop_wrong_type", "wrong_type_messages",
+            "disconnect_mid_stream", "chat_stream", "completion"} <= set(expect)
+    assert all(isinstance(c, Case) for c in cases)
+
+
+def test_tiny_pair_on_disk_loads_as_osd_serve_would(tmp_path):
+    from osd.bench.soak_server import ServerProcess
+    from osd.bench.tiny_pair import write_tiny_pair
+    from osd.data import chat_ids
+    from osd.models.loading import load_model, load_tokenizer
+    from osd.models.tokenizer import check_same_tokenizer
+
+    target_dir, draft_dir = write_tiny_pair(tmp_path)
+    assert write_tiny_pair(tmp_path) == (target_dir, draft_dir)  # written once
+    tokenizer = load_tokenizer(target_dir)
+    check_same_tokenizer(tokenizer, load_tokenizer(draft_dir))
+    ids = tokenizer("def f(x):\n  return x", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 20 and tokenizer.decode(ids) == "def f(x):\n  return x"  # one token per character
+    assert tokenizer.decode(chat_ids(tokenizer, [{"role": "user", "content": "hi"}])) == "<user>hi\n<assistant>"
+    target, draft = load_model(target_dir), load_model(draft_dir)
+    assert target.config.vocab_size == draft.config.vocab_size == len(tokenizer)
+    assert (target.config.num_hidden_layers, draft.config.num_hidden_layers) == (2, 1)
+    command = ServerProcess(target_dir, draft_dir, 1000).command()
+    assert ["--target", target_dir, "--draft", draft_dir] == command[command.index("--target"):command.index("--target") + 4]
+    assert "--api-key" not in command  # the key goes by environment, not argv
