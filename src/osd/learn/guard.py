@@ -42,11 +42,14 @@ DRIFT_ACTIONS = ("keep", "rollback", "reset")
 
 
 def drift_action(base: list[bool], current: list[bool], best: list[bool] | None = None, z: float = 1.64) -> str:
-    """What to do with the draft that serves (`current`) after comparing it with the never-trained base on held-out
-    positions: "keep" unless it is significantly below the base (paired z < -z); then "rollback" to the best version
-    so far when that one is not significantly below the base and is better than `current`, else "reset" to the base.
-    best = None: the base is the best version so far. This catches drift that no single update's guard sees: each
-    update may lose a little (within the per-update noise), the losses add up against the base."""
+    """What to do with the draft that serves (`current`), from its correctness on held-out positions next to the
+    never-trained base's and the best version's so far (best = None: the base is the best so far).
+
+    "keep" unless it is significantly below the base (paired z < -z); then "rollback" to the best version when that
+    one is not significantly below the base and is better than `current`, else "reset" to the base. This catches
+    drift that no single update's guard sees: each update may lose a little (within the per-update noise) while the
+    losses add up against the base. (Triggering on "significantly below the best version" too was tried: on a
+    helpful stream it fired on noise, the best version being the luckiest of many on overlapping holdouts.)"""
     if paired_z(base, current) >= -z:
         return "keep"
     if best is not None and paired_z(base, best) >= -z and sum(best) > sum(current):

@@ -233,7 +233,8 @@ class OnlineLearner:
             serving if self.versions.best["version"] == self.version else self.versions.correct_of("best", holdout, evaluate))
         action = drift_action(base, serving, best, self.config.drift_z)
         lost, gained = paired_flips(base, serving)
-        report["vs_base"] = {"gained": gained, "lost": lost, "z": paired_z(base, serving), "action": action}
+        report["vs_base"] = {"gained": gained, "lost": lost, "z": paired_z(base, serving), "action": action,
+                             "z_vs_best": paired_z(best, serving) if best is not None else None}
         if action == "keep":
             if sum(serving) > sum(best if best is not None else base):
                 self.versions.remember_best(self.version)
