@@ -95,13 +95,15 @@ def cmd_replay(args) -> None:
     if args.fast:
         return cmd_replay_fast(args)
     from osd.bench.report import report_replay
-    from osd.bench.replay import run_replay
+    from osd.bench.replay import report_live_comparison, run_replay
     from osd.learn.online import LearnConfig
 
     result = run_replay(config_from(args, ModelConfig), config_from(args, SpeculationConfig), config_from(args, LearnConfig),
                         args.stream, args.split, args.per_segment, args.max_new_tokens, not args.no_baseline,
-                        progress=lambda it: tqdm(it, desc="replay", unit="req"), target_only=args.target_only)
+                        progress=lambda it: tqdm(it, desc="replay", unit="req"), target_only=args.target_only,
+                        heldout=args.heldout, heldout_split=args.heldout_split)
     report_replay(result, args.out, args.markdown, args.window)
+    report_live_comparison(result, args.out, args.markdown, args.window)
 
 
 def cmd_replay_fast(args) -> None:

@@ -7,8 +7,8 @@ from conftest import EOS, tiny_qwen2
 from helpers import make_engine
 
 from osd.bench.replay_fast import drift_order, fast_replay, frozen_trunk_copy, learn_item
-from osd.bench.replay_fast_report import (LABELS, heldout_rows, recovery, recovery_notes, recovery_verdict,
-                                          report_fast_replay, summary)
+from osd.bench.replay_fast_report import (LABELS, forgetting_rows, heldout_rows, recovery, recovery_notes,
+                                          recovery_verdict, report_fast_replay, summary)
 from osd.config import SamplingConfig
 from osd.distill.cache import DecodeSettings, TargetCache
 from osd.distill.evaluate import position_stats, sample_item
@@ -19,6 +19,8 @@ from osd.learn.online import LearnConfig
 rng = random.Random(1)
 STREAM_A = [[rng.randrange(2, 20) for _ in range(rng.randrange(2, 5))] for _ in range(40)]
 STREAM_B = [[rng.randrange(20, 40) for _ in range(rng.randrange(2, 5))] for _ in range(40)]
+HELD_A = [[rng.randrange(2, 20) for _ in range(rng.randrange(2, 5))] for _ in range(5)]  # never streamed
+HELD_B = [[rng.randrange(20, 40) for _ in range(rng.randrange(2, 5))] for _ in range(5)]
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +29,13 @@ def samples(tmp_path_factory):
     target = tiny_qwen2(seed=0)
     settings = DecodeSettings(max_new_tokens=12, top_k=16)
     return (target_samples(cache, target, STREAM_A, settings, {EOS}, batch_size=20),
-            target_samples(cache, target, STREAM_B, settings, {EOS}, batch_size=20), target)
+            target_samples(cache, target, STREAM_B, settings, {EOS}, batch_size=20), target,
+            {"a": target_samples(cache, target, HELD_A, settings, {EOS}), "b": target_samples(cache, target, HELD_B, settings, {EOS})})
 
 
 @pytest.mark.parametrize("mode", ["mismatch", "all"])
 def test_learn_items_equal_what_the_engine_buffers(samples, tokenizer, mode):
-    train, _, target = samples
+    train, _, target, _ = samples
     draft = tiny_qwen2(seed=1, layers=1)
     engine, _ = make_engine(target, draft, tokenizer, k=3)
     for n, sample in enumerate(train[:6]):
@@ -69,14 +72,14 @@ def test_frozen_trunk_copy_shares_lower_layers_only():
 
 @pytest.fixture(scope="module")
 def replayed(samples, tmp_path_factory):
-    """One shifting stream a -> b with every baseline and held-out requests of b, reported to files."""
-    a, b, _ = samples
+    """One shifting stream a -> b with every baseline and held-out requests of both, reported to files."""
+    a, b, _, held = samples
     base = tiny_qwen2(seed=1, layers=2)
     before = {n: p.clone() for n, p in base.named_parameters()}
     learn = LearnConfig(every_requests=4, steps_per_update=6, batch_size=8, lr=1e-2, train_layers=1, guard=False)
     seen = []
     result = fast_replay(a + b, ["a"] * len(a) + ["b"] * len(b), base, learn, k=3, probe=10, max_new_tokens=12,
-                         heldout={"b": b[-5:]}, on_row=lambda row: seen.append(dict(row)))
+                         heldout=held, on_row=lambda row: seen.append(dict(row)))
     result["config"] = {"stream": "a,b", "k": 3, "overlap": 0.0, "learn": vars(learn), "baseline_epochs": 0,
                         "baseline_lr": 1e-2, "heldout": 5, "heldout_split": "test", "exactness": "bf16 features"}
     tmp = tmp_path_factory.mktemp("report")
@@ -97,6 +100,7 @@ def test_fast_replay_online_alpha_rises_and_beats_the_control_on_a_shifting_stre
     assert all(torch.equal(p, before[n]) for n, p in base.named_parameters())  # the control stays never trained
     assert set(result["end_of_stream_alpha_on_segment_probes"]) == {"a", "b"}
     assert set(result["end_of_stream_alpha_on_heldout"]["b"]) == {"original", "offline_10pct", "offline_100pct", "online"}
+    assert result["end_of_stream_alpha_on_heldout"]["a"]["online"] > result["end_of_stream_alpha_on_heldout"]["a"]["original"]
     bench = (tmp / "BENCH.md").read_text()
     assert (tmp / "replay.png").stat().st_size > 1000 and "offline 100% (equal steps)" in bench
     assert "5 held-out requests" in bench
@@ -127,7 +131,7 @@ def test_the_control_row_is_in_every_table_and_improvements_are_paired_with_it(r
     online_b = next(r for r in table_rows if r[0] == "b" and r[2] == "online")
     assert online_b[6:9] == [gained, lost, (gained - lost) / (gained + lost) ** 0.5]
     assert gained - lost == round(sum(r["positions"] * (r["online_alpha"] - r["original_alpha"]) for r in rows_b))
-    held = heldout_rows(result)
+    held = [r for r in heldout_rows(result) if r[0] == "b"]
     assert held[0][:2] == ["b", "control (never trained)"] and held[0][3:] == [None, None, None, None]
     paired = result["heldout_vs_control"]["b"]
     assert set(paired) == {"offline_10pct", "offline_100pct", "online"}
@@ -136,6 +140,21 @@ def test_the_control_row_is_in_every_table_and_improvements_are_paired_with_it(r
         assert row[4:] == [d["gained"], d["lost"], d["z"]] and (d["gained"] > d["lost"]) == (row[3] > 0)
     bench = (tmp / "BENCH.md").read_text()
     assert bench.count("control (never trained)") >= 4  # per segment (2), held-out (1), forgetting header (1)
+
+
+def test_held_out_alpha_after_each_segment_shows_forgetting_against_the_control(replayed):
+    result, _, _, _, tmp = replayed
+    points = result["heldout_after_each_segment"]
+    assert [(p["at_request"], p["last_domain"]) for p in points] == [(40, "a"), (80, "b")]
+    end = result["end_of_stream_alpha_on_heldout"]
+    for d in ("a", "b"):  # the last point is the end of the stream; the control's figure never moves
+        assert points[1]["heldout"][d]["online"] == end[d]["online"]
+        assert points[0]["heldout"][d]["control"] == points[1]["heldout"][d]["control"] == end[d]["original"]
+    rows = forgetting_rows(result)
+    a_late = next(r for r in rows if r[0] == 80 and r[2] == "a")
+    assert a_late[9] == points[1]["heldout"]["a"]["online"] - points[0]["heldout"]["a"]["online"]  # change since a's end
+    assert next(r for r in rows if r[0] == 40 and r[2] == "b")[9] is None  # b had no segment of its own yet
+    assert "after each segment (forgetting)" in (tmp / "BENCH.md").read_text()
 
 
 def test_recovery_is_applied_to_the_control_too():

@@ -10,7 +10,8 @@ On the same requests, side by side (bench/baselines.py): the never-trained draft
 draft, and drafts distilled offline on the first 10% and on 100% of the stream with the same number of
 optimizer steps as the online draft took (trained after the stream, once that count is known; they are
 static, so measuring them afterwards equals measuring them in stream order). With heldout > 0 every draft
-is also measured on requests none trained on, each paired with the control (gained / lost positions, z).
+is also measured on requests none trained on, each paired with the control (gained / lost positions, z), and
+the online draft on every dataset's held-out requests after each segment (forgetting, against the control).
 The draft is whatever ModelConfig.draft names; nothing here assumes a model size.
 
 Resumable (bench/replay_state.py): with a state path, a run cut short continues where it stopped and gives
@@ -47,9 +48,10 @@ from osd.learn.online import LearnConfig, OnlineLearner
 from osd.learn.trainable import split_index
 from osd.models.loading import load_model
 
-EXACTNESS = ("fast path: greedy, fixed k, synchronous updates; drafts measured as fp32 masters (a server proposes with "
-             "its int8 serving copy by default) on frozen-trunk features cached in bfloat16, so alpha can differ from "
-             "live decoding at argmax near-ties (shared by every draft, not a bias between them)")
+TEACHER_FORCED = ("drafts measured teacher-forced as fp32 masters (a server proposes with its int8 serving copy by "
+                  "default) on frozen-trunk features cached in bfloat16, so agreement can differ from live decoding at "
+                  "argmax near-ties (shared by every draft, not a bias between them)")
+EXACTNESS = "fast path: greedy, fixed k, synchronous updates; " + TEACHER_FORCED
 
 
 @dataclass
@@ -147,6 +149,9 @@ def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: 
     save = (lambda: save_state(state_path, {**state, "learner": learner_state(learner), "torch_rng": torch.get_rng_state()})) \
         if state_path else (lambda: None)
     rows, timings = state["rows"], dict(state.get("timings", {}))
+    unseen = {d: ([sample_item(s) for s in ss], ss) for d, ss in (heldout or {}).items()}
+    control_heldout = {d: _matches(base, items_, ss, split) for d, (items_, ss) in unseen.items()}
+    forgetting, checkpoints = state.setdefault("forgetting", []), segment_ends(domains)
     for row in rows if on_row else ():
         on_row(row)
     start = time.perf_counter()
@@ -158,6 +163,8 @@ def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: 
             on_row(rows[-1])
         if hasattr(iterator, "set_postfix"):
             iterator.set_postfix(alpha=f"{rows[-1]['online_alpha']:.2f}", v=learner.version)
+        if unseen and i + 1 in checkpoints:  # forgetting: every domain's held-out requests, online vs control
+            forgetting.append(_heldout_point(i, domains, learner.master, unseen, control_heldout, split))
         if (i + 1) % max(1, save_every) == 0 or i + 1 == len(samples):
             state["timings"] = {**timings, "replay_seconds": timings.get("replay_seconds", 0.0) + time.perf_counter() - start}
             save()
@@ -171,9 +178,10 @@ def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: 
     end_of_stream = {d: {name: _mean_alpha(m, [items[j] for j in idx], [samples[j] for j in idx], split)
                          for name, m in variants.items()}  # is an earlier domain forgotten?
                      for d, idx in segment_probes(domains, probe).items()}
-    on_heldout, vs_control, online_vs_100 = _heldout(variants, heldout or {}, split)
+    on_heldout, vs_control, online_vs_100 = _heldout(variants, unseen, split)
     return {"requests": rows, "variants": list(variants), "end_of_stream_alpha_on_segment_probes": end_of_stream,
             "end_of_stream_alpha_on_heldout": on_heldout, "heldout_vs_control": vs_control,
+            "heldout_after_each_segment": forgetting,
             "heldout_online_vs_offline_100pct": online_vs_100, "baselines": state["baselines_report"] if baselines else {},
             "learner": learner.stats(), "updates": learner.history,
             "timings": {**timings, **{f"{n}_train_seconds": r["seconds"]
@@ -260,11 +268,28 @@ def _add_baseline_columns(rows, variants, samples, items, k, split, max_new_toke
                 row.update(_alpha_columns(name, matches, k, max_new_tokens, control))
 
 
-def _heldout(variants: dict, heldout: dict[str, list], split: int) -> tuple[dict, dict, dict]:
+def segment_ends(domains: list[str]) -> set[int]:
+    """Request counts at which the stream has passed each of its n segments' share (1/n of it, n = domains): the ends
+    of the segments of a sharp shift of equal segments; the same points of a drifting stream."""
+    n = len(dict.fromkeys(domains))
+    return {round(len(domains) * (j + 1) / n) for j in range(n)}
+
+
+def _heldout_point(i, domains, online, unseen, control, split) -> dict:
+    """The online draft on every domain's held-out requests after request i, paired with the control (forgetting)."""
+    point = {"at_request": i + 1, "last_domain": domains[i], "heldout": {}}
+    for d, (items, samples) in unseen.items():
+        matches = _matches(online, items, samples, split)
+        point["heldout"][d] = {"online": sum(matches) / max(1, len(matches)),
+                               "control": sum(control[d]) / max(1, len(control[d])), **paired_difference(control[d], matches)}
+    return point
+
+
+def _heldout(variants: dict, unseen: dict[str, tuple[list, list]], split: int) -> tuple[dict, dict, dict]:
     """Alpha of every draft on each domain's held-out requests, each paired with the control on the same positions."""
     alphas, vs_control, online_vs_100 = {}, {}, {}
-    for domain, unseen in heldout.items():
-        matches = {name: _matches(model, [sample_item(s) for s in unseen], unseen, split) for name, model in variants.items()}
+    for domain, (items, samples) in unseen.items():
+        matches = {name: _matches(model, items, samples, split) for name, model in variants.items()}
         alphas[domain] = {name: sum(m) / max(1, len(m)) for name, m in matches.items()}
         vs_control[domain] = {name: paired_difference(matches["original"], m) for name, m in matches.items()
                               if name != "original"}

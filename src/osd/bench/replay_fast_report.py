@@ -68,9 +68,11 @@ def summary(result: dict, window: int) -> tuple[list[list], list[str]]:
         bound = mean(part, "offline_100pct_alpha") if "offline_100pct" in variants else None
         for v in variants:
             gained, lost, z = segment_z(part, v) if v != CONTROL else (None, None, None)
-            reach = recovery(part, bound, window, key=f"{v}_alpha") if bound is not None and v != "offline_100pct" else None
+            reach = _requests(recovery(part, bound, window, key=f"{v}_alpha")) \
+                if bound is not None and v != "offline_100pct" else None
             rows.append([domain, len(part), label(v), mean(part, f"{v}_alpha"), mean(tail, f"{v}_alpha"),
-                         mean(tail, f"{v}_alpha") - mean(tail, f"{CONTROL}_alpha"), gained, lost, z, reach])
+                         mean(tail, f"{v}_alpha") - mean(tail, f"{CONTROL}_alpha") if v != CONTROL else None,
+                         gained, lost, z, reach])
     header = ["segment", "requests", "draft", "alpha (all)", "alpha (last 25%)", "vs control (last 25%)",
               "gained", "lost", "z vs control", f"requests to within 0.05 of offline 100% (window {window})"]
     return rows, header
@@ -85,9 +87,13 @@ def recovery_notes(result: dict, window: int) -> list[str]:
         bound = sum(r["offline_100pct_alpha"] for r in part) / len(part)
         online, control = (recovery(part, bound, window, key=f"{v}_alpha") for v in ("online", CONTROL))
         notes.append(f"{'after the switch to ' if n else 'first segment '}{domain}: within 0.05 of offline 100% "
-                     f"({bound:.3f}) after {online} requests online, {control} for the control: "
+                     f"({bound:.3f}) after {_requests(online)} requests online, {_requests(control)} for the control: "
                      f"{recovery_verdict(online, control)}")
     return notes
+
+
+def _requests(n: int | None) -> int | str:
+    return "never" if n is None else n
 
 
 def heldout_rows(result: dict) -> list[list]:
@@ -102,10 +108,27 @@ def heldout_rows(result: dict) -> list[list]:
     return rows
 
 
+def forgetting_rows(result: dict) -> list[list]:
+    """After each segment, the online draft on every domain's held-out requests next to the control's, paired (z), and
+    its change since the end of that domain's own segment (negative: forgotten)."""
+    rows, own = [], {}
+    for point in result.get("heldout_after_each_segment") or []:
+        for d, h in point["heldout"].items():
+            if point["last_domain"] == d:
+                own.setdefault(d, h["online"])
+            rows.append([point["at_request"], point["last_domain"], d, h["control"], h["online"], h["online"] - h["control"],
+                         h["gained"], h["lost"], h["z"], h["online"] - own[d] if d in own else None])
+    return rows
+
+
+FORGETTING_HEADER = ["after request", "last domain", "held-out requests of", "control", "online", "vs control", "gained",
+                     "lost", "z", "online change since its own segment"]
+
+
 def plot(result: dict, path: str, window: int) -> str | None:
     """The paper's figure: moving-average alpha vs requests, online, control, offline 10% and 100%."""
     rows, cfg = result["requests"], result["config"]
-    order = [v for v in ("online", CONTROL, "offline_10pct", "offline_100pct", "offline_100pct_epochs") if v in result["variants"]]
+    order = [v for v in (CONTROL, "offline_10pct", "offline_100pct", "offline_100pct_epochs", "online") if v in result["variants"]]
     curves = {label(v): [r[f"{v}_alpha"] for r in rows] for v in order}
     boundaries = domain_boundaries(rows) if cfg["overlap"] == 0 else []
     return plot_alpha_curves(curves, boundaries, f"osd replay --fast: {cfg['stream']} (k={cfg['k']})", "greedy alpha",
@@ -131,6 +154,9 @@ def report_fast_replay(result: dict, out: str, markdown: str, window: int = 20) 
                    table(h_rows, ["held-out requests of", "draft", "alpha", "vs control", "gained", "lost", "z"])]
     else:
         blocks += ["No held-out requests (--heldout 0): the comparisons above are in-stream only."]
+    if len(result.get("heldout_after_each_segment") or []) > 1:
+        blocks += ["The online draft on every dataset's held-out requests after each segment (forgetting), against the "
+                   "control:", table(forgetting_rows(result), FORGETTING_HEADER)]
     blocks += [_notes(result), f"Exactness: {cfg.get('exactness', '')}"]
     learn = cfg["learn"]
     emit_report("Online replay, greedy fast path (`osd replay --fast`)",

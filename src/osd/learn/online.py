@@ -210,7 +210,8 @@ class OnlineLearner:
             self.optimizer.load_state_dict(optimizer_backup)
             self.counters["updates_rejected"] += 1
             report["rejected_because"] = "no finite step" if not losses else "non-finite weights" if not finite else "guard"
-            self._stop_drift(holdout, before_correct, report)
+            if self._stop_drift(holdout, before_correct, report) and cfg.checkpoint_dir:
+                self.save()
             return report
         snapshot = self.publish(self.master)
         self.version = snapshot.version
@@ -221,12 +222,12 @@ class OnlineLearner:
             self.save()
         return report
 
-    def _stop_drift(self, holdout: list, serving: list[bool] | None, report: dict) -> None:
+    def _stop_drift(self, holdout: list, serving: list[bool] | None, report: dict) -> bool:
         """The drift guard: the serving draft (`serving`: its correctness on `holdout`) against the never-trained
-        base and the best version so far, on the same held-out positions. Keeps, rolls back or resets (and then
-        publishes the restored weights as a new version, with fresh optimizer moments)."""
+        base and the best version so far, on the same held-out positions. Keeps, or rolls back / resets and then
+        publishes the restored weights as a new version, with fresh optimizer moments (returns True then)."""
         if self.versions is None or not holdout or serving is None:
-            return
+            return False
         evaluate = lambda items: acceptance_on(self.master, items, split=self.split, pause=self._wait_idle)["correct"]
         base = self.versions.correct_of("base", holdout, evaluate)
         best = None if self.versions.best is None else (
@@ -238,13 +239,14 @@ class OnlineLearner:
         if action == "keep":
             if sum(serving) > sum(best if best is not None else base):
                 self.versions.remember_best(self.version)
-            return
+            return False
         report["vs_base"]["restored_version"] = self.versions.best["version"] if action == "rollback" else 0
         self.versions.restore(action)
         self.optimizer.state.clear()  # the abandoned trajectory's Adam moments go with it
         self.counters["rollbacks" if action == "rollback" else "resets"] += 1
         self.version = self.publish(self.master).version
         report["vs_base"]["published_version"] = self.version
+        return True
 
     def _accumulate_gradients(self, batch: list) -> float | None:
         """Gradients of the batch's mean loss over positions, one micro-batch at a time (the idle wait before
