@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     from osd.learn.online import LearnConfig
 
     p = sub.add_parser("replay", help="replay a prompt stream through the online system; alpha vs requests")
-    p.add_argument("--stream", default="gsm8k", help="dataset, or a comma list for a sharp shift (gsm8k,spider,code)")
+    p.add_argument("--stream", default="gsm8k", help="dataset, or a comma list for a sharp shift (gsm8k,spider,code); "
+                   "name:split gives a dataset its own split (finance:test)")
     p.add_argument("--split", default="train")
     p.add_argument("--per-segment", type=int, default=40, help="requests per dataset")
     p.add_argument("--max-new-tokens", type=int, default=32)

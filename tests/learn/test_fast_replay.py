@@ -157,6 +157,22 @@ def test_held_out_alpha_after_each_segment_shows_forgetting_against_the_control(
     assert "after each segment (forgetting)" in (tmp / "BENCH.md").read_text()
 
 
+def test_without_offline_baselines_the_control_row_stays():
+    rows = [{"domain": "x", "positions": 4, "original_alpha": 0.5, "online_alpha": 0.75, "online_gained": 1,
+             "online_lost": 0}] * 4
+    table_rows, _ = summary({"variants": ["original", "online"], "requests": rows}, window=2)
+    assert [r[2] for r in table_rows] == ["control (never trained)", "online"]
+    assert table_rows[1][5] == 0.25 and table_rows[1][6:9] == [4, 0, 2.0] and table_rows[1][9] is None
+
+
+def test_stream_parts_let_a_dataset_name_its_split():
+    from osd.bench.replay_fast import stream_parts
+
+    assert stream_parts("gsm8k, spider,finance:test", "train") == [("gsm8k", "train"), ("spider", "train"),
+                                                                    ("finance", "test")]
+    assert stream_parts("/data/x:y.jsonl", "test") == [("/data/x:y.jsonl", "test")]  # not a split: part of the name
+
+
 def test_recovery_is_applied_to_the_control_too():
     rows = [{"online_alpha": o, "original_alpha": c} for o, c in ((0.1, 0.1), (0.5, 0.1), (0.9, 0.2), (0.9, 0.88))]
     assert recovery(rows, 0.9, window=1) == 3 and recovery(rows, 0.9, window=1, key="original_alpha") == 4

@@ -20,11 +20,12 @@ from pathlib import Path
 
 from osd.bench.baselines import SHARES, draft_copy, offline_trainer, train_equal_steps
 from osd.bench.plots import domain_boundaries, plot_alpha_curves
-from osd.bench.replay_fast import TEACHER_FORCED, paired_difference
+from osd.bench.replay_fast import TEACHER_FORCED, paired_difference, stream_parts
 from osd.build import attach_learner, build_system
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.data import load_records, prompt_ids
 from osd.engine import SpeculativeEngine
+from osd.errors import InvalidArgument
 from osd.learn.batch import acceptance_on
 from osd.learn.buffer import ReplayBuffer, item_from_step
 from osd.learn.guard import paired_flips
@@ -34,11 +35,15 @@ from osd.propose import DraftModelProposer
 from osd.speed_model import KPolicy
 
 
-def parse_stream(spec: str, split: str, per_segment: int, offset: int = 0) -> list[dict]:
-    """'gsm8k' or 'gsm8k,spider,code' (a sharp shift: per_segment requests of each, in order)."""
+def parse_stream(spec: str, split: str, per_segment: int) -> list[dict]:
+    """'gsm8k' or 'gsm8k,spider,finance:test' (a sharp shift: per_segment requests of each, in order; a dataset may
+    name its own split)."""
     out = []
-    for name in spec.split(","):
-        out += load_records(name.strip(), split=split or None, limit=per_segment, offset=offset)
+    for name, own in stream_parts(spec, split):
+        records = load_records(name, split=own or None, limit=per_segment)
+        if not records:
+            raise InvalidArgument(f"no requests of {name} in split {own!r} (a dataset with one split: {name}:test)")
+        out += records
     return out
 
 
@@ -158,8 +163,8 @@ def _heldout(engine, tokenizer, variants, stream, split, per_segment, heldout, h
     positions = RequestPositions(learn.top_k, learn.max_context)
     engine.observers.append(positions.observe)
     alphas, vs_control = {}, {}
-    for name in (n.strip() for n in stream.split(",")):
-        records = load_records(name, heldout_split or None, heldout, per_segment if heldout_split == split else 0)
+    for name, own in stream_parts(stream, split):
+        records = load_records(name, heldout_split or None, heldout, per_segment if heldout_split == own else 0)
         items = []
         for record in records:
             engine.generate(prompt_ids(tokenizer, record["prompt"]), sampling)

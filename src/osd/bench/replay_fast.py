@@ -42,6 +42,7 @@ from osd.config import ModelConfig
 from osd.distill.cache import DecodeSettings
 from osd.distill.evaluate import greedy_steps, position_stats, sample_item
 from osd.distill.target_outputs import dataset_samples
+from osd.errors import InvalidArgument
 from osd.learn.buffer import ReplayItem
 from osd.learn.guard import paired_flips, paired_z
 from osd.learn.online import LearnConfig, OnlineLearner
@@ -87,6 +88,16 @@ def learn_item(sample, eval_item, matches: list[bool], k: int, mode: str, reques
     return ReplayItem(tokens, [n + r for r in rows], sample.target.select(rows), request_id, version, 0.0, features)
 
 
+def stream_parts(stream: str, split: str) -> list[tuple[str, str]]:
+    """'gsm8k,spider,finance:test' -> [(dataset, split)]: each dataset in the default split unless it names its own
+    (finance and chat have only a test split; their held-out requests then come after the streamed ones)."""
+    parts = []
+    for entry in (e.strip() for e in stream.split(",")):
+        name, _, own = entry.rpartition(":")
+        parts.append((name, own) if name and own in ("train", "test") else (entry, split))
+    return parts
+
+
 def segment_probes(domains: list[str], probe: int) -> dict[str, list[int]]:
     """Per domain, the indices of its last `probe` requests up to the end of its first run (forgetting probes)."""
     probes = {}
@@ -105,11 +116,15 @@ def run_fast_replay(models: ModelConfig, learn: LearnConfig, stream: str, split:
     trained on (`heldout_split`; past the streamed ones when it is the stream's own split).
     on_row(row): called with each request's row (control and online columns) as soon as it is measured; the
     baselines' columns join the rows once the stream is done. state_path: resumable (module docstring)."""
-    names = [n.strip() for n in stream.split(",")]
-    segments = [dataset_samples(models, n, split, per_segment, settings, 0, batch_size_generate, cache_dir, progress)[0]
-                for n in names]
-    unseen = {n: dataset_samples(models, n, heldout_split, heldout, settings, per_segment if heldout_split == split else 0,
-                                 batch_size_generate, cache_dir, progress)[0] for n in names} if heldout > 0 else None
+    parts = stream_parts(stream, split)
+    names = [n for n, _ in parts]
+    segments = [dataset_samples(models, n, s, per_segment, settings, 0, batch_size_generate, cache_dir, progress)[0]
+                for n, s in parts]
+    for (n, s), segment in zip(parts, segments):
+        if not segment:
+            raise InvalidArgument(f"no requests of {n} in split {s!r} (a dataset with one split: {n}:test)")
+    unseen = {n: dataset_samples(models, n, heldout_split, heldout, settings, per_segment if heldout_split == s else 0,
+                                 batch_size_generate, cache_dir, progress)[0] for n, s in parts} if heldout > 0 else None
     order = drift_order([len(s) for s in segments], overlap)
     cursor = [0] * len(segments)
     samples, domains = [], []
