@@ -95,13 +95,15 @@ def cmd_replay(args) -> None:
     if args.fast:
         return cmd_replay_fast(args)
     from osd.bench.report import report_replay
-    from osd.bench.replay import run_replay
+    from osd.bench.replay import report_live_comparison, run_replay
     from osd.learn.online import LearnConfig
 
     result = run_replay(config_from(args, ModelConfig), config_from(args, SpeculationConfig), config_from(args, LearnConfig),
                         args.stream, args.split, args.per_segment, args.max_new_tokens, not args.no_baseline,
-                        progress=lambda it: tqdm(it, desc="replay", unit="req"), target_only=args.target_only)
+                        progress=lambda it: tqdm(it, desc="replay", unit="req"), target_only=args.target_only,
+                        heldout=args.heldout, heldout_split=args.heldout_split)
     report_replay(result, args.out, args.markdown, args.window)
+    report_live_comparison(result, args.out, args.markdown, args.window)
 
 
 def cmd_replay_fast(args) -> None:
@@ -114,8 +116,11 @@ def cmd_replay_fast(args) -> None:
 
     learn = config_from(args, LearnConfig)
     rows_path = Path(args.out).with_suffix(".rows.jsonl")  # each request's row as it is measured
+    state_path = Path(args.state or Path(args.out).with_suffix(".state.pt"))  # a rerun of a cut run continues
+    if args.fresh:
+        state_path.unlink(missing_ok=True)
     rows_path.parent.mkdir(parents=True, exist_ok=True)
-    with rows_path.open("w") as rows_file:
+    with rows_path.open("w") as rows_file:  # a resumed run writes the restored rows first
         def on_row(row):
             rows_file.write(json.dumps(row) + "\n")
             rows_file.flush()
@@ -124,8 +129,11 @@ def cmd_replay_fast(args) -> None:
                                  DecodeSettings(max_new_tokens=args.max_new_tokens, top_k=learn.top_k), args.k,
                                  not args.no_baseline, args.baseline_epochs, args.baseline_lr, args.overlap,
                                  batch_size_generate=args.batch_size_generate, cache_dir=args.cache_dir, progress=tqdm,
-                                 heldout=args.heldout, heldout_split=args.heldout_split, on_row=on_row)
+                                 heldout=args.heldout, heldout_split=args.heldout_split, on_row=on_row,
+                                 state_path=state_path, save_every=args.save_every)
+    rows_path.write_text("".join(json.dumps(r) + "\n" for r in result["requests"]))  # now with the baselines' columns
     report_fast_replay(result, args.out, args.markdown, args.window)
+    state_path.unlink(missing_ok=True)  # finished: the result JSON holds everything
 
 
 def cmd_bench_soak(args) -> None:
@@ -168,21 +176,30 @@ def build_parser() -> argparse.ArgumentParser:
     from osd.learn.online import LearnConfig
 
     p = sub.add_parser("replay", help="replay a prompt stream through the online system; alpha vs requests")
-    p.add_argument("--stream", default="gsm8k", help="dataset, or a comma list for a sharp shift (gsm8k,spider,code)")
+    p.add_argument("--stream", default="gsm8k", help="dataset, or a comma list for a sharp shift (gsm8k,spider,code); "
+                   "name:split gives a dataset its own split (finance:test)")
     p.add_argument("--split", default="train")
     p.add_argument("--per-segment", type=int, default=40, help="requests per dataset")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--no-baseline", action="store_true", help="skip the baselines (static original draft; --fast: also 10%%/100%% offline)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the offline baselines (10%%/100%% of the stream, "
+                   "equal optimizer steps); the never-trained control is always measured")
     p.add_argument("--target-only", action="store_true", help="live: also decode each request with the target alone")
     p.add_argument("--fast", action="store_true", help="greedy fast path from the target-output cache (exact; hundreds of requests)")
-    p.add_argument("--baseline-epochs", type=int, default=2, help="--fast: epochs of the offline-distilled baselines")
-    p.add_argument("--baseline-lr", type=float, default=1e-5, help="--fast: learning rate of the offline baselines")
+    p.add_argument("--baseline-epochs", type=int, default=0, help="> 0: also the epochs recipe on 100%% of the stream "
+                   "(its own, labelled draft; not equal steps)")
+    p.add_argument("--baseline-lr", type=float, default=1e-5, help="learning rate of the epochs recipe (the equal-step "
+                   "baselines use --lr)")
     p.add_argument("--overlap", type=float, default=0.0, help="--fast: 0 = sharp switches; > 0 = gradual drift over this many segments")
     p.add_argument("--batch-size-generate", type=int, default=16, help="--fast: prompts per target forward when filling the cache")
     p.add_argument("--cache-dir", default=None, help="--fast: target-output cache root")
-    p.add_argument("--heldout", type=int, default=0, help="--fast: at the end, also measure every draft on this many "
-                   "unseen requests per dataset")
-    p.add_argument("--heldout-split", default="test", help="--fast: split of the held-out requests")
+    p.add_argument("--heldout", type=int, default=40, help="at the end, also measure every draft on this many unseen "
+                   "requests per dataset, each paired with the control (0 = none)")
+    p.add_argument("--heldout-split", default="test", help="split of the held-out requests (the stream's own split: "
+                   "the ones after the streamed requests)")
+    p.add_argument("--state", default="", help="--fast: resumable state file (default <out>.state.pt); a rerun of a "
+                   "cut run continues from it; removed when the run finishes")
+    p.add_argument("--save-every", type=int, default=25, help="--fast: save the state every this many requests")
+    p.add_argument("--fresh", action="store_true", help="--fast: discard a saved state and start over")
     p.add_argument("--window", type=int, default=10, help="moving-average window of the plot")
     p.add_argument("--out", default="benchmarks/replay.json", help="result JSON (and PNG beside it); --fast also writes "
                    "each request's row to <out>.rows.jsonl as it is measured, so a run cut short keeps them")

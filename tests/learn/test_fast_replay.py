@@ -7,7 +7,8 @@ from conftest import EOS, tiny_qwen2
 from helpers import make_engine
 
 from osd.bench.replay_fast import drift_order, fast_replay, frozen_trunk_copy, learn_item
-from osd.bench.replay_fast_report import recovery, report_fast_replay, summary
+from osd.bench.replay_fast_report import (LABELS, forgetting_rows, heldout_rows, recovery, recovery_notes,
+                                          recovery_verdict, report_fast_replay, summary)
 from osd.config import SamplingConfig
 from osd.distill.cache import DecodeSettings, TargetCache
 from osd.distill.evaluate import position_stats, sample_item
@@ -18,6 +19,8 @@ from osd.learn.online import LearnConfig
 rng = random.Random(1)
 STREAM_A = [[rng.randrange(2, 20) for _ in range(rng.randrange(2, 5))] for _ in range(40)]
 STREAM_B = [[rng.randrange(20, 40) for _ in range(rng.randrange(2, 5))] for _ in range(40)]
+HELD_A = [[rng.randrange(2, 20) for _ in range(rng.randrange(2, 5))] for _ in range(5)]  # never streamed
+HELD_B = [[rng.randrange(20, 40) for _ in range(rng.randrange(2, 5))] for _ in range(5)]
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +29,13 @@ def samples(tmp_path_factory):
     target = tiny_qwen2(seed=0)
     settings = DecodeSettings(max_new_tokens=12, top_k=16)
     return (target_samples(cache, target, STREAM_A, settings, {EOS}, batch_size=20),
-            target_samples(cache, target, STREAM_B, settings, {EOS}, batch_size=20), target)
+            target_samples(cache, target, STREAM_B, settings, {EOS}, batch_size=20), target,
+            {"a": target_samples(cache, target, HELD_A, settings, {EOS}), "b": target_samples(cache, target, HELD_B, settings, {EOS})})
 
 
 @pytest.mark.parametrize("mode", ["mismatch", "all"])
 def test_learn_items_equal_what_the_engine_buffers(samples, tokenizer, mode):
-    train, _, target = samples
+    train, _, target, _ = samples
     draft = tiny_qwen2(seed=1, layers=1)
     engine, _ = make_engine(target, draft, tokenizer, k=3)
     for n, sample in enumerate(train[:6]):
@@ -66,32 +70,119 @@ def test_frozen_trunk_copy_shares_lower_layers_only():
     assert copy_.model.layers[2].mlp.up_proj.weight is not base.model.layers[2].mlp.up_proj.weight
 
 
-def test_fast_replay_online_alpha_rises_and_beats_the_original_on_a_shifting_stream(samples, tmp_path):
-    a, b, _ = samples
+@pytest.fixture(scope="module")
+def replayed(samples, tmp_path_factory):
+    """One shifting stream a -> b with every baseline and held-out requests of both, reported to files."""
+    a, b, _, held = samples
     base = tiny_qwen2(seed=1, layers=2)
     before = {n: p.clone() for n, p in base.named_parameters()}
     learn = LearnConfig(every_requests=4, steps_per_update=6, batch_size=8, lr=1e-2, train_layers=1, guard=False)
     seen = []
-    result = fast_replay(a + b, ["a"] * len(a) + ["b"] * len(b), base, learn, k=3, baseline_epochs=4, baseline_lr=1e-2,
-                         probe=10, max_new_tokens=12, heldout={"b": b[-5:]}, on_row=seen.append)
+    result = fast_replay(a + b, ["a"] * len(a) + ["b"] * len(b), base, learn, k=3, probe=10, max_new_tokens=12,
+                         heldout=held, on_row=lambda row: seen.append(dict(row)))
+    result["config"] = {"stream": "a,b", "k": 3, "overlap": 0.0, "learn": vars(learn), "baseline_epochs": 0,
+                        "baseline_lr": 1e-2, "heldout": 5, "heldout_split": "test", "exactness": "bf16 features"}
+    tmp = tmp_path_factory.mktemp("report")
+    report_fast_replay(result, str(tmp / "replay.json"), str(tmp / "BENCH.md"), window=5)
+    return result, seen, base, before, tmp
+
+
+def test_fast_replay_online_alpha_rises_and_beats_the_control_on_a_shifting_stream(replayed):
+    result, seen, base, before, tmp = replayed
     rows = result["requests"]
-    assert [r["i"] for r in seen] == list(range(len(a + b))) and seen == rows  # each row handed out in stream order
+    assert [r["i"] for r in seen] == list(range(80))  # each row handed out in stream order, as measured
+    assert all(seen[i].items() <= rows[i].items() for i in range(80))  # the baselines' columns join them later
     mean = lambda part, key: sum(r[key] for r in part) / len(part)
     for part in (rows[20:40], rows[60:80]):  # second half of each segment
         assert mean(part, "online_alpha") > mean(part, "original_alpha") + 0.05
         assert mean(part, "offline_100pct_alpha") > mean(part, "original_alpha")
     assert result["learner"]["updates_published"] >= 15
-    assert all(torch.equal(p, before[n]) for n, p in base.named_parameters())  # the original draft stays original
-    table_rows, header = summary(result, window=5)
-    assert [r[0] for r in table_rows] == ["a", "b"] and len(header) == len(table_rows[0])
+    assert all(torch.equal(p, before[n]) for n, p in base.named_parameters())  # the control stays never trained
     assert set(result["end_of_stream_alpha_on_segment_probes"]) == {"a", "b"}
     assert set(result["end_of_stream_alpha_on_heldout"]["b"]) == {"original", "offline_10pct", "offline_100pct", "online"}
-    assert recovery([{"online_alpha": x} for x in (0.1, 0.5, 0.9, 0.9)], 0.9, window=1) == 3
-    result["config"] = {"stream": "a,b", "k": 3, "overlap": 0.0, "learn": vars(learn), "baseline_epochs": 4, "baseline_lr": 1e-2,
-                        "heldout": 5, "heldout_split": "test"}
-    report_fast_replay(result, str(tmp_path / "replay.json"), str(tmp_path / "BENCH.md"), window=5)
-    bench = (tmp_path / "BENCH.md").read_text()
-    assert (tmp_path / "replay.png").stat().st_size > 1000 and "offline_100pct" in bench and "5 held-out requests" in bench
+    assert result["end_of_stream_alpha_on_heldout"]["a"]["online"] > result["end_of_stream_alpha_on_heldout"]["a"]["original"]
+    bench = (tmp / "BENCH.md").read_text()
+    assert (tmp / "replay.png").stat().st_size > 1000 and "offline 100% (equal steps)" in bench
+    assert "5 held-out requests" in bench
+
+
+def test_offline_baselines_take_as_many_optimizer_steps_as_the_online_draft(replayed):
+    result = replayed[0]
+    online_steps = result["learner"]["optimizer_steps"]
+    assert online_steps == 20 * 6  # 80 requests, an update every 4, 6 steps each (no guard here)
+    for name in ("offline_10pct", "offline_100pct"):
+        b = result["baselines"][name]
+        assert b["optimizer_steps"] == online_steps and b["adam_steps"] == online_steps  # AdamW's own count agrees
+        assert b["lr"] == 1e-2 and b["recipe"] == "equal steps"
+    assert result["baselines"]["offline_10pct"]["items"] == 8 and result["baselines"]["offline_100pct"]["items"] == 80
+
+
+def test_the_control_row_is_in_every_table_and_improvements_are_paired_with_it(replayed):
+    result, _, _, _, tmp = replayed
+    table_rows, header = summary(result, window=5)
+    assert len(header) == len(table_rows[0])
+    assert [(r[0], r[2]) for r in table_rows if r[2].startswith("control")] == [("a", "control (never trained)"),
+                                                                                 ("b", "control (never trained)")]
+    assert [r[2] for r in table_rows[:4]] == ["control (never trained)", "offline 10% (equal steps)",
+                                              "offline 100% (equal steps)", "online"]
+    rows_b = result["requests"][40:]
+    gained = sum(r["online_gained"] for r in rows_b)
+    lost = sum(r["online_lost"] for r in rows_b)
+    online_b = next(r for r in table_rows if r[0] == "b" and r[2] == "online")
+    assert online_b[6:9] == [gained, lost, (gained - lost) / (gained + lost) ** 0.5]
+    assert gained - lost == round(sum(r["positions"] * (r["online_alpha"] - r["original_alpha"]) for r in rows_b))
+    held = [r for r in heldout_rows(result) if r[0] == "b"]
+    assert held[0][:2] == ["b", "control (never trained)"] and held[0][3:] == [None, None, None, None]
+    paired = result["heldout_vs_control"]["b"]
+    assert set(paired) == {"offline_10pct", "offline_100pct", "online"}
+    for row in held[1:]:
+        d = paired[{v: k for k, v in LABELS.items()}[row[1]]]
+        assert row[4:] == [d["gained"], d["lost"], d["z"]] and (d["gained"] > d["lost"]) == (row[3] > 0)
+    bench = (tmp / "BENCH.md").read_text()
+    assert bench.count("control (never trained)") >= 4  # per segment (2), held-out (1), forgetting header (1)
+
+
+def test_held_out_alpha_after_each_segment_shows_forgetting_against_the_control(replayed):
+    result, _, _, _, tmp = replayed
+    points = result["heldout_after_each_segment"]
+    assert [(p["at_request"], p["last_domain"]) for p in points] == [(40, "a"), (80, "b")]
+    end = result["end_of_stream_alpha_on_heldout"]
+    for d in ("a", "b"):  # the last point is the end of the stream; the control's figure never moves
+        assert points[1]["heldout"][d]["online"] == end[d]["online"]
+        assert points[0]["heldout"][d]["control"] == points[1]["heldout"][d]["control"] == end[d]["original"]
+    rows = forgetting_rows(result)
+    a_late = next(r for r in rows if r[0] == 80 and r[2] == "a")
+    assert a_late[9] == points[1]["heldout"]["a"]["online"] - points[0]["heldout"]["a"]["online"]  # change since a's end
+    assert next(r for r in rows if r[0] == 40 and r[2] == "b")[9] is None  # b had no segment of its own yet
+    assert "after each segment (forgetting)" in (tmp / "BENCH.md").read_text()
+
+
+def test_without_offline_baselines_the_control_row_stays():
+    rows = [{"domain": "x", "positions": 4, "original_alpha": 0.5, "online_alpha": 0.75, "online_gained": 1,
+             "online_lost": 0}] * 4
+    table_rows, _ = summary({"variants": ["original", "online"], "requests": rows}, window=2)
+    assert [r[2] for r in table_rows] == ["control (never trained)", "online"]
+    assert table_rows[1][5] == 0.25 and table_rows[1][6:9] == [4, 0, 2.0] and table_rows[1][9] is None
+
+
+def test_stream_parts_let_a_dataset_name_its_split():
+    from osd.bench.replay_fast import stream_parts
+
+    assert stream_parts("gsm8k, spider,finance:test", "train") == [("gsm8k", "train"), ("spider", "train"),
+                                                                    ("finance", "test")]
+    assert stream_parts("/data/x:y.jsonl", "test") == [("/data/x:y.jsonl", "test")]  # not a split: part of the name
+
+
+def test_recovery_is_applied_to_the_control_too():
+    rows = [{"online_alpha": o, "original_alpha": c} for o, c in ((0.1, 0.1), (0.5, 0.1), (0.9, 0.2), (0.9, 0.88))]
+    assert recovery(rows, 0.9, window=1) == 3 and recovery(rows, 0.9, window=1, key="original_alpha") == 4
+    assert recovery_verdict(3, None) == "learning closed a gap the control leaves open"
+    assert recovery_verdict(3, 4) == "online 1 requests before the control"
+    assert recovery_verdict(5, 2).startswith("no gap to close") and recovery_verdict(None, 2).startswith("online never")
+    result = {"variants": ["original", "offline_100pct", "online"],
+              "requests": [{**r, "domain": "x", "offline_100pct_alpha": 0.9} for r in rows]}
+    (note,) = recovery_notes(result, window=1)
+    assert "after 3 requests online, 4 for the control" in note
 
 
 def test_paired_difference_counts_gained_and_lost_positions():

@@ -25,3 +25,27 @@ def test_gains_are_never_worse_and_lengths_must_match():
     assert not is_worse([], [], z=0.0)
     with pytest.raises(ValueError, match="differ in length"):
         is_worse([True], [True, False])
+
+
+def test_paired_z_is_the_sign_test_on_flipped_positions():
+    from osd.learn.guard import paired_z
+
+    assert paired_z([True, False, False], [False, True, True]) == pytest.approx(1 / 3 ** 0.5)
+    assert paired_z([True] * 5, [True] * 5) == 0.0
+    assert paired_z([True] * 9 + [False], [False] * 9 + [True]) == pytest.approx(-8 / 10 ** 0.5)
+
+
+def test_drift_action_keeps_rolls_back_or_resets():
+    from osd.learn.guard import drift_action
+
+    base = [True] * 50 + [False] * 50
+    slid = [False] * 10 + [True] * 40 + [False] * 50  # lost 10, gained 0: z = -3.2 against the base
+    small = [False] * 2 + [True] * 48 + [False] * 50  # lost 2: z = -1.4, within noise
+    better = [True] * 60 + [False] * 40  # gained 10
+    assert drift_action(base, small) == "keep" and drift_action(base, better) == "keep"
+    assert drift_action(base, slid) == "reset"  # no best version but the base
+    assert drift_action(base, slid, best=better) == "rollback"
+    assert drift_action(base, slid, best=small) == "rollback"  # not significantly below the base, and above `slid`
+    assert drift_action(base, small, best=better) == "keep"  # below the best version but not the base: noise allowed
+    assert drift_action(base, slid, best=slid) == "reset"  # the best one has slid as well
+    assert drift_action(base, slid, z=4.0) == "keep"  # a laxer threshold

@@ -8,6 +8,10 @@ Schedules: "sync" trains inside `after_request` (deterministic; stream replay, t
 trains in its own thread, taking optimizer steps only while the engine is idle ("idle windows") so
 that serving latency suffers least on a 2-core CPU.
 A rejected update restores the weights and the optimizer's state (its Adam moments) as they were.
+Drift guard (drift_guard): after each update the draft that serves is also compared with the never-trained
+base (and the best version so far) on the same held-out requests; significantly below the base (paired
+z < -drift_z), it is rolled back to the best version or reset to the base (counters "rollbacks", "resets";
+learn/guard.py drift_action, learn/drift.py). Held-out requests are ones no optimizer step has seen.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ from osd.errors import InvalidArgument
 from osd.learn.batch import acceptance_on, items_loss
 from osd.learn.buffer import MODES, ReplayBuffer, item_from_step
 from osd.learn.checkpoint import load_checkpoint, save_checkpoint
-from osd.learn.guard import is_worse
+from osd.learn.drift import VersionStore
+from osd.learn.guard import drift_action, is_worse, paired_flips, paired_z
 from osd.learn.losses import LOSSES
 from osd.learn.trainable import configure_trainable, split_index
 from osd.learn.triggers import UpdateTrigger
@@ -54,6 +59,9 @@ class LearnConfig:
     guard_capacity: int = 2048  # positions of the guard buffer (every proposed position of recent requests)
     guard_tolerance: float = 0.0  # allowed drop in held-out greedy agreement
     guard_z: float = 1.64  # ... and the drop must exceed z paired-noise deviations (learn/guard.py; 0 = any drop)
+    drift_guard: bool = True  # (with guard) also compare the serving draft with the never-trained base on the
+    #   held-out requests; significantly below it -> roll back to the best version so far or reset to the base
+    drift_z: float = 1.64  # "significantly below": paired z < -drift_z
     schedule: str = "sync"  # sync | background
     checkpoint_dir: str = ""  # "" = no checkpoints
     seed: int = 0
@@ -65,8 +73,8 @@ class LearnConfig:
             raise InvalidArgument(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if not 0.0 <= self.beta <= 1.0:
             raise InvalidArgument(f"beta must be in [0, 1], got {self.beta}")
-        if self.guard_z < 0 or self.guard_tolerance < 0:
-            raise InvalidArgument("guard_z and guard_tolerance must be >= 0")
+        if self.guard_z < 0 or self.guard_tolerance < 0 or self.drift_z < 0:
+            raise InvalidArgument("guard_z, guard_tolerance and drift_z must be >= 0")
         if self.micro_batch < 0:
             raise InvalidArgument(f"micro_batch must be >= 0 (0 = automatic), got {self.micro_batch}")
         if min(self.lr, self.batch_size, self.steps_per_update, self.capacity, self.top_k, self.guard_capacity) <= 0:
@@ -90,10 +98,13 @@ class OnlineLearner:
         self.params = configure_trainable(master, self.config.trainable, self.config.train_layers, self.config.lora_rank)
         self.split = split_index(master, self.config.train_layers)
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, weight_decay=0.0)
+        # the drift guard's base / best versions and the requests ever trained on (None: no drift guard)
+        self.versions = VersionStore(self.params) if self.config.guard and self.config.drift_guard else None
         self.rng = random.Random(self.config.seed)
         self.version = 0
         self.counters = {"requests": 0, "requests_since_update": 0, "updates_published": 0, "updates_rejected": 0,
-                         "steps_skipped_nonfinite": 0, "optimizer_steps": 0, "train_seconds": 0.0}
+                         "steps_skipped_nonfinite": 0, "optimizer_steps": 0, "train_seconds": 0.0,
+                         "rollbacks": 0, "resets": 0}  # drift guard: back to the best version / to the base
         self.last_update: dict = {}
         self.history: list[dict] = []  # one summary per update (bounded)
         self._lock = threading.RLock()  # one update (or checkpoint) at a time
@@ -182,10 +193,14 @@ class OnlineLearner:
             self.counters["optimizer_steps"] += 1
             losses.append(loss)
         self.master.eval()
+        if self.versions is not None:  # a request some step has seen is never held out again
+            self.versions.mark_trained({it.request_id for it in train},
+                                       {it.request_id for it in self.buffer.snapshot() + self.guard_buffer.snapshot()})
         after = acceptance_on(self.master, holdout, split=self.split, pause=self._wait_idle) if holdout else None
         finite = all(torch.isfinite(p).all() for p in self.params)
-        worse = before is not None and is_worse(before.pop("correct"), after.pop("correct"), cfg.guard_z,
-                                                cfg.guard_tolerance)
+        before_correct = before.pop("correct") if before is not None else None
+        after_correct = after.pop("correct") if after is not None else None
+        worse = before is not None and is_worse(before_correct, after_correct, cfg.guard_z, cfg.guard_tolerance)
         report = {"reason": reason, "items": len(train) + len(holdout), "train_items": len(train), "losses": losses,
                   "holdout_before": before, "holdout_after": after, "published": False}
         if not losses or not finite or worse:
@@ -195,14 +210,43 @@ class OnlineLearner:
             self.optimizer.load_state_dict(optimizer_backup)
             self.counters["updates_rejected"] += 1
             report["rejected_because"] = "no finite step" if not losses else "non-finite weights" if not finite else "guard"
+            if self._stop_drift(holdout, before_correct, report) and cfg.checkpoint_dir:
+                self.save()
             return report
         snapshot = self.publish(self.master)
         self.version = snapshot.version
         self.counters["updates_published"] += 1
         report.update(published=True, version=self.version)
+        self._stop_drift(holdout, after_correct, report)
         if cfg.checkpoint_dir:
             self.save()
         return report
+
+    def _stop_drift(self, holdout: list, serving: list[bool] | None, report: dict) -> bool:
+        """The drift guard: the serving draft (`serving`: its correctness on `holdout`) against the never-trained
+        base and the best version so far, on the same held-out positions. Keeps, or rolls back / resets and then
+        publishes the restored weights as a new version, with fresh optimizer moments (returns True then)."""
+        if self.versions is None or not holdout or serving is None:
+            return False
+        evaluate = lambda items: acceptance_on(self.master, items, split=self.split, pause=self._wait_idle)["correct"]
+        base = self.versions.correct_of("base", holdout, evaluate)
+        best = None if self.versions.best is None else (
+            serving if self.versions.best["version"] == self.version else self.versions.correct_of("best", holdout, evaluate))
+        action = drift_action(base, serving, best, self.config.drift_z)
+        lost, gained = paired_flips(base, serving)
+        report["vs_base"] = {"gained": gained, "lost": lost, "z": paired_z(base, serving), "action": action,
+                             "z_vs_best": paired_z(best, serving) if best is not None else None}
+        if action == "keep":
+            if sum(serving) > sum(best if best is not None else base):
+                self.versions.remember_best(self.version)
+            return False
+        report["vs_base"]["restored_version"] = self.versions.best["version"] if action == "rollback" else 0
+        self.versions.restore(action)
+        self.optimizer.state.clear()  # the abandoned trajectory's Adam moments go with it
+        self.counters["rollbacks" if action == "rollback" else "resets"] += 1
+        self.version = self.publish(self.master).version
+        report["vs_base"]["published_version"] = self.version
+        return True
 
     def _accumulate_gradients(self, batch: list) -> float | None:
         """Gradients of the batch's mean loss over positions, one micro-batch at a time (the idle wait before
@@ -228,12 +272,14 @@ class OnlineLearner:
         return loss_sum
 
     def _holdout_requests(self) -> set[str]:
-        """The newest `guard_holdout` share of the requests in the guard buffer (none with fewer than 2)."""
+        """The newest `guard_holdout` share of the requests in the guard buffer (none with fewer than 2), among those
+        no optimizer step has seen (with the drift guard; without it, a request trained on may be held out later)."""
         if not self.config.guard:
             return set()
         ids = list(dict.fromkeys(it.request_id for it in self.guard_buffer.snapshot()))  # oldest first
         n_hold = int(len(ids) * self.config.guard_holdout) if len(ids) >= 2 else 0
-        return set(ids[len(ids) - n_hold:]) if n_hold else set()
+        fresh = [i for i in ids if self.versions is None or i not in self.versions.trained_ids]
+        return set(fresh[-n_hold:]) if n_hold else set()
 
     def _wait_idle(self, max_wait: float = 30.0) -> None:
         """In background mode, let in-flight decoding finish before taking a training step."""
