@@ -66,7 +66,9 @@ def _build():
 
         source = Path(__file__).with_name("q4_kernel.cpp")
         print("[osd] loading the Q4_K/Q6_K CPU kernels (compiled once per machine, ~1 min) ...", file=sys.stderr, flush=True)
-        module = load("osd_q4_kernel", [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False)
+        # -fopenmp: at::parallel_for splits output tiles across threads only when compiled with OpenMP
+        module = load("osd_q4_kernel", [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                      extra_ldflags=["-fopenmp"], verbose=False)
         return module, None
     except Exception as e:  # no compiler / ninja / headers
         return None, f"{type(e).__name__}: {e}"
