@@ -3,9 +3,12 @@
 - int8: int8 weights for every nn.Linear. Decoding a 0.5B draft is memory-bandwidth bound on CPU: int8
   weights move 4x fewer bytes than fp32, so a draft step costs a fraction of the fp32 one. With our
   rows_linear_int8 kernel (models/kernels.py) the weights are int8 with one scale per output row and the
-  activations stay fp32 (weight-only); without it, torch's dynamic int8 quantisation (activations
-  quantised on the fly too). The draft's precision only changes acceptance, never the output (the
-  target verifies every token).
+  activations stay fp32 (weight-only), and attention and SiLU are the row-invariant ones
+  (models/invariant.py): a draft position's logits do not depend on how many rows were fed with it.
+  Without the kernels: KernelUnavailable, or where a fallback is allowed torch's dynamic int8
+  quantisation (activations quantised on the fly too; ~9 points less acceptance), recorded in
+  kernels.status(). The draft's precision only changes acceptance, never the output (the target
+  verifies every token).
 - draft_vocab=N: the LM head keeps only token ids < N plus the special tokens. Qwen2.5's BPE ids
   are roughly in merge (frequency) order, so low ids cover nearly all text; the LM head over the
   full 151,936-token vocabulary is ~27% of a 0.5B draft's per-token work.
@@ -19,7 +22,8 @@ import warnings
 import torch
 from torch import nn
 
-from osd.models.kernels import MAX_ROWS_INT8, rows_linear_int8
+from osd.models import kernels
+from osd.models.invariant import make_row_invariant
 
 
 def truncate_lm_head(model, draft_vocab: int, keep_ids: list[int]) -> torch.Tensor:
@@ -36,7 +40,7 @@ def truncate_lm_head(model, draft_vocab: int, keep_ids: list[int]) -> torch.Tens
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8 linear, one symmetric scale per output row; 1-4 rows through the kernel."""
+    """Weight-only int8 linear, one symmetric scale per output row; every row count through the kernel."""
 
     def __init__(self, linear: nn.Linear, kernel):
         super().__init__()
@@ -48,32 +52,30 @@ class Int8Linear(nn.Module):
         self.kernel, self.in_features, self.out_features = kernel, linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        flat = x.reshape(rows, self.in_features)  # (M, K)
-        if rows <= MAX_ROWS_INT8:
-            out = self.kernel(flat, self.weight_int8, self.scale, self.bias)  # (M, N)
-        else:  # a prompt's prefill: dequantise this layer once for the whole block
-            out = torch.mm(flat, self.weight_int8.t().float()) * self.scale
-            out = out + self.bias if self.bias is not None else out
+        flat = x.reshape(-1, self.in_features)  # (M, K)
+        out = self.kernel(flat, self.weight_int8, self.scale, self.bias)  # (M, N)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def quantize_int8(model):
-    """int8 weights for all nn.Linear layers (in place): weight-only with our kernel, else torch's dynamic int8."""
-    kernel = rows_linear_int8()
-    if kernel is not None:
-        for module in list(model.modules()):
-            for name, child in list(module.named_children()):
+def quantize_int8(model, allow_fallback: bool = False):
+    """int8 weights for all nn.Linear layers (in place): weight-only with our kernel (plus row-invariant
+    attention and SiLU). Without it: KernelUnavailable, or with `allow_fallback` torch's dynamic int8."""
+    module = kernels.load(allow_fallback, use="draft int8 linears: torch dynamic int8")
+    if module is not None:
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
-                    setattr(module, name, Int8Linear(child, kernel))
+                    setattr(parent, name, Int8Linear(child, module.rows_linear_int8))
         model.config.tie_word_embeddings = False
+        make_row_invariant(model, module)
         return model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
-def make_serving_draft(master, quantize: str = "none", draft_vocab: int = 0, keep_ids: list[int] = ()):
+def make_serving_draft(master, quantize: str = "none", draft_vocab: int = 0, keep_ids: list[int] = (),
+                       allow_kernel_fallback: bool = False):
     """Return (serving_model, vocab_ids or None): a frozen, possibly quantised/truncated copy."""
     from osd.learn.trainable import merge_lora
 
@@ -83,5 +85,5 @@ def make_serving_draft(master, quantize: str = "none", draft_vocab: int = 0, kee
     if draft_vocab:
         vocab_ids = truncate_lm_head(model, draft_vocab, list(keep_ids))
     if quantize == "int8":
-        model = quantize_int8(model)
+        model = quantize_int8(model, allow_kernel_fallback)
     return model, vocab_ids
