@@ -34,7 +34,7 @@ class System:
         """Build a serving copy of draft weights and publish it under `name`."""
         master = master if master is not None else self.draft_master
         serving, vocab_ids = make_serving_draft(master, self.models.draft_quantize, self.models.draft_vocab,
-                                                special_ids(self.tokenizer))
+                                                special_ids(self.tokenizer), self.models.allow_kernel_fallback)
         return self.registry.publish(name, serving, vocab_ids, version)
 
 
@@ -71,7 +71,7 @@ def build_target(models: ModelConfig, target_model=None):
         target_model = load_model(models.target, models.dtype)
     if models.prepack_target:
         target_model = shared_weights_copy(target_model) if models.prepack_copy else target_model
-        prepack_linears(target_model)
+        prepack_linears(target_model, models.allow_kernel_fallback)
     return target_model
 
 
