@@ -63,7 +63,7 @@ class ModelConfig:
     draft: str = "bundled:qwen2.5-coder-0.5b"
     dtype: str = "float32"  # target dtype (the baseline uses the same)
     draft_dtype: str = "float32"  # dtype of the draft's master weights
-    draft_quantize: str = "int8"  # "none" | "int8": serving copy of the draft (weight-only int8 linears, models/serving_draft.py)
+    draft_quantize: str = "int8"  # "none" | "int8" | "int8_vnni": serving copy of the draft (int8 linears, models/serving_draft.py)
     draft_vocab: int = 0  # 0 = full; N = draft proposes only among token ids < N (+ special tokens)
     target_backend: str = "auto"  # "torch" | "llama.cpp" | "auto" (llama.cpp for a GGUF target, torch otherwise)
     n_ctx: int = 4096  # llama.cpp target: context (KV cache) length
@@ -77,8 +77,8 @@ class ModelConfig:
             raise InvalidArgument(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")
         if self.draft_dtype not in ("float32", "bfloat16", "float16"):
             raise InvalidArgument(f"draft_dtype must be float32, bfloat16 or float16, got {self.draft_dtype}")
-        if self.draft_quantize not in ("none", "int8"):
-            raise InvalidArgument(f"draft_quantize must be none or int8, got {self.draft_quantize}")
+        if self.draft_quantize not in ("none", "int8", "int8_vnni"):
+            raise InvalidArgument(f"draft_quantize must be none, int8 or int8_vnni, got {self.draft_quantize}")
         if self.target_backend not in ("auto", "torch", "llama.cpp"):
             raise InvalidArgument(f"target_backend must be auto, torch or llama.cpp, got {self.target_backend}")
         if self.draft_vocab < 0:

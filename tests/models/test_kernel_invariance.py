@@ -95,6 +95,17 @@ def test_silu_rows_is_silu_with_the_same_bits_at_any_size(compiled):
             assert torch.equal(compiled.silu_rows(x[start : start + n]), y[start : start + n])
 
 
+def mid_qwen2():
+    """Wider than the tiny model: torch's SiLU would split its 9 x 7000 elements into chunks whose scalar tails
+    change values; a head size of 16."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(4)
+    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=7000, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return Qwen2ForCausalLM(config).eval().requires_grad_(False)
+
+
 def model_logits_invariance(model, context: int, vocab: int):
     """(k, row) pairs where feeding k + 1 rows changed a row's logits from feeding that position alone."""
     tokens = torch.randint(0, vocab, (context + 9,), generator=torch.Generator().manual_seed(context)).tolist()
@@ -109,24 +120,13 @@ def model_logits_invariance(model, context: int, vocab: int):
     return changed
 
 
-def mid_qwen2():
-    """Wider than the tiny model: torch's SiLU would split its 9 x 7000 elements into chunks whose scalar tails
-    change values; a head size of 16."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(4)
-    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=7000, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return Qwen2ForCausalLM(config).eval().requires_grad_(False)
-
-
-@pytest.mark.parametrize("context", [1, 6, 40])
-def test_prepacked_target_logits_do_not_depend_on_the_rows_verified_with_them(compiled, context):
-    for model, vocab in ((tiny_qwen2(seed=0), VOCAB), (mid_qwen2(), 300)):
-        fast = shared_weights_copy(model)
-        prepack_linears(fast)
-        assert fast.config._attn_implementation == "osd_rows"
-        assert model_logits_invariance(fast, context, vocab) == []
+@pytest.mark.parametrize("which,context", [("tiny", 1), ("tiny", 6), ("tiny", 40), ("mid", 6)])
+def test_prepacked_target_logits_do_not_depend_on_the_rows_verified_with_them(compiled, which, context):
+    model, vocab = (tiny_qwen2(seed=0), VOCAB) if which == "tiny" else (mid_qwen2(), 300)
+    fast = shared_weights_copy(model)
+    prepack_linears(fast)
+    assert fast.config._attn_implementation == "osd_rows"
+    assert model_logits_invariance(fast, context, vocab) == []
 
 
 @pytest.mark.parametrize("context", [1, 40])
@@ -187,3 +187,29 @@ def test_the_fallback_is_a_model_config_field_and_a_cli_flag():
     assert ModelConfig().allow_kernel_fallback is False
     args = build_parser().parse_args(["generate", "x", "--allow-kernel-fallback"])
     assert config_from(args, ModelConfig).allow_kernel_fallback is True
+
+
+@pytest.fixture(scope="module")
+def vnni(compiled):
+    if not kernels.vnni_available():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    return compiled
+
+
+@pytest.mark.parametrize("in_features,out_features", [(64, 40), (37, 5), (901, 333)])
+def test_vnni_int8_path_is_row_invariant_and_close(vnni, in_features, out_features):
+    torch.manual_seed(5)
+    x, b = torch.randn(12, in_features), torch.randn(out_features)
+    w8, scale = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8), torch.rand(out_features)
+    alone = torch.cat([vnni.rows_linear_int8(x[i : i + 1], w8, scale, b, vnni=True) for i in range(12)])
+    for start, rows in windows(12):
+        assert torch.equal(vnni.rows_linear_int8(x[start : start + rows], w8, scale, b, vnni=True), alone[start : start + rows])
+    reference = torch.nn.functional.linear(x.double(), w8.double() * scale.double()[:, None], b.double())
+    error = (alone.double() - reference).norm() / reference.norm()
+    assert 0 < error < 1e-2  # activations rounded to 8 bits per block of 32: close, not exact
+
+
+def test_vnni_int8_serving_draft_is_row_invariant(vnni):
+    serving, _ = make_serving_draft(tiny_qwen2(seed=1, layers=1), "int8_vnni")
+    assert all(m.vnni for m in serving.modules() if isinstance(m, Int8Linear))
+    assert model_logits_invariance(serving, 40, VOCAB) == []

@@ -49,8 +49,7 @@ def load(allow_fallback: bool = False, use: str = "kernels"):
     """The compiled module. Where it cannot be built: KernelUnavailable, or None if `allow_fallback`
     (then `use`, what runs on torch's kernels instead, is recorded for status())."""
     with _lock:
-        if "module" not in _state:
-            _state["module"], _state["error"] = _build()
+        _ensure_built()
         if _state["module"] is None:
             if not allow_fallback:
                 raise KernelUnavailable(f"osd's compiled CPU kernels are unavailable ({_state['error']}); {FIX}")
@@ -70,6 +69,17 @@ def rows_linear_int8(allow_fallback: bool = False, use: str = "int8 linears"):
     return module.rows_linear_int8 if module is not None else None
 
 
+def vnni_available() -> bool:
+    """Whether the int8 x int8 AVX-512 VNNI path of rows_linear_int8 runs here (cpuinfo flags and the CPU's own
+    answer; False without the compiled kernels)."""
+    flags = cpu_flags()
+    if not {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"} <= flags:
+        return False
+    with _lock:
+        _ensure_built()
+    return _state["module"] is not None and bool(_state["module"].has_vnni())
+
+
 def build_error() -> str | None:
     """Why the kernels are unavailable (None: built, or not tried yet)."""
     return _state.get("error")
@@ -86,6 +96,11 @@ def _reset_for_tests() -> None:
     with _lock:
         _state.clear()
         _fallbacks.clear()
+
+
+def _ensure_built() -> None:
+    if "module" not in _state:
+        _state["module"], _state["error"] = _build()
 
 
 def _build():

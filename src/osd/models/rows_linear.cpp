@@ -158,18 +158,128 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   return y;
 }
 
+// ---- int8 weights x int8 activations with AVX-512 VNNI (vpdpbusd) --------------------------------------
+// Activations quantised per row in blocks of 32 (q = round(x * 127 / max|x_block|), one float scale per
+// block, as llama.cpp's q8_0), products summed exactly in int32 by vpdpbusd (|q| as its unsigned operand,
+// q's sign moved onto the weights), each block's 8 int32 lanes then scaled into two float accumulators
+// (block g into g % 2) in increasing order, then a fixed horizontal sum: fixed per output, so row-invariant
+// within this path. Not bitwise the fp32-activation path (activations are rounded to 8 bits).
+
+#define VNNI_TARGET __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")))
+
+namespace {
+
+constexpr int64_t kQBlock = 32;
+
+struct QuantRows {
+  std::vector<int8_t> q;   // (M, blocks * 32) quantised activations, zero-padded
+  std::vector<uint8_t> a;  // |q|
+  std::vector<float> s;    // (M, blocks) scales
+  int64_t blocks = 0;
+};
+
+bool cpu_has_vnni() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+VNNI_TARGET void quantize_rows(const float* X, int64_t M, int64_t K, QuantRows& out) {
+  const int64_t nb = (K + kQBlock - 1) / kQBlock;
+  out.blocks = nb;
+  out.q.assign(size_t(M * nb * kQBlock), 0);
+  out.a.assign(size_t(M * nb * kQBlock), 0);
+  out.s.assign(size_t(M * nb), 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < nb; ++g) {
+      const int64_t k0 = g * kQBlock, n = std::min(kQBlock, K - k0);
+      const __mmask16 lo = n >= 16 ? 0xffff : __mmask16((1u << n) - 1);
+      const __mmask16 hi = n >= 32 ? 0xffff : n > 16 ? __mmask16((1u << (n - 16)) - 1) : 0;
+      const __m512 x0 = _mm512_maskz_loadu_ps(lo, X + m * K + k0), x1 = _mm512_maskz_loadu_ps(hi, X + m * K + k0 + 16);
+      const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+      const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+      const int64_t at = (m * nb + g) * kQBlock;
+      const __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)));
+      const __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + at), q0);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + at + 16), q1);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.a.data() + at), _mm_abs_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.a.data() + at + 16), _mm_abs_epi8(q1));
+      out.s[size_t(m * nb + g)] = top / 127.f;
+    }
+}
+
+template <int R>
+VNNI_TARGET void vnni_tile(const QuantRows& x, int64_t m0, const int8_t* W, const float* S, const float* B, float* Y,
+                           int64_t K, int64_t N, int64_t n) {
+  const int64_t nb = x.blocks;
+  const int8_t* w = W + n * K;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  auto step = [&](int64_t g, int u) VNNI_TARGET {
+    const int64_t k0 = g * kQBlock;
+    const __m256i wv = k0 + kQBlock <= K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k0))
+                                         : _mm256_maskz_loadu_epi8(__mmask32((1ull << (K - k0)) - 1), w + k0);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = ((m0 + r) * nb + g) * kQBlock;
+      const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.a.data() + at));
+      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + at));
+      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qa, _mm256_sign_epi8(wv, qs));
+      acc[r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(x.s[size_t((m0 + r) * nb + g)]), acc[r][u]);
+    }
+  };
+  int64_t g = 0;
+  for (; g + 2 <= nb; g += 2) step(g, 0), step(g + 1, 1);
+  if (g < nb) step(g, 0);
+  for (int r = 0; r < R; ++r) {
+    const float t = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) * S[n];
+    Y[(m0 + r) * N + n] = B ? t + B[n] : t;
+  }
+}
+
+VNNI_TARGET void linear_int8_vnni(const float* X, const int8_t* W, const float* S, const float* B, float* Y, int64_t M,
+                                  int64_t K, int64_t N) {
+  QuantRows x;
+  quantize_rows(X, M, K, x);
+  const int64_t panel = std::max<int64_t>(8, int64_t(128 << 10) / K);
+  const int64_t panels = (N + panel - 1) / panel;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * panel, n1 = std::min(N, n0 + panel);
+      for (int64_t m = 0; m < M; m += 4)
+        for (int64_t n = n0; n < n1; ++n) {
+          switch (std::min<int64_t>(4, M - m)) {
+            case 1: vnni_tile<1>(x, m, W, S, B, Y, K, N, n); break;
+            case 2: vnni_tile<2>(x, m, W, S, B, Y, K, N, n); break;
+            case 3: vnni_tile<3>(x, m, W, S, B, Y, K, N, n); break;
+            default: vnni_tile<4>(x, m, W, S, B, Y, K, N, n); break;
+          }
+        }
+    }
+  });
+}
+
+}  // namespace
+
+bool has_vnni() { return cpu_has_vnni(); }
+
 // Weight-only int8 with one float scale per output row: y = (x . W8[n]) * scale[n] + b[n]. Activations stay
 // fp32, so it is more accurate than dynamic int8, and it moves 4x fewer bytes than fp32 (drafts only: their
-// precision changes acceptance, never the output).
-torch::Tensor rows_linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
+// precision changes acceptance, never the output). vnni=true: activations quantised too (the section above).
+torch::Tensor rows_linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> bias,
+                               bool vnni) {
   TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat, "rows_linear_int8: w int8, scale float32");
   TORCH_CHECK(scale.is_contiguous() && scale.numel() == w.size(0), "rows_linear_int8: scale (N,)");
+  TORCH_CHECK(!vnni || cpu_has_vnni(), "rows_linear_int8: vnni=True needs a CPU with AVX-512 VNNI");
   torch::Tensor b;
   const float* B = check_rows(x, w, bias, b, "rows_linear_int8");
   x = x.contiguous();
   auto y = torch::empty({x.size(0), w.size(0)}, x.options());
-  linear_rows<4>(x.data_ptr<float>(), w.data_ptr<int8_t>(), scale.data_ptr<float>(), B, y.data_ptr<float>(), x.size(0),
-              x.size(1), w.size(0));
+  if (vnni)
+    linear_int8_vnni(x.data_ptr<float>(), w.data_ptr<int8_t>(), scale.data_ptr<float>(), B, y.data_ptr<float>(), x.size(0),
+                     x.size(1), w.size(0));
+  else
+    linear_rows<4>(x.data_ptr<float>(), w.data_ptr<int8_t>(), scale.data_ptr<float>(), B, y.data_ptr<float>(), x.size(0),
+                   x.size(1), w.size(0));
   return y;
 }
 
@@ -283,7 +393,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_linear", &rows_linear, "y = x w^T + b, any number of rows, each row bitwise independent of the others",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("rows_linear_int8", &rows_linear_int8, "y = (x w8^T) * scale + b, any number of rows, row-invariant",
-        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias") = py::none());
+        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias") = py::none(), py::arg("vnni") = false);
+  m.def("has_vnni", &has_vnni, "whether this CPU runs the AVX-512 VNNI int8 path");
   m.def("attention_rows", &attention_rows, "causal attention of the last T positions (H, T, D) -> (T, H, D), row-invariant",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"));
   m.def("silu_rows", &silu_rows, "x * sigmoid(x), every element through the same code", py::arg("x"));

@@ -9,6 +9,10 @@
   quantisation (activations quantised on the fly too; ~9 points less acceptance), recorded in
   kernels.status(). The draft's precision only changes acceptance, never the output (the target
   verifies every token).
+- int8_vnni: int8 activations too (per row, blocks of 32), multiplied by AVX-512 VNNI: 1.1-1.8x faster
+  linears than int8 (1 thread, 1-9 rows, 896x4864 / 4864x896), still row-invariant; next-token agreement
+  with the fp32 draft 97.4% vs 98.1% for int8 (bundled 0.5B, 700 teacher-forced positions). Opt-in until
+  an end-to-end acceptance and speed run says otherwise; refused on CPUs without VNNI.
 - draft_vocab=N: the LM head keeps only token ids < N plus the special tokens. Qwen2.5's BPE ids
   are roughly in merge (frequency) order, so low ids cover nearly all text; the LM head over the
   full 151,936-token vocabulary is ~27% of a 0.5B draft's per-token work.
@@ -22,6 +26,7 @@ import warnings
 import torch
 from torch import nn
 
+from osd.errors import KernelUnavailable
 from osd.models import kernels
 from osd.models.invariant import make_row_invariant
 
@@ -40,32 +45,36 @@ def truncate_lm_head(model, draft_vocab: int, keep_ids: list[int]) -> torch.Tens
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8 linear, one symmetric scale per output row; every row count through the kernel."""
+    """int8 weights, one symmetric scale per output row; every row count through the kernel. vnni: the
+    activations are quantised too, per row in blocks of 32, and multiplied by AVX-512 VNNI (rows_linear.cpp)."""
 
-    def __init__(self, linear: nn.Linear, kernel):
+    def __init__(self, linear: nn.Linear, kernel, vnni: bool = False):
         super().__init__()
         weight = linear.weight.detach().float()  # (N, K)
         scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # (N,)
         self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
-        self.kernel, self.in_features, self.out_features = kernel, linear.in_features, linear.out_features
+        self.kernel, self.vnni, self.in_features, self.out_features = kernel, vnni, linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # (M, K)
-        out = self.kernel(flat, self.weight_int8, self.scale, self.bias)  # (M, N)
+        out = self.kernel(flat, self.weight_int8, self.scale, self.bias, self.vnni)  # (M, N)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def quantize_int8(model, allow_fallback: bool = False):
+def quantize_int8(model, allow_fallback: bool = False, vnni: bool = False):
     """int8 weights for all nn.Linear layers (in place): weight-only with our kernel (plus row-invariant
-    attention and SiLU). Without it: KernelUnavailable, or with `allow_fallback` torch's dynamic int8."""
+    attention and SiLU); `vnni` (where kernels.vnni_available()): int8 activations too, on AVX-512 VNNI.
+    Without the kernels: KernelUnavailable, or with `allow_fallback` torch's dynamic int8."""
     module = kernels.load(allow_fallback, use="draft int8 linears: torch dynamic int8")
+    if module is not None and vnni and not module.has_vnni():
+        raise KernelUnavailable("int8_vnni needs a CPU with AVX-512 VNNI; this one has none: use int8")
     if module is not None:
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
-                    setattr(parent, name, Int8Linear(child, module.rows_linear_int8))
+                    setattr(parent, name, Int8Linear(child, module.rows_linear_int8, vnni))
         model.config.tie_word_embeddings = False
         make_row_invariant(model, module)
         return model
@@ -84,6 +93,6 @@ def make_serving_draft(master, quantize: str = "none", draft_vocab: int = 0, kee
     vocab_ids = None
     if draft_vocab:
         vocab_ids = truncate_lm_head(model, draft_vocab, list(keep_ids))
-    if quantize == "int8":
-        model = quantize_int8(model, allow_kernel_fallback)
+    if quantize in ("int8", "int8_vnni"):
+        model = quantize_int8(model, allow_kernel_fallback, vnni=quantize == "int8_vnni")
     return model, vocab_ids
