@@ -287,25 +287,44 @@ torch::Tensor rows_linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor s
 
 namespace {
 
-float dot(const float* a, const float* b, int64_t D) {
-  __m256 acc = _mm256_setzero_ps();
+// out[r * os] = (q_r . k) * scale for N rows q_r = q + r * qs: per row one 8-lane accumulator over D in
+// chunks of 8 (the last one zero-padded), then a fixed horizontal sum; the rows share the loads of k.
+template <int N>
+void dots(const float* q, int64_t qs, const float* k, int64_t D, float scale, float* out, int64_t os) {
+  __m256 acc[N];
+  for (int r = 0; r < N; ++r) acc[r] = _mm256_setzero_ps();
   const int64_t D8 = D & ~int64_t(7);
-  for (int64_t d = 0; d < D8; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  for (int64_t d = 0; d < D8; d += 8) {
+    const __m256 kv = _mm256_loadu_ps(k + d);
+    for (int r = 0; r < N; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * qs + d), kv, acc[r]);
+  }
   if (D8 < D) {
     const __m256i mask = tail_mask(D - D8);
-    acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + D8, mask), _mm256_maskload_ps(b + D8, mask), acc);
+    const __m256 kv = _mm256_maskload_ps(k + D8, mask);
+    for (int r = 0; r < N; ++r) acc[r] = _mm256_fmadd_ps(_mm256_maskload_ps(q + r * qs + D8, mask), kv, acc[r]);
   }
-  return hsum(acc);
+  for (int r = 0; r < N; ++r) out[r * os] = hsum(acc[r]) * scale;
 }
 
-// One query row over keys [0, L): softmax(q k^T * scale) v into out (D). `p` is scratch of L floats.
-void attend(const float* q, const float* k, const float* v, int64_t ks, int64_t vs, int64_t L, int64_t D, float scale,
-            float* p, float* out) {
-  float m = -INFINITY;
-  for (int64_t j = 0; j < L; ++j) {
-    p[j] = dot(q, k + j * ks, D) * scale;
-    m = std::max(m, p[j]);
+// dots() for any number of rows, 8 at a time.
+void dots_any(const float* q, int64_t qs, int64_t n, const float* k, int64_t D, float scale, float* out, int64_t os) {
+  for (; n >= 8; n -= 8, q += 8 * qs, out += 8 * os) dots<8>(q, qs, k, D, scale, out, os);
+  switch (n) {
+    case 7: dots<7>(q, qs, k, D, scale, out, os); break;
+    case 6: dots<6>(q, qs, k, D, scale, out, os); break;
+    case 5: dots<5>(q, qs, k, D, scale, out, os); break;
+    case 4: dots<4>(q, qs, k, D, scale, out, os); break;
+    case 3: dots<3>(q, qs, k, D, scale, out, os); break;
+    case 2: dots<2>(q, qs, k, D, scale, out, os); break;
+    case 1: dots<1>(q, qs, k, D, scale, out, os); break;
+    default: break;
   }
+}
+
+// Softmax in place over p[0, L) (given scores), returning the sum of the exponentials (divided out later).
+float softmax_unnormalised(float* p, int64_t L) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < L; ++j) m = std::max(m, p[j]);
   const __m256 mv = _mm256_set1_ps(m);
   __m256 sum = _mm256_setzero_ps();
   const int64_t L8 = L & ~int64_t(7);
@@ -320,24 +339,46 @@ void attend(const float* q, const float* k, const float* v, int64_t ks, int64_t 
     _mm256_maskstore_ps(p + L8, mask, e);
     sum = _mm256_add_ps(sum, e);
   }
-  const __m256 total = _mm256_set1_ps(hsum(sum));
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 8 accumulators of 8 lanes: out[d0, d0 + 64), over keys in order
-    const int64_t width = std::min<int64_t>(64, D - d0);
-    const int64_t vectors = (width + 7) / 8;
-    __m256 acc[8];
-    __m256i masks[8];
-    for (int64_t i = 0; i < vectors; ++i) {
-      acc[i] = _mm256_setzero_ps();
-      masks[i] = tail_mask(std::min<int64_t>(8, width - 8 * i));
+  return hsum(sum);
+}
+
+// Query rows [t0, t1) of one head; row t sees keys [0, L0 + t]. Per row the arithmetic of a row alone:
+// scores q.k_j * scale, softmax, then out = (sum over j in order of p_j v_j) / total. The rows only share
+// each key's and value's loads (one pass over this head's cache for all of them).
+void attend_rows(const float* q, int64_t qs, const float* k, const float* v, int64_t ks, int64_t vs, int64_t L0, int64_t t0,
+                 int64_t t1, int64_t D, float scale, std::vector<float>& scratch, float* out, int64_t os) {
+  const int64_t R = t1 - t0, Lmax = L0 + t1, Dp = (D + 7) / 8 * 8, full = D / 8;
+  scratch.assign(size_t(R * Lmax + R * Dp), 0.f);
+  float* S = scratch.data();        // (R, Lmax) scores, then probabilities
+  float* A = S + R * Lmax;          // (R, Dp) accumulators
+  auto first_row = [&](int64_t j) { return std::max<int64_t>(0, j - L0 - t0); };  // rows that see key j
+  for (int64_t j = 0; j < Lmax; ++j) {
+    const int64_t r = first_row(j);
+    dots_any(q + (t0 + r) * qs, qs, R - r, k + j * ks, D, scale, S + r * Lmax + j, Lmax);
+  }
+  std::vector<float> total(R);
+  for (int64_t r = 0; r < R; ++r) total[r] = softmax_unnormalised(S + r * Lmax, L0 + t0 + r + 1);
+  const __m256i mask = tail_mask(D - 8 * full);
+  for (int64_t j = 0; j < Lmax; ++j) {
+    const float* vj = v + j * vs;
+    for (int64_t r = first_row(j); r < R; ++r) {
+      const __m256 pj = _mm256_set1_ps(S[r * Lmax + j]);
+      float* a = A + r * Dp;
+      for (int64_t i = 0; i < full; ++i)
+        _mm256_storeu_ps(a + 8 * i, _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), _mm256_loadu_ps(a + 8 * i)));
+      if (full * 8 < D)
+        _mm256_storeu_ps(a + 8 * full, _mm256_fmadd_ps(pj, _mm256_maskload_ps(vj + 8 * full, mask), _mm256_loadu_ps(a + 8 * full)));
     }
-    for (int64_t j = 0; j < L; ++j) {
-      const __m256 pj = _mm256_set1_ps(p[j]);
-      const float* vj = v + j * vs + d0;
-      for (int64_t i = 0; i < vectors; ++i) acc[i] = _mm256_fmadd_ps(pj, _mm256_maskload_ps(vj + 8 * i, masks[i]), acc[i]);
-    }
-    for (int64_t i = 0; i < vectors; ++i) _mm256_maskstore_ps(out + d0 + 8 * i, masks[i], _mm256_div_ps(acc[i], total));
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const __m256 t = _mm256_set1_ps(total[r]);
+    float* o = out + (t0 + r) * os;
+    for (int64_t i = 0; i < full; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_div_ps(_mm256_loadu_ps(A + r * Dp + 8 * i), t));
+    if (full * 8 < D) _mm256_maskstore_ps(o + 8 * full, mask, _mm256_div_ps(_mm256_loadu_ps(A + r * Dp + 8 * full), t));
   }
 }
+
+constexpr int64_t kQueryChunk = 32;  // rows per task: bounds the scores buffer (32 x L floats)
 
 }  // namespace
 
@@ -357,13 +398,13 @@ torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   auto out = torch::empty({T, H, D}, q.options());
   const float *Q = q.data_ptr<float>(), *Kp = k.data_ptr<float>(), *V = v.data_ptr<float>();
   float* O = out.data_ptr<float>();
-  const int64_t group = H / Hkv;
-  at::parallel_for(0, H * T, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(L);
+  const int64_t group = H / Hkv, chunks = (T + kQueryChunk - 1) / kQueryChunk;
+  at::parallel_for(0, H * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scratch;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t h = i / T, t = i % T, g = h / group;
-      attend(Q + h * q.stride(0) + t * q.stride(1), Kp + g * k.stride(0), V + g * v.stride(0), k.stride(1), v.stride(1),
-             L - T + t + 1, D, float(scale), p.data(), O + (t * H + h) * D);
+      const int64_t h = i / chunks, t0 = (i % chunks) * kQueryChunk, g = h / group;
+      attend_rows(Q + h * q.stride(0), q.stride(1), Kp + g * k.stride(0), V + g * v.stride(0), k.stride(1), v.stride(1),
+                  L - T, t0, std::min(T, t0 + kQueryChunk), D, float(scale), scratch, O + h * D, H * D);
     }
   });
   return out;
