@@ -1,4 +1,5 @@
-// Row-invariant CPU kernels for decoding (1 row) and verification (k+1 rows), AVX2/FMA.
+// Row-invariant CPU kernels for decoding (1 row) and verification (k+1 rows), AVX2/FMA (plus one int8 path on
+// AVX-512 VNNI, compiled with target attributes and used only where the CPU has it).
 //
 // The contract: every output element is computed by one fixed sequence of float operations that depends only
 // on its own inputs and the tensor sizes along the reduced axis, never on how many rows were computed
@@ -9,8 +10,10 @@
 // Linears (y = x W^T + b): per output, U 8-lane accumulators over K in chunks of 8 (round robin, in
 // increasing order, the last chunk zero-padded), then a fixed sum of them and a fixed horizontal sum. Rows
 // go in blocks whose size never changes a row's arithmetic (details at linear_rows).
-// Attention and SiLU use our own vector exp (the same code for every element, tails included): torch's
-// elementwise kernels compute chunk tails with scalar code, whose results differ from the vector ones.
+// Attention: per query row, scores, softmax and the weighted sum of values in one fixed order over its own
+// keys (the other rows only share loads). Attention and SiLU use our own vector exp (the same code for every
+// element, tails included): torch's elementwise kernels compute chunk tails with scalar code, whose
+// results differ from the vector ones.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
