@@ -80,11 +80,6 @@ def vnni_available() -> bool:
     return _state["module"] is not None and bool(_state["module"].has_vnni())
 
 
-def build_error() -> str | None:
-    """Why the kernels are unavailable (None: built, or not tried yet)."""
-    return _state.get("error")
-
-
 def status() -> dict:
     """For metrics: {"compiled": bool | None (not tried yet), "error": str | None, "fallback": [uses], "avx512_vnni": bool}.
     A non-empty "fallback" means some model runs on torch's kernels because a fallback was allowed."""
