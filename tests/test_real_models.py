@@ -52,13 +52,40 @@ def test_bundled_pair_matches_target_greedy_exactly():
     record = load_records("spider", split="test", limit=1)[0]
     ids = prompt_ids(tokenizer, record["prompt"])
     reference = hf_greedy(target, ids, 16, {151643, 151645})
-    models.prepack_target = True  # osd's fast path: prepacked target (in place), int8 draft, adaptive k
-    system = build_system(models, SpeculationConfig(k=4), target_model=target)
-    calibration = system.engine.calibrate(repeats=2)
+    models.prepack_target = True  # osd's fast path: prepacked target (in place), int8 draft
+    # fixed k: adaptive k may choose k = 0 on a loaded machine, and then nothing is proposed to accept
+    system = build_system(models, SpeculationConfig(k=4, adaptive=False), target_model=target)
     result = system.engine.generate(ids, SamplingConfig(max_new_tokens=16))
     assert result.token_ids == reference
-    # speculation ran (the k policy found it worth it) and the draft was mostly right
-    assert result.stats["alpha"] is not None and result.stats["alpha"] > 0.3, (result.stats, calibration)
+    assert result.counters.proposed > 0  # speculation ran, and the draft was mostly right
+    assert result.stats["alpha"] is not None and result.stats["alpha"] > 0.3, result.stats
+
+
+@pytest.mark.parametrize("spec,serving", [("bundled:smollm2-135m", "prepacked"), ("bundled:qwen2.5-coder-1.5b", "prepacked"),
+                                          ("bundled:qwen2.5-coder-0.5b", "int8")])
+def test_a_positions_logits_do_not_depend_on_the_rows_verified_with_it(spec, serving):
+    """Greedy identity by construction on real weights: the target's serving copy (prepacked) and the int8
+    draft give a position bitwise the same logits fed alone or in a step of k + 1 rows, k = 0..8."""
+    from osd.models.cached import CachedModel
+    from osd.models.prepack import prepack_linears
+    from osd.models.serving_draft import make_serving_draft
+
+    model = load_model(spec)
+    if serving == "prepacked":
+        prepack_linears(model)
+    else:
+        model, _ = make_serving_draft(model, "int8")
+    tokenizer = load_tokenizer(spec)
+    record = load_records("code", split="test", limit=1)[0]
+    ids = prompt_ids(tokenizer, record["prompt"])
+    runner = CachedModel(model)
+    runner.feed(ids[:-9])
+    alone = [runner.feed([t])[0] for t in ids[-9:]]
+    for k in range(9):
+        runner.rollback(len(ids) - 9)
+        together = runner.feed(ids[-9 : len(ids) - 8 + k], n_logits=k + 1)
+        for i in range(k + 1):
+            assert torch.equal(together[i], alone[i]), (k, i)
 
 
 def test_mismatched_tokenizers_are_refused():

@@ -35,7 +35,7 @@ class System:
         """Build a serving copy of draft weights and publish it under `name`."""
         master = master if master is not None else self.draft_master
         serving, vocab_ids = make_serving_draft(master, self.models.draft_quantize, self.models.draft_vocab,
-                                                special_ids(self.tokenizer))
+                                                special_ids(self.tokenizer), self.models.allow_kernel_fallback)
         snapshot = self.registry.publish(name, serving, vocab_ids, version)
         trim()  # building the copy's transients (float temporaries of each matrix) went back to the heap
         return snapshot
@@ -74,7 +74,7 @@ def build_target(models: ModelConfig, target_model=None):
         target_model = load_model(models.target, models.dtype)
     if models.prepack_target:
         target_model = shared_weights_copy(target_model) if models.prepack_copy else target_model
-        prepack_linears(target_model)
+        prepack_linears(target_model, models.allow_kernel_fallback)
     return target_model
 
 

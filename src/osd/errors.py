@@ -38,3 +38,7 @@ class CheckpointMismatch(OsdError):
 
 class BackendUnavailable(OsdError):
     """A model backend was asked for that is not installed here (with how to install it)."""
+
+
+class KernelUnavailable(OsdError):
+    """osd's compiled CPU kernels cannot be built or loaded here and no fallback was allowed (with the build error and the fix)."""
