@@ -8,10 +8,13 @@ Schedules: "sync" trains inside `after_request` (deterministic; stream replay, t
 trains in its own thread, taking optimizer steps only while the engine is idle ("idle windows") so
 that serving latency suffers least on a 2-core CPU.
 A rejected update restores the weights and the optimizer's state (its Adam moments) as they were.
+An exception inside a background update is logged and counted apart (`update_errors`, not `updates_rejected`:
+those are the guard's verdicts); serving goes on with the last published draft.
 """
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import random
 import threading
@@ -28,6 +31,8 @@ from osd.learn.guard import is_worse
 from osd.learn.losses import LOSSES
 from osd.learn.trainable import configure_trainable, split_index
 from osd.learn.triggers import UpdateTrigger
+
+log = logging.getLogger("osd.learn")
 
 
 @dataclass
@@ -93,6 +98,7 @@ class OnlineLearner:
         self.rng = random.Random(self.config.seed)
         self.version = 0
         self.counters = {"requests": 0, "requests_since_update": 0, "updates_published": 0, "updates_rejected": 0,
+                         "update_errors": 0,  # exceptions inside background updates (not guard rejections)
                          "steps_skipped_nonfinite": 0, "optimizer_steps": 0, "train_seconds": 0.0}
         self.last_update: dict = {}
         self.history: list[dict] = []  # one summary per update (bounded)
@@ -258,9 +264,11 @@ class OnlineLearner:
                 break
             try:
                 self.maybe_update()
-            except Exception as e:  # a failed update never takes serving down
-                self.counters["updates_rejected"] += 1
+            except Exception as e:  # a failed update never takes serving down, nor passes for a guard rejection
+                self.counters["update_errors"] += 1
                 self.last_update = {"error": repr(e)}
+                log.exception("background draft update failed (%d so far); serving goes on with draft version %d",
+                              self.counters["update_errors"], self.version)
 
     def stop(self) -> None:
         self._stop.set()
