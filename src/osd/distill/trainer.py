@@ -36,7 +36,7 @@ class DistillConfig:
     trainable: str = "no_embeddings"  # all | no_embeddings | lora
     train_layers: int = 4  # 0 = all decoder layers; N = only the top N (lower layers frozen, outputs cached)
     lora_rank: int = 8
-    loss_temperature: float = 1.0
+    loss_temperature: float = 1.0  # tempers target and draft alike (a compact target: approximate tail, learn/compact.py)
     save_every: int = 50  # optimizer steps between resumable checkpoints
     shuffle_seed: int = 0
 
