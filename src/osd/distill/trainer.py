@@ -19,7 +19,7 @@ from osd.distill.evaluate import sample_item
 from osd.distill.generate import SOURCES
 from osd.errors import InvalidArgument
 from osd.learn.batch import items_loss
-from osd.learn.checkpoint import load_checkpoint, save_checkpoint
+from osd.learn.checkpoint import load_checkpoint, save_checkpoint, saved_state
 from osd.learn.losses import LOSSES
 from osd.learn.trainable import TRAINABLE, configure_trainable, merge_lora, split_index
 
@@ -68,11 +68,12 @@ class DistillTrainer:
         self.skipped_nonfinite = 0
 
     def resume(self) -> bool:
-        state = load_checkpoint(self.state_dir, self.draft, self.optimizer) if self.state_dir else None
-        if state is None:
+        saved = saved_state(self.state_dir) if self.state_dir else None
+        if saved is None:
             return False
-        if state.get("config") != asdict(self.config):
+        if saved.get("config") != asdict(self.config):  # before loading: other settings are the clearer error
             raise InvalidArgument(f"{self.state_dir} holds a run with other settings; use another output directory")
+        state = load_checkpoint(self.state_dir, self.draft, self.optimizer)
         self.epoch, self.step, self.history = state["epoch"], state["step"], state["history"]
         return True
 

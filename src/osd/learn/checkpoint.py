@@ -116,6 +116,12 @@ def checkpoint_dir(directory: str) -> Path | None:
     return None
 
 
+def saved_state(directory: str) -> dict | None:
+    """The state.json of the last complete checkpoint (version, counters, config, ...), or None; loads nothing."""
+    final = checkpoint_dir(directory)
+    return json.loads((final / "state.json").read_text()) if final is not None else None
+
+
 def load_checkpoint(directory: str, master, optimizer=None) -> dict | None:
     """Load the weights (and the optimizer's state, when given one) into `master`; the saved state, or None.
     Raises CheckpointMismatch when `master` is not the base draft the checkpoint was trained on, and
