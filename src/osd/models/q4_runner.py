@@ -28,7 +28,7 @@ import hashlib
 import os
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -203,33 +203,78 @@ def repack_matrices(tensors: dict, names: dict[str, list[str]]) -> dict[str, lis
     return out
 
 
-def repacked_cache_path(gguf: Path, cache_dir: Path) -> Path:
+@dataclass
+class Q4Weights:
+    """What a forward needs, read from a GGUF (or from its cache): matrices repacked, vectors float32."""
+
+    shape: Qwen2Shape
+    eos_ids: list[int]
+    vectors: dict[str, torch.Tensor]  # blk.{i}.attn_norm / ffn_norm / qkv_bias (q|k|v, zeros if absent), output_norm
+    embd_type: str  # the token embedding table's GGML type (any type gguf can dequantize)
+    embd: np.ndarray  # (V, bytes per row) uint8: the table as stored (rows dequantized when looked up)
+    matrices: dict[str, list]  # fused name (matrix_names) -> repacked weights, one per run of one quant type
+
+    def to_dict(self) -> dict:
+        return {"layout": LAYOUT_VERSION, "shape": asdict(self.shape), "eos_ids": self.eos_ids, "vectors": self.vectors,
+                "embd_type": self.embd_type, "embd": torch.from_numpy(np.array(self.embd)),  # a copy: the file is read-only
+                "matrices": {k: [_weight_tensors(w) for w in v] for k, v in self.matrices.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Q4Weights":
+        return cls(Qwen2Shape(**d["shape"]), d["eos_ids"], d["vectors"], d["embd_type"], d["embd"].numpy(),
+                   {k: [_weight_from(w) for w in v] for k, v in d["matrices"].items()})
+
+
+def read_gguf(path: Path) -> Q4Weights:
+    """Read and check a GGUF, repack its matrices (slow for a real model: minutes on 2 cores)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    s = read_shape(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    vectors = {"output_norm": _vector(tensors, "output_norm.weight")}
+    widths = (s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim)
+    for i in range(s.layers):
+        vectors[f"blk.{i}.attn_norm"] = _vector(tensors, f"blk.{i}.attn_norm.weight")
+        vectors[f"blk.{i}.ffn_norm"] = _vector(tensors, f"blk.{i}.ffn_norm.weight")
+        vectors[f"blk.{i}.qkv_bias"] = torch.cat([_vector(tensors, f"blk.{i}.{r}.bias", n) for r, n in zip(QKV, widths)])
+    if "token_embd.weight" not in tensors:
+        raise InvalidArgument("the GGUF has no tensor 'token_embd.weight'")
+    embd = tensors["token_embd.weight"]
+    eos_ids = [int(_field(reader, k)) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+               if k in reader.fields]
+    names = matrix_names(s.layers, tied="output.weight" not in tensors)
+    return Q4Weights(s, eos_ids, vectors, embd.tensor_type.name, embd.data, repack_matrices(tensors, names))
+
+
+def cache_path(gguf: Path, cache_dir: Path) -> Path:
     st = gguf.stat()
     digest = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}:{LAYOUT_VERSION}".encode()).hexdigest()
     return cache_dir / f"{gguf.stem}-{digest[:16]}.pt"
 
 
-def load_matrices(gguf: Path, tensors: dict, names: dict[str, list[str]], cache: bool | None,
-                  cache_dir: Path | None) -> dict[str, list]:
-    """Repacked weights, from the cache when there (memory-mapped), else repacked now (and cached if asked)."""
+def load_weights(gguf: Path, cache: bool | None = None, cache_dir: str | Path | None = None) -> Q4Weights:
+    """The GGUF's weights for the kernel: from the cache when there (memory-mapped, ~1 s), else read and repacked
+    (then cached where `cache`; None = for files of at least CACHE_MIN_BYTES). The cache is keyed by the file's
+    path, size and mtime; a file of ~the GGUF's size (the 1.5B: 1.1 GB) under ~/.cache/osd/q4."""
     from osd.models.bundled import cache_root
 
     cache = gguf.stat().st_size >= CACHE_MIN_BYTES if cache is None else cache
-    path = repacked_cache_path(gguf, Path(cache_dir) if cache_dir else cache_root() / "q4")
+    path = cache_path(gguf, Path(cache_dir) if cache_dir else cache_root() / "q4")
     if cache and path.exists():
         stored = torch.load(path, mmap=True, weights_only=True)
-        if set(stored) == set(names):
-            return {k: [_weight_from(d) for d in v] for k, v in stored.items()}
+        if stored.get("layout") == LAYOUT_VERSION:
+            return Q4Weights.from_dict(stored)
     if cache:
-        print(f"[osd] repacking {gguf.name} for the Q4 kernel (once; cached in {path.parent}) ...", file=sys.stderr,
-              flush=True)
-    matrices = repack_matrices(tensors, names)
+        print(f"[osd] repacking {gguf.name} for the Q4 kernel (once, a few minutes; cached in {path.parent}) ...",
+              file=sys.stderr, flush=True)
+    weights = read_gguf(gguf)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + f".{os.getpid()}.partial")
-        torch.save({k: [_weight_tensors(w) for w in v] for k, v in matrices.items()}, partial)
+        torch.save(weights.to_dict(), partial)
         partial.replace(path)
-    return matrices
+    return weights
 
 
 @dataclass
@@ -251,34 +296,24 @@ class Q4Runner:
 
     def __init__(self, gguf_path: str | Path, n_ctx: int = 4096, chunk_rows: int = 64, cache: bool | None = None,
                  cache_dir: str | Path | None = None):
-        from gguf import GGUFReader
-
         path = Path(gguf_path)
         if not path.is_file():
             raise ModelNotFound(f"GGUF file not found: {path}")
         self.path, self.chunk_rows = path, int(chunk_rows)
-        reader = GGUFReader(str(path))
-        self.shape = s = read_shape(reader)
-        tensors = {t.name: t for t in reader.tensors}
-        tied = "output.weight" not in tensors
         self._glue, self._quantize = glue(), q4.kernel().quantize_q8k
-        matrices = load_matrices(path, tensors, matrix_names(s.layers, tied), cache, cache_dir)
-        vector = lambda name, n=None: _vector(tensors, name, n)
-        self.layers = []
-        for i in range(s.layers):
-            bias = torch.cat([vector(f"blk.{i}.{r}.bias", n) for r, n in
-                              zip(QKV, (s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim))])
-            self.layers.append(Layer(vector(f"blk.{i}.attn_norm.weight"), FusedLinear(matrices[f"blk.{i}.qkv"]), bias,
-                                     FusedLinear(matrices[f"blk.{i}.attn_output"]), vector(f"blk.{i}.ffn_norm.weight"),
-                                     FusedLinear(matrices[f"blk.{i}.gate_up"]), FusedLinear(matrices[f"blk.{i}.ffn_down"])))
+        w = load_weights(path, cache, cache_dir)
+        self.shape = s = w.shape
+        v, m = w.vectors, w.matrices
+        self.layers = [Layer(v[f"blk.{i}.attn_norm"], FusedLinear(m[f"blk.{i}.qkv"]), v[f"blk.{i}.qkv_bias"],
+                             FusedLinear(m[f"blk.{i}.attn_output"]), v[f"blk.{i}.ffn_norm"],
+                             FusedLinear(m[f"blk.{i}.gate_up"]), FusedLinear(m[f"blk.{i}.ffn_down"]))
+                       for i in range(s.layers)]
         self._check_widths(s)
-        self.output_norm = vector("output_norm.weight")
-        self.head = FusedLinear(matrices["output"])
-        self._embd = tensors["token_embd.weight"]
+        self.output_norm, self.head = v["output_norm"], FusedLinear(m["output"])
+        self._embd_type, self._embd = w.embd_type, w.embd
         self.vocab_size = self.head.n
         self.context_window = min(int(n_ctx), s.context_length or int(n_ctx))
-        self.eos_ids = {int(_field(reader, k)) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-                        if k in reader.fields}
+        self.eos_ids = set(w.eos_ids)
         kv_shape = (s.layers, s.kv_heads, self.context_window, s.head_dim)
         self.k_cache, self.v_cache = torch.empty(kv_shape), torch.empty(kv_shape)  # pages touched as the cache fills
         self._kv = [(self.k_cache[i], self.v_cache[i]) for i in range(s.layers)]
@@ -322,12 +357,12 @@ class Q4Runner:
 
     def embed(self, token_ids: list[int]) -> torch.Tensor:
         """(M, hidden) float32 rows of the quantized embedding table, dequantized (gguf's reference)."""
-        from gguf import dequantize
+        from gguf import GGMLQuantizationType, dequantize
 
         ids = np.asarray(token_ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self._embd.data.shape[0]):
-            raise InvalidArgument(f"token ids must be in [0, {self._embd.data.shape[0]})")
-        rows = dequantize(np.asarray(self._embd.data)[ids], self._embd.tensor_type)
+        if ids.size and (ids.min() < 0 or ids.max() >= self._embd.shape[0]):
+            raise InvalidArgument(f"token ids must be in [0, {self._embd.shape[0]})")
+        rows = dequantize(self._embd[ids], GGMLQuantizationType[self._embd_type])
         return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).reshape(len(token_ids), self.shape.hidden)
 
     def _forward(self, token_ids: list[int]) -> torch.Tensor:
