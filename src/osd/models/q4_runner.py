@@ -173,12 +173,13 @@ def _weight_from(d: dict):
 
 def matrix_names(layers: int, tied: bool) -> dict[str, list[str]]:
     """Fused weight name -> the GGUF matrices it holds, in output order (q|k|v, gate|up)."""
-    names = {"output": ["token_embd.weight" if tied else "output.weight"]}
+    names = {}
     for i in range(layers):
         names[f"blk.{i}.qkv"] = [f"blk.{i}.{r}.weight" for r in QKV]
         names[f"blk.{i}.attn_output"] = [f"blk.{i}.attn_output.weight"]
         names[f"blk.{i}.gate_up"] = [f"blk.{i}.{r}.weight" for r in GATE_UP]
         names[f"blk.{i}.ffn_down"] = [f"blk.{i}.ffn_down.weight"]
+    names["output"] = ["token_embd.weight" if tied else "output.weight"]
     return names
 
 
