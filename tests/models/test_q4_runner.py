@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("llama_cpp")  # the tiny GGUF is quantized by llama.cpp, as the real files were
 
-from osd.build import build_target  # noqa: E402
+from osd.build import DEFAULT_DRAFT, System, build_target, speculative_engine  # noqa: E402
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig  # noqa: E402
 from osd.drafts import DraftRegistry  # noqa: E402
 from osd.engine import SpeculativeEngine  # noqa: E402
@@ -20,6 +20,7 @@ from osd.errors import InvalidArgument  # noqa: E402
 from osd.models import q4  # noqa: E402
 from osd.models.q4_runner import Q4Runner, cache_path, fused_groups, glue  # noqa: E402
 from osd.propose import DraftModelProposer  # noqa: E402
+from osd.propose.ngram import LookupThenDraft  # noqa: E402
 from tests.models.tiny_gguf import EOS, VOCAB, tiny_torch_model, write_tiny_gguf  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not q4.available(), reason="Q4 kernel unavailable on this machine")
@@ -143,6 +144,21 @@ def test_speculative_output_equals_target_only_at_every_k(tiny, runner, draft_se
             assert result.counters.accepted > 0  # chains of accepted tokens were exercised
         else:
             assert result.counters.accepted < result.counters.proposed  # rejections were exercised
+
+
+def test_speculative_engine_gives_another_target_a_proposer_of_the_systems_kind(tiny, runner):
+    """What `osd bench speed` builds for its osd_q4 arm: the system's published draft, behind its own lookup."""
+    registry = DraftRegistry()
+    registry.publish(DEFAULT_DRAFT, tiny[1])
+    spec = SpeculationConfig(k=4, adaptive=False, lookup=True)
+    system = System(None, ByteTokenizer(), registry, runner, tiny[1], ModelConfig(), spec)
+    engine = speculative_engine(system, runner, spec)
+    assert isinstance(engine.proposer, LookupThenDraft) and isinstance(engine.proposer.draft, DraftModelProposer)
+    assert engine.proposer.draft.name == DEFAULT_DRAFT and len(engine.request_observers) == 1
+    result = engine.generate(PROMPT, SamplingConfig(max_new_tokens=16))
+    assert result.token_ids == _target_only(runner, PROMPT, 16) and result.counters.accepted > 0
+    system.draft_master = None  # no draft: the lookup alone
+    assert speculative_engine(system, runner, spec).proposer.draft is None
 
 
 def test_repacked_weights_cache_round_trip(tiny, runner, tmp_path):
