@@ -127,3 +127,31 @@ def test_bundled_gguf_target_on_llama_cpp_speculative_equals_target_only():
         got = spec.generate(ids, SamplingConfig(max_new_tokens=24))
         assert got.token_ids == want
         assert got.counters.accepted > 0
+
+
+def test_bundled_gguf_target_on_osds_own_q4_kernel_speculative_equals_target_only():
+    """osd's own Q4_K kernel (models/q4_runner.py) serving the bundled Q4_K_M target, the bundled 0.5B GGUF drafting
+    on llama.cpp at k = 8 (9 rows per verification, the most the backend allows): output identical to its
+    target-only output; the text agrees with llama.cpp's greedy output at least at the start."""
+    pytest.importorskip("llama_cpp")
+    from osd.engine import SpeculativeEngine
+    from osd.models.llama_cpp_runner import LlamaCppRunner
+    from osd.models.loading import gguf_file
+    from osd.models.q4_runner import Q4Runner
+    from osd.propose import RunnerProposer
+
+    models = ModelConfig()
+    tokenizer = load_tokenizer(models.target)
+    target = Q4Runner(gguf_file(models.target), n_ctx=1024)
+    draft = RunnerProposer(LlamaCppRunner(gguf_file(models.draft), n_ctx=1024), "gguf-draft", target.vocab_size)
+    llama = SpeculativeEngine(LlamaCppRunner(gguf_file(models.target), n_ctx=1024), tokenizer, None,
+                              SpeculationConfig(k=0, adaptive=False))
+    plain = SpeculativeEngine(target, tokenizer, None, SpeculationConfig(k=0, adaptive=False))
+    spec = SpeculativeEngine(target, tokenizer, draft, SpeculationConfig(k=8, adaptive=False))
+    for record in load_records("spider", split="test", limit=2):
+        ids = prompt_ids(tokenizer, record["prompt"])
+        want = plain.generate(ids, SamplingConfig(max_new_tokens=24)).token_ids
+        got = spec.generate(ids, SamplingConfig(max_new_tokens=24))
+        assert got.token_ids == want
+        assert got.counters.accepted > 0
+        assert want[:3] == llama.generate(ids, SamplingConfig(max_new_tokens=3)).token_ids

@@ -20,8 +20,8 @@ on VNNI, of which 4 are the vpdpbusd themselves).
 Weights are repacked once from the GGUF's blocks (`repack_q4k`, `repack_q6k`: same bytes per block, another
 order; layout in q4_kernel.cpp). The path runs where the CPU has AVX2 (AVX-512 VNNI is used where present, chosen
 at run time; OSD_Q4_ISA=avx2 forces AVX2). The build (~1 min) happens once per machine and torch version, in
-torch's extension cache. Limitations: K must be a multiple of 256; no bias; not yet used by any model runner
-(a microbenchmark, `osd bench kernel`, measures it against the target's shapes).
+torch's extension cache. Limitations: K must be a multiple of 256; no bias. Used by the `osd` target backend
+(models/q4_runner.py); `osd bench kernel` measures it alone against the target's shapes.
 """
 from __future__ import annotations
 
