@@ -66,7 +66,8 @@ def _build_glue():
         source = Path(__file__).with_name("q4_glue.cpp")
         print("[osd] loading the Q4 backend's glue kernels (compiled once per machine, ~1 min) ...", file=sys.stderr,
               flush=True)
-        return load("osd_q4_glue", [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma"], verbose=False), None
+        return load("osd_q4_glue", [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False), None
     except Exception as e:  # no compiler / ninja / headers
         return None, f"{type(e).__name__}: {e}"
 
