@@ -130,8 +130,19 @@ class SlowRightDraft:
         pass
 
 
+class TickClock:
+    """Each reading is 30 ms after the previous one: every target feed "takes" 30 ms whatever its rows."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 0.030
+        return self.now
+
+
 def _engine_with_costs(target, draft, t_draft):
-    engine = SpeculativeEngine(target, ToyTokenizer(), draft, SpeculationConfig(k=4, adaptive=True))
+    engine = SpeculativeEngine(target, ToyTokenizer(), draft, SpeculationConfig(k=4, adaptive=True), clock=TickClock())
     engine.target_costs.calibrate([0.030, 0.054, 0.075, 0.09, 0.10])
     for policy, t in zip(engine.policies, t_draft):
         policy.calibrate(t)
