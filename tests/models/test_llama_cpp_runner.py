@@ -18,24 +18,7 @@ from osd.errors import BackendUnavailable  # noqa: E402
 from osd.models.llama_cpp_runner import LlamaCppRunner  # noqa: E402
 from osd.propose import DraftModelProposer  # noqa: E402
 from osd.propose.ngram import NgramProposer  # noqa: E402
-from tests.models.tiny_gguf import EOS, VOCAB, tiny_torch_model, write_tiny_gguf  # noqa: E402
-
-PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 84, 104, 105, 115, 32, 105, 115]
-
-
-class ByteTokenizer:
-    eos_token_id = EOS
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(i for i in ids if i < 256).decode("latin-1")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "tiny-q4k.gguf"
-    reference = write_tiny_gguf(path, seed=0)
-    return path, reference
-
+from tests.models.tiny_gguf import PROMPT, VOCAB, ByteTokenizer, target_only, tiny, tiny_torch_model  # noqa: E402,F401 (tiny: a fixture)
 
 @pytest.fixture(scope="module", params=[True, False], ids=["repack", "no-repack"])
 def runner(tiny, request):
@@ -79,15 +62,10 @@ def test_a_positions_logits_do_not_depend_on_how_many_rows_were_verified_with_it
     assert torch.equal(runner.feed(tokens[start - 1 : start + 2], n_logits=3)[2], one_at_a_time[2])
 
 
-def _target_only(runner, tokenizer, prompt, n):
-    engine = SpeculativeEngine(runner, tokenizer, None, SpeculationConfig(k=0, adaptive=False))
-    return engine.generate(prompt, SamplingConfig(max_new_tokens=n)).token_ids
-
-
 @pytest.mark.parametrize("draft_seed", [0, 7])  # seed 0: the target's own twin (long accepted chains); 7: a stranger
 def test_speculative_output_equals_target_only_at_every_k(tiny, runner, draft_seed):
     tokenizer = ByteTokenizer()
-    plain = _target_only(runner, tokenizer, PROMPT, 24)
+    plain = target_only(runner, PROMPT, 24)
     assert len(plain) >= 8
     registry = DraftRegistry()
     registry.publish("d", tiny[1] if draft_seed == 0 else tiny_torch_model(draft_seed))
@@ -104,7 +82,7 @@ def test_speculative_output_equals_target_only_at_every_k(tiny, runner, draft_se
 def test_lookup_proposals_keep_output_identical(runner):
     tokenizer = ByteTokenizer()
     prompt = PROMPT * 3  # repetition gives the lookup matches
-    plain = _target_only(runner, tokenizer, prompt, 32)
+    plain = target_only(runner, prompt, 32)
     engine = SpeculativeEngine(runner, tokenizer, NgramProposer(VOCAB), SpeculationConfig(k=6, adaptive=False))
     result = engine.generate(prompt, SamplingConfig(max_new_tokens=32))
     assert result.token_ids == plain

@@ -21,26 +21,9 @@ from osd.models import q4  # noqa: E402
 from osd.models.q4_runner import Q4Runner, cache_path, fused_groups, glue  # noqa: E402
 from osd.propose import DraftModelProposer  # noqa: E402
 from osd.propose.ngram import LookupThenDraft  # noqa: E402
-from tests.models.tiny_gguf import EOS, VOCAB, tiny_torch_model, write_tiny_gguf  # noqa: E402
+from tests.models.tiny_gguf import EOS, PROMPT, VOCAB, ByteTokenizer, target_only, tiny, tiny_torch_model, write_tiny_gguf  # noqa: E402,F401 (tiny: a fixture)
 
 pytestmark = pytest.mark.skipif(not q4.available(), reason="Q4 kernel unavailable on this machine")
-
-PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 84, 104, 105, 115, 32, 105, 115]
-
-
-class ByteTokenizer:
-    eos_token_id = EOS
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(i for i in ids if i < 256).decode("latin-1")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "tiny-q4k.gguf"
-    reference = write_tiny_gguf(path, seed=0)
-    return path, reference
-
 
 @pytest.fixture(scope="module")
 def runner(tiny):
@@ -123,14 +106,9 @@ def test_a_positions_logits_do_not_depend_on_how_many_rows_were_fed_with_it(runn
     assert torch.equal(chunked.feed(tokens, n_logits=len(tokens) - start + 1), whole)
 
 
-def _target_only(runner, prompt, n):
-    engine = SpeculativeEngine(runner, ByteTokenizer(), None, SpeculationConfig(k=0, adaptive=False))
-    return engine.generate(prompt, SamplingConfig(max_new_tokens=n)).token_ids
-
-
 @pytest.mark.parametrize("draft_seed", [0, 7])  # seed 0: the target's own twin (long accepted chains); 7: a stranger
 def test_speculative_output_equals_target_only_at_every_k(tiny, runner, draft_seed):
-    plain = _target_only(runner, PROMPT, 24)
+    plain = target_only(runner, PROMPT, 24)
     assert len(plain) >= 8
     registry = DraftRegistry()
     registry.publish("d", tiny[1] if draft_seed == 0 else tiny_torch_model(draft_seed))
@@ -156,7 +134,7 @@ def test_speculative_engine_gives_another_target_a_proposer_of_the_systems_kind(
     assert isinstance(engine.proposer, LookupThenDraft) and isinstance(engine.proposer.draft, DraftModelProposer)
     assert engine.proposer.draft.name == DEFAULT_DRAFT and len(engine.request_observers) == 1
     result = engine.generate(PROMPT, SamplingConfig(max_new_tokens=16))
-    assert result.token_ids == _target_only(runner, PROMPT, 16) and result.counters.accepted > 0
+    assert result.token_ids == target_only(runner, PROMPT, 16) and result.counters.accepted > 0
     system.draft_master = None  # no draft: the lookup alone
     assert speculative_engine(system, runner, spec).proposer.draft is None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2  # K-quants need rows of a multiple of 256
@@ -111,3 +112,33 @@ def write_tiny_gguf(path: Path, seed: int = 0, quantize: bool = True):
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         target.copy_(torch.from_numpy(np.array(values, dtype=np.float32)).reshape(target.shape))
     return model
+
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 84, 104, 105, 115, 32, 105, 115]  # bytes
+
+
+class ByteTokenizer:
+    """Decodes the tiny model's byte tokens (enough for the engine's stop checks)."""
+
+    eos_token_id = EOS
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i < 256).decode("latin-1")
+
+
+def target_only(runner, prompt, n):
+    """The runner's own greedy tokens (k = 0): what every speculative run must reproduce."""
+    from osd.config import SamplingConfig, SpeculationConfig
+    from osd.engine import SpeculativeEngine
+
+    engine = SpeculativeEngine(runner, ByteTokenizer(), None, SpeculationConfig(k=0, adaptive=False))
+    return engine.generate(prompt, SamplingConfig(max_new_tokens=n)).token_ids
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(path, reference): a tiny Qwen2 GGUF quantized to Q4_K_M by llama.cpp, and its dequantized torch twin."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q4k.gguf"
+    reference = write_tiny_gguf(path, seed=0)
+    return path, reference
+

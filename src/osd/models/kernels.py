@@ -98,7 +98,12 @@ def _ensure_built() -> None:
         _state["module"], _state["error"] = _build()
 
 
-def _build():
+def compile_extension(name: str, source: str, what: str, minutes: str, cflags: list[str]):
+    """Build (once per machine, cached by torch) one of osd's C++ files next to this module, with OpenMP.
+
+    -> (module, None), or (None, why) where it cannot be had (OSD_NO_KERNELS, no AVX2, no compiler / ninja /
+    headers); the caller decides what that means (an error, or an allowed fallback).
+    """
     if os.environ.get("OSD_NO_KERNELS"):
         return None, "disabled by OSD_NO_KERNELS"
     if not cpu_has_avx2():
@@ -106,11 +111,15 @@ def _build():
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        source = Path(__file__).with_name("rows_linear.cpp")
-        print("[osd] loading the rows_linear CPU kernels (compiled once per machine, ~45 s) ...", file=sys.stderr, flush=True)
-        module = load_extension("osd_rows_linear", [str(source)], verbose=False,
-                                extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
-                                extra_ldflags=["-fopenmp"])
+        print(f"[osd] loading {what} (compiled once per machine, {minutes}) ...", file=sys.stderr, flush=True)
+        # -fopenmp: at::parallel_for splits work across threads only when compiled with OpenMP
+        module = load_extension(name, [str(Path(__file__).with_name(source))], verbose=False,
+                                extra_cflags=["-O3", *cflags, "-fopenmp"], extra_ldflags=["-fopenmp"])
         return module, None
-    except Exception as e:  # no compiler / ninja / headers: the caller decides (error, or an allowed fallback)
+    except Exception as e:  # no compiler / ninja / headers
         return None, f"{type(e).__name__}: {e}"
+
+
+def _build():
+    return compile_extension("osd_rows_linear", "rows_linear.cpp", "the rows_linear CPU kernels", "~45 s",
+                             ["-mavx2", "-mfma", "-ffp-contract=off"])

@@ -26,7 +26,6 @@ torch's extension cache. Limitations: K must be a multiple of 256; no bias. Used
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,23 +54,10 @@ def _module():
 
 
 def _build():
-    from osd.models.kernels import cpu_has_avx2
+    from osd.models.kernels import compile_extension
 
-    if os.environ.get("OSD_NO_KERNELS"):
-        return None, "disabled by OSD_NO_KERNELS"
-    if not cpu_has_avx2():
-        return None, "this CPU has no AVX2"
-    try:
-        from torch.utils.cpp_extension import load
-
-        source = Path(__file__).with_name("q4_kernel.cpp")
-        print("[osd] loading the Q4_K/Q6_K CPU kernels (compiled once per machine, ~1 min) ...", file=sys.stderr, flush=True)
-        # -fopenmp: at::parallel_for splits output tiles across threads only when compiled with OpenMP
-        module = load("osd_q4_kernel", [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-                      extra_ldflags=["-fopenmp"], verbose=False)
-        return module, None
-    except Exception as e:  # no compiler / ninja / headers
-        return None, f"{type(e).__name__}: {e}"
+    return compile_extension("osd_q4_kernel", "q4_kernel.cpp", "the Q4_K/Q6_K CPU kernels", "~1 min",
+                             ["-mavx2", "-mfma", "-mf16c"])
 
 
 def available() -> bool:

@@ -36,6 +36,7 @@ import torch
 
 from osd.errors import BackendUnavailable, ContextTooLong, InvalidArgument, ModelNotFound
 from osd.models import q4
+from osd.models.kernels import compile_extension
 
 ARCHITECTURES = ("qwen2",)
 MATRIX_TYPES = ("Q4_K", "Q6_K")
@@ -60,16 +61,8 @@ def glue():
 def _build_glue():
     if not q4.available():
         return None, q4.build_error()
-    try:
-        from torch.utils.cpp_extension import load
-
-        source = Path(__file__).with_name("q4_glue.cpp")
-        print("[osd] loading the Q4 backend's glue kernels (compiled once per machine, ~1 min) ...", file=sys.stderr,
-              flush=True)
-        return load("osd_q4_glue", [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False), None
-    except Exception as e:  # no compiler / ninja / headers
-        return None, f"{type(e).__name__}: {e}"
+    return compile_extension("osd_q4_glue", "q4_glue.cpp", "the Q4 backend's glue kernels", "~1 min",
+                             ["-mavx2", "-mfma"])
 
 
 # ------------------------------------------------------------------------------------------ the model's shape
