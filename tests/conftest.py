@@ -54,6 +54,28 @@ def tiny_qwen2(seed: int, layers: int = 2, hidden: int = 32, vocab: int = VOCAB,
     return model.eval().requires_grad_(False)
 
 
+TOKENIZER_CHARS = ["<pad>", "<eos>"] + list("abcdefghijklmnopqrstuvwxyz") + list(" .?ABCDEFGHIJKLMNOPQ")
+
+
+def tiny_tokenizer():
+    """A Hugging Face fast tokenizer over TOKENIZER_CHARS (one token per character), for model directories on disk."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(BPE({c: i for i, c in enumerate(TOKENIZER_CHARS)}, [])),
+                                  eos_token="<eos>", pad_token="<pad>")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}?"
+    return tok
+
+
+def save_tiny_pair(root, draft_layers: int = 2) -> None:
+    """root/target (seed 0, 2 layers) and root/draft (seed 1) as HF model directories with tiny_tokenizer()."""
+    for name, seed, layers in (("target", 0, 2), ("draft", 1, draft_layers)):
+        tiny_qwen2(seed=seed, layers=layers).save_pretrained(root / name)
+        tiny_tokenizer().save_pretrained(root / name)
+
+
 @pytest.fixture
 def tokenizer():
     return ToyTokenizer()

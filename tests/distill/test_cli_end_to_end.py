@@ -3,30 +3,15 @@ own tokenizer)."""
 import json
 
 import pytest
-from conftest import tiny_qwen2
+from conftest import save_tiny_pair
 
 from osd.cli import main
-
-VOCAB = ["<pad>", "<eos>"] + list("abcdefghijklmnopqrstuvwxyz") + list(" .?ABCDEFGHIJKLMNOPQ")
-
-
-def tiny_tokenizer():
-    from tokenizers import Tokenizer
-    from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(BPE({c: i for i, c in enumerate(VOCAB)}, [])),
-                                  eos_token="<eos>", pad_token="<pad>")
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}?"
-    return tok
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
-    for name, seed, layers in (("target", 0, 2), ("draft", 1, 2)):
-        tiny_qwen2(seed=seed, layers=layers).save_pretrained(root / name)
-        tiny_tokenizer().save_pretrained(root / name)
+    save_tiny_pair(root, draft_layers=2)
     words = ["add two numbers", "select all rows", "count the apples", "sort a list", "find the max", "join tables"]
     with open(root / "tiny.jsonl", "w") as f:
         for i in range(36):

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import tiny_qwen2
+from conftest import save_tiny_pair
 from serve_testing import live_server
 
 from osd.build import attach_learner, build_system
@@ -34,7 +34,6 @@ from osd.learn.checkpoint import PAUSE_ENV, load_checkpoint
 from osd.learn.online import LearnConfig
 from osd.serve.app import create_app
 
-VOCAB = ["<pad>", "<eos>"] + list("abcdefghijklmnopqrstuvwxyz") + list(" .?ABCDEFGHIJKLMNOPQ")
 PROMPTS = ["add two numbers", "select all rows", "count the apples", "sort a list", "find the max", "join tables",
            "print hello", "read a file"]
 NEW_TOKENS = 12
@@ -44,23 +43,10 @@ LEARN = dict(mode="all", every_requests=2, trainable="all", train_layers=0, guar
              batch_size=4, schedule="background")
 
 
-def tiny_tokenizer():
-    from tokenizers import Tokenizer
-    from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(BPE({c: i for i, c in enumerate(VOCAB)}, [])),
-                                  eos_token="<eos>", pad_token="<pad>")
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}?"
-    return tok
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("real-learner")
-    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
-        tiny_qwen2(seed=seed, layers=layers).save_pretrained(root / name)
-        tiny_tokenizer().save_pretrained(root / name)
+    save_tiny_pair(root, draft_layers=1)
     return root
 
 
