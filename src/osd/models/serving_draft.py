@@ -6,7 +6,8 @@
   activations stay fp32 (weight-only); without it, torch's dynamic int8 quantisation (activations
   quantised on the fly too). The draft's precision only changes acceptance, never the output (the
   target verifies every token).
-- draft_vocab=N: the LM head keeps only token ids < N plus the special tokens. Qwen2.5's BPE ids
+- draft_vocab=N: the LM head keeps only token ids < N plus the special tokens (a derived draft, models/derived.py,
+  brings its own vocabulary map instead). Qwen2.5's BPE ids
   are roughly in merge (frequency) order, so low ids cover nearly all text; the LM head over the
   full 151,936-token vocabulary is ~27% of a 0.5B draft's per-token work.
 The master weights stay untouched (the learner trains them); these copies are rebuilt on publish.
@@ -19,6 +20,7 @@ import warnings
 import torch
 from torch import nn
 
+from osd.errors import InvalidArgument
 from osd.models.kernels import MAX_ROWS_INT8, rows_linear_int8
 
 
@@ -77,10 +79,15 @@ def make_serving_draft(master, quantize: str = "none", draft_vocab: int = 0, kee
     """Return (serving_model, vocab_ids or None): a frozen, possibly quantised/truncated copy."""
     from osd.learn.trainable import merge_lora
 
+    from osd.models.vocab_map import vocab_ids_of
+
     model = copy.deepcopy(master).float().eval().requires_grad_(False)
     merge_lora(model)  # a LoRA-trained master serves as a plain model
-    vocab_ids = None
+    vocab_ids = vocab_ids_of(model)  # a derived draft's own vocabulary map (models/derived.py), else None
     if draft_vocab:
+        if vocab_ids is not None:
+            raise InvalidArgument("this draft's LM head already covers a vocabulary map (a derived draft): "
+                                  "leave draft_vocab at 0")
         vocab_ids = truncate_lm_head(model, draft_vocab, list(keep_ids))
     if quantize == "int8":
         model = quantize_int8(model)
