@@ -214,3 +214,47 @@ def test_build_system_serves_a_derived_draft_by_name(tmp_path, monkeypatch):
     expected = plain_greedy(target, prompt, 20, eos=EOS)
     assert result.token_ids == expected
     assert result.counters.accepted > 0
+
+
+def test_a_shipped_draft_resolves_by_name(tmp_path, monkeypatch):
+    import osd.models.derived as derived
+
+    base_dir = saved_base(tmp_path)
+    draft = derive_model(load_model(base_dir), KEPT, MAP)
+    monkeypatch.setattr(derived, "ASSETS", tmp_path / "assets")
+    save_derived(tmp_path / "assets" / "cheap", draft, recipe_for(base_dir))
+    ids = torch.tensor([[2, 9, 4]])
+    assert torch.equal(load_model("derived:cheap")(ids).logits, draft(ids).logits)
+    with pytest.raises(ModelNotFound, match="shipped: cheap"):
+        load_model("derived:dear")
+
+
+def test_the_online_learning_paths_take_a_derived_draft():
+    """acceptance_on (the guard's measure) and items_loss (the learner's loss) on a draft with a vocabulary map: the
+    draft equal to the target on its map agrees exactly where the target's token is in the map, and the loss against
+    a target with mass outside the map stays finite with finite gradients."""
+    from osd.learn.batch import acceptance_on, items_loss
+    from osd.learn.buffer import ReplayItem
+    from osd.learn.compact import compress
+
+    target = tiny_qwen2(seed=0, layers=2)
+    draft = derive_copy(target, [0, 1], MAP)
+    sequences = [[2, 5, 9, 14, 3, 8, 20, 11, 41], [7, 43, 30, 4, 4, 45, 2]]
+    items, in_map = [], []
+    for seq in sequences:
+        logits = target(torch.tensor([seq])).logits[0]  # (T, V): row p predicts token p + 1
+        positions = list(range(2, len(seq)))
+        dist = compress(logits[[p - 1 for p in positions]], VOCAB)  # the whole distribution: restriction is exact
+        items.append(ReplayItem(seq[:-1], positions, dist, "r", 0, 0.0))
+        in_map += [bool((MAP == t).any()) for t in dist.ids[:, 0].tolist()]
+    assert not all(in_map)  # some target tokens fall outside the map
+    result = acceptance_on(draft, items)
+    assert result["correct"] == in_map
+    draft.lm_head.weight.requires_grad_(True)
+    loss = items_loss(draft, items)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(draft.lm_head.weight.grad).all()
+    assert loss.item() < 1e-5  # the draft is the target conditioned on its map: nothing left to learn
+    top16 = [ReplayItem(it.tokens, it.positions, CompactDist(it.target.ids[:, :16], it.target.probs[:, :16]), "r", 0, 0.0)
+             for it in items]
+    assert 0 < items_loss(draft, top16).item() < 0.2  # top-K + tail: the tail counts as in-map (an approximation)

@@ -7,6 +7,11 @@ over N target tokens: the rows of the base's head for the tokens the data uses m
 token (EOS included). The map draft id -> target id rides on the config (models/vocab_map.py) and is what
 DraftSnapshot.vocab_ids carries, so verification stays lossless: the draft only ever proposes in-map tokens.
 
+Default shape, by measurement (`osd draft cost`, BENCHMARKS.md): the issue's budget is c <= 0.1 (a draft token at
+most a tenth of a target token on llama.cpp). With the int8 serving copy each kept 0.5B layer costs ~1.6-2 ms per
+token on one core of this CPU (it reads ~15 MB), the target ~51 ms: 2 layers + 16,384 rows gave c = 0.098, 4 layers
+0.16-0.17, 8 layers 0.28-0.34. So the default keeps the first and the last layer (the head expects the last one's
+features) and 16,384 head rows (0.925 of the test references' tokens; 8,192 rows: 0.87, c 0.085).
 Cut this way the draft agrees with the target on almost nothing until it is healed by distillation
 (distill/heal.py). A derived draft on disk is small: `derived.json` (the recipe: base spec, layers, LoRA
 settings, provenance) and `derived.safetensors` (the vocabulary map and the trained delta: LoRA adapters and
@@ -37,7 +42,7 @@ DELTA = "delta."  # prefix of trained tensors in derived.safetensors
 @dataclass
 class DeriveConfig:
     base: str = "bundled:qwen2.5-coder-0.5b"  # the model the draft is cut from (any spec load_model takes)
-    layers: str = "0,1,22,23"  # kept decoder layers, in order: a comma list, ranges a-b allowed
+    layers: str = "0,23"  # kept decoder layers, in order (a comma list, ranges a-b allowed); see the module doc
     vocab: int = 16384  # LM head rows: special tokens + the tokens counted most often + lowest ids to fill
     vocab_datasets: str = "gsm8k,spider,code,support"  # datasets whose train-split prompts and references are counted
     vocab_limit: int = 0  # records per dataset counted (0 = all)
