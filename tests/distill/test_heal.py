@@ -11,7 +11,8 @@ from helpers import plain_greedy
 from safetensors.torch import load_file
 
 from osd.distill.evaluate import sample_item
-from osd.distill.heal import HealConfig, TeacherStore, build_requests, greedy_answer, run_heal, score_answer
+from osd.distill.heal import (HealConfig, TeacherStore, build_requests, end_of_turn_id, greedy_answer, run_heal,
+                              score_answer)
 from osd.errors import InvalidArgument
 from osd.learn.batch import items_loss
 from osd.learn.compact import compress
@@ -83,6 +84,20 @@ def test_requests_skip_long_prompts_and_end_references_with_eos():
     assert [r.reference for r in refs] == [tok.encode("de") + [EOS]]  # no reference: skipped; long prompt: skipped
     assert len(build_requests(tok, records, "target", 20, 8, EOS)) == 2
     assert build_requests(tok, [{"prompt": "a", "reference": "xyzxyz"}], "reference", 20, 4, EOS)[0].reference == tok.encode("xyzx")
+
+
+class TurnTokenizer(ToyTokenizer):
+    """A chat template that closes assistant turns with "T" (as Qwen's closes them with <|im_end|>)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **kw):
+        text = "".join(f"${m['role'][0]}{m['content']}" + ("T" if m["role"] == "assistant" else "") for m in messages)
+        text += "$a" if add_generation_prompt else ""
+        return self.encode(text) if tokenize else text
+
+
+def test_references_end_with_the_templates_end_of_turn_token():
+    assert end_of_turn_id(TurnTokenizer()) == ToyTokenizer().encode("T")[0]
+    assert end_of_turn_id(ToyTokenizer()) == EOS  # no closing token in the template: the tokenizer's EOS
 
 
 def held_out_kl(world, draft_spec_or_model, samples):

@@ -1,7 +1,7 @@
 """Healing a derived draft (models/derived.py): distil the target into it on training text, resumably.
 
 Data: the train splits of the datasets, each prompt through the chat template followed by an answer:
-  reference  the record's reference answer + <|im_end|>; the target scores every answer position in one
+  reference  the record's reference answer + the end-of-turn token; the target scores every answer position in one
              prefill (`runner.feed(prompt + answer[:-1], n_logits=len(answer))`); records without one are skipped
   target     the target's own greedy answer: one decode per token (several times slower than scoring a
              reference), but the contexts are the ones the draft meets while serving
@@ -127,6 +127,25 @@ class Request:
     prompt: list[int]
     reference: list[int] | None
     max_tokens: int
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The token the chat template closes an assistant turn with (<|im_end|> for Qwen2.5, whose tokenizer's own
+    eos_token is <|endoftext|>), or the tokenizer's EOS when the template does not show one."""
+    from osd.data import chat_ids
+
+    try:
+        prompt = chat_ids(tokenizer, [{"role": "user", "content": "hi"}])
+        full = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
+                                             add_generation_prompt=False, tokenize=True)
+        full = list(full["input_ids"] if isinstance(full, dict) else full)
+        answer = list(tokenizer("ok", add_special_tokens=False)["input_ids"])
+        end = len(prompt) + len(answer)
+        if full[: len(prompt)] == prompt and full[len(prompt) : end] == answer and len(full) > end:
+            return int(full[end])
+    except (TypeError, ValueError, KeyError, AttributeError):
+        pass
+    return tokenizer.eos_token_id
 
 
 def build_requests(tokenizer, records: list[dict], mode: str, max_prompt_tokens: int, max_tokens: int,
@@ -330,9 +349,9 @@ def run_heal(out_dir: str | Path, config: HealConfig, target_spec: str, derive=N
     eos_ids = eos_ids_of(getattr(draft, "generation_config", None), draft.config, tokenizer)
     train_records = [r for name in config.datasets.split(",") for r in load_records(name.strip(), "train", config.limit)]
     requests = build_requests(tokenizer, train_records, config.answers, config.max_prompt_tokens, config.max_answer_tokens,
-                              tokenizer.eos_token_id)
-    eval_records = [r for name in filter(None, config.eval_datasets.split(",")) if config.eval_limit
-                    for r in load_records(name.strip(), "test", config.eval_limit)]
+                              end_of_turn_id(tokenizer))
+    eval_names = [name.strip() for name in config.eval_datasets.split(",") if name.strip()] if config.eval_limit else []
+    eval_records = [r for name in eval_names for r in load_records(name, "test", config.eval_limit)]
     eval_requests = build_requests(tokenizer, eval_records, "target", config.max_prompt_tokens, config.eval_tokens, None)
     eval_samples = teacher_samples(store, open_runner, eval_requests, config.top_k, eos_ids, progress, say)
     samples = teacher_samples(store, open_runner, requests, config.top_k, eos_ids, progress, say)
