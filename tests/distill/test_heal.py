@@ -179,6 +179,8 @@ def test_a_cut_run_resumes_to_the_weights_of_an_uncut_run(world):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(InvalidArgument, match="other settings"):
         heal(world, cut, config(world, epochs=2, save_every=3, lr=1e-2))
+    with pytest.raises(InvalidArgument, match="other settings"):
+        heal(world, cut, config(world, epochs=2, save_every=3, limit=32))  # other samples: not the same run
 
 
 def test_heal_config_is_validated():

@@ -305,6 +305,15 @@ def heal(draft, samples: list[TargetSample], config: HealConfig, state_dir: str 
 
 # ---- end to end: `osd draft heal` / `osd draft build` -----------------------------------------------------------
 
+def check_same_run(out: Path, config: HealConfig) -> None:
+    """A rerun continues a heal only with the same settings (the samples and step count depend on all of them)."""
+    path = out / "heal-config.json"
+    if path.exists() and (out / "heal-state").exists() and json.loads(path.read_text()) != asdict(config):
+        raise InvalidArgument(f"{out} holds a heal with other settings ({path}); use another --out, or delete "
+                              f"{out / 'heal-state'} to start this one afresh")
+    path.write_text(json.dumps(asdict(config), indent=2))
+
+
 def open_target(target_spec: str, threads: int = 0):
     """The target as it serves: llama.cpp for a GGUF (bundled:<name> or .gguf), else a torch model."""
     from osd.build import build_target
@@ -334,6 +343,10 @@ def run_heal(out_dir: str | Path, config: HealConfig, target_spec: str, derive=N
         save_derived(out, model, recipe)
         del model
     recipe = read_recipe(f"derived:{out}")
+    if derive is not None and recipe["derive"] != asdict(derive):
+        raise InvalidArgument(f"{out} holds a draft derived with other settings ({recipe['derive']}); "
+                              "use another --out")
+    check_same_run(out, config)
     tokenizer = tokenizer or load_tokenizer(recipe["derive"]["base"])
     draft = load_derived(f"derived:{out}", with_delta=False)
     runner_cell = {}
