@@ -10,7 +10,7 @@ DraftSnapshot.vocab_ids carries, so verification stays lossless: the draft only 
 Default shape, by measurement (`osd draft cost`, BENCHMARKS.md): the issue's budget is c <= 0.1 (a draft token at
 most a tenth of a target token on llama.cpp). With the int8 serving copy each kept 0.5B layer costs ~1.6-2 ms per
 token on one core of this CPU (it reads ~15 MB), the target ~51 ms: 2 layers + 16,384 rows gave c = 0.098, 4 layers
-0.16-0.17, 8 layers 0.28-0.34. So the default keeps the first and the last layer (the head expects the last one's
+0.16-0.17, 8 layers 0.28-0.34 (at 2 threads, wall clock: 0.101, 0.13-0.17, 0.24-0.27; target 33 ms). So the default keeps the first and the last layer (the head expects the last one's
 features) and 16,384 head rows (0.925 of the test references' tokens; 8,192 rows: 0.87, c 0.085).
 Cut this way the draft agrees with the target on almost nothing until it is healed by distillation
 (distill/heal.py). A derived draft on disk is small: `derived.json` (the recipe: base spec, layers, LoRA
