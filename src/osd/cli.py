@@ -281,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     from osd.distill.cli import register as register_distill  # `osd target-cache`, `osd distill`, `osd eval`
 
     register_distill(sub)
+    from osd.distill.heal_cli import register as register_draft  # `osd draft derive | heal | build | cost`
+
+    register_draft(sub)
     return parser
 
 

@@ -22,6 +22,7 @@ from osd.learn.batch import draft_logits_at
 from osd.learn.buffer import ReplayItem
 from osd.learn.compact import CompactDist
 from osd.learn.losses import bucket_log_probs, tv_distance
+from osd.models.vocab_map import in_target_vocab
 from osd.speed_model import expected_speedup
 
 
@@ -72,7 +73,7 @@ def position_stats(draft, items: list[ReplayItem], samples: list[TargetSample], 
     out = []
     for s in range(0, len(items), batch_size):
         chunk = items[s : s + batch_size]
-        logits = draft_logits_at(draft, chunk, split)
+        logits = in_target_vocab(draft, draft_logits_at(draft, chunk, split))  # (N, V): -inf outside a draft's map
         target_logp, draft_logp = bucket_log_probs(logits, CompactDist.cat([it.target for it in chunk]))
         beta = 1 - tv_distance(target_logp, draft_logp)
         offset = 0

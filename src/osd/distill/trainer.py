@@ -58,9 +58,12 @@ class DistillConfig:
 class DistillTrainer:
     """Trains a draft in place on samples from `sample_source(epoch) -> list[TargetSample]`."""
 
-    def __init__(self, draft, config: DistillConfig, state_dir: str | Path | None = None):
+    def __init__(self, draft, config: DistillConfig, state_dir: str | Path | None = None, params: list | None = None):
+        """params: the trainable parameters, when the caller opened them itself (distill/heal.py); else
+        config.trainable / train_layers decide (learn/trainable.py)."""
         self.draft, self.config = draft, config
-        self.params = configure_trainable(draft, config.trainable, config.train_layers, config.lora_rank)
+        self.params = params if params is not None else configure_trainable(draft, config.trainable, config.train_layers,
+                                                                             config.lora_rank)
         self.split = split_index(draft, config.train_layers)
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
         self.state_dir = str(state_dir) if state_dir else None

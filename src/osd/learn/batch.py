@@ -11,10 +11,12 @@ from osd.learn.buffer import ReplayItem
 from osd.learn.compact import CompactDist
 from osd.learn.losses import bucket_log_probs, distill_loss, tv_distance
 from osd.learn.trainable import head_logits_at, trunk_features
+from osd.models.vocab_map import in_target_vocab, restrict_to_draft
 
 
 def draft_logits_at(draft_model, items: list[ReplayItem], split: int = 0, rows_only: bool = True) -> torch.Tensor:
-    """(sum of positions, V) draft logits aligned with the items' targets (index P-1 for token P).
+    """(sum of positions, V') draft logits aligned with the items' targets (index P-1 for token P), over the
+    draft's own head (V' < V for a derived draft: models/vocab_map.py maps them).
 
     split > 0: layers below `split` are frozen; their output is taken from item.features when an item
     holds it, else computed (no grad) and kept on the item for the next time; rows_only: the last layer
@@ -46,7 +48,8 @@ def draft_logits_at(draft_model, items: list[ReplayItem], split: int = 0, rows_o
 
 def items_loss(draft_model, items: list[ReplayItem], loss: str = "forward_kl", beta: float = 0.5,
                temperature: float = 1.0, split: int = 0, rows_only: bool = True) -> torch.Tensor:
-    target = CompactDist.cat([it.target for it in items])
+    """A draft with a restricted head (models/vocab_map.py) learns the target conditioned on its vocabulary."""
+    target = restrict_to_draft(draft_model, CompactDist.cat([it.target for it in items]))
     return distill_loss(draft_logits_at(draft_model, items, split, rows_only), target, loss, beta, temperature=temperature)
 
 
@@ -59,7 +62,7 @@ def acceptance_on(draft_model, items: list[ReplayItem], batch_size: int = 8, spl
     for i in range(0, len(items), batch_size):
         pause()
         chunk = items[i : i + batch_size]
-        logits = draft_logits_at(draft_model, chunk, split)
+        logits = in_target_vocab(draft_model, draft_logits_at(draft_model, chunk, split))  # (N, V)
         target = CompactDist.cat([it.target for it in chunk])
         correct += (logits.argmax(-1) == target.ids[:, 0]).tolist()
         t, d = bucket_log_probs(logits, target)

@@ -1,8 +1,8 @@
 """Resolve a model spec and load it.
 
 A spec is one of: `bundled:<name>` (see bundled.py), a local HF directory, a local `.gguf` file
-(converted once to a cached safetensors dir), or a hub id (used from the local HF cache when the
-hub is unreachable).
+(converted once to a cached safetensors dir), a hub id (used from the local HF cache when the
+hub is unreachable), or `derived:<dir or shipped name>` (a cheap draft cut from a base, models/derived.py).
 """
 from __future__ import annotations
 
@@ -90,6 +90,10 @@ def _gguf_tokenizer_dir(gguf: Path) -> Path:
 def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
+    if isinstance(spec, str) and spec.startswith("derived:"):  # a derived draft reads its base's tokens
+        from osd.models.derived import read_recipe
+
+        return load_tokenizer(read_recipe(spec)["derive"]["base"])
     is_gguf = isinstance(spec, str) and (spec.startswith("bundled:") or spec.endswith(".gguf"))
     if is_gguf and not (converted_dir(spec) / "model.safetensors").exists():
         where = str(_gguf_tokenizer_dir(gguf_file(spec)))  # a GGUF target served by llama.cpp needs no fp32 conversion
@@ -110,11 +114,30 @@ def converted_dir(spec: str) -> Path:
     return cache_root() / "hf" / f"{path.stem}-{digest}"
 
 
+def _restricted_head(where: str) -> bool:
+    import json
+
+    from osd.models.vocab_map import CONFIG_KEY
+
+    try:
+        return CONFIG_KEY in json.loads((Path(where) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def load_model(spec: str, dtype: str = "float32"):
     """Load a causal LM in eval mode, no grad, with the given dtype."""
     from transformers import AutoModelForCausalLM
 
+    if isinstance(spec, str) and spec.startswith("derived:"):
+        from osd.models.derived import load_derived
+
+        return load_derived(spec, dtype)
     where = resolve_model_dir(spec)
+    if _restricted_head(where):  # saved from a derived draft: its LM head covers a vocabulary map
+        from osd.models.derived import load_restricted_dir
+
+        return load_restricted_dir(where, DTYPES[dtype])
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=DTYPES[dtype])
     except OSError as e:

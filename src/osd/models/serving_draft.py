@@ -13,7 +13,8 @@
   linears than int8 (1 thread, 1-9 rows, 896x4864 / 4864x896), still row-invariant; next-token agreement
   with the fp32 draft 97.4% vs 98.1% for int8 (bundled 0.5B, 700 teacher-forced positions). Opt-in until
   an end-to-end acceptance and speed run says otherwise; refused on CPUs without VNNI.
-- draft_vocab=N: the LM head keeps only token ids < N plus the special tokens. Qwen2.5's BPE ids
+- draft_vocab=N: the LM head keeps only token ids < N plus the special tokens (a derived draft, models/derived.py,
+  brings its own vocabulary map instead). Qwen2.5's BPE ids
   are roughly in merge (frequency) order, so low ids cover nearly all text; the LM head over the
   full 151,936-token vocabulary is ~27% of a 0.5B draft's per-token work.
 - the int8 copy's embedding is int8 too (per-row scale), and shares the LM head's int8 rows when the head covers
@@ -30,7 +31,7 @@ import warnings
 import torch
 from torch import nn
 
-from osd.errors import KernelUnavailable
+from osd.errors import InvalidArgument, KernelUnavailable
 from osd.models import kernels
 from osd.models.invariant import make_row_invariant
 
@@ -125,12 +126,16 @@ def make_serving_draft(master, quantize: str = "none", draft_vocab: int = 0, kee
     later updates of the master never reach a published copy.
     """
     from osd.learn.trainable import merge_lora
+    from osd.models.vocab_map import vocab_ids_of
 
     shared = {id(t): t for t in itertools.chain(master.parameters(), master.buffers())}
     model = copy.deepcopy(master, dict(shared))
     merge_lora(model)  # a LoRA-trained master serves as a plain model (merged out of place)
-    vocab_ids = None
+    vocab_ids = vocab_ids_of(model)  # a derived draft's own vocabulary map (models/derived.py), else None
     if draft_vocab:
+        if vocab_ids is not None:
+            raise InvalidArgument("this draft's LM head already covers a vocabulary map (a derived draft): "
+                                  "leave draft_vocab at 0")
         vocab_ids = truncate_lm_head(model, draft_vocab, list(keep_ids))
     if quantize in ("int8", "int8_vnni"):
         model = quantize_int8(model, allow_kernel_fallback, vnni=quantize == "int8_vnni")
