@@ -35,6 +35,7 @@ from osd.errors import DraftNotFound, InvalidArgument
 from osd.learn.trainable import decoder_layers, split_index
 
 SERVING = ("adapter", "merged")
+PREFIX = "draft_"  # peft's adapter name for draft d is "draft_d": a short name could hide in peft's "lora_" prefix
 LINEARS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
@@ -57,6 +58,14 @@ class AdapterConfig:
 
     def module_names(self) -> list[str]:
         return [m.strip() for m in self.modules.split(",") if m.strip()]
+
+
+def adapter_key(name: str) -> str:
+    return PREFIX + name
+
+
+def draft_name(key: str) -> str:
+    return key.removeprefix(PREFIX)
 
 
 class AdapterLinear(nn.Module):
@@ -99,7 +108,7 @@ class AdapterDrafts:
 
     def names(self) -> list[str]:
         with self.lock:
-            return sorted(self.peft.peft_config) if self.peft is not None else []
+            return sorted(draft_name(k) for k in self.peft.peft_config) if self.peft is not None else []
 
     def lora_config(self):
         from peft import LoraConfig
@@ -112,8 +121,8 @@ class AdapterDrafts:
         """A new draft: a fresh adapter (equal to the base), or a copy of `copy_from`'s adapter; published unless told."""
         from peft import get_peft_model
 
-        if not name or "," in name or "+" in name:
-            raise InvalidArgument(f"a draft name must be non-empty, without ',' or '+': {name!r}")
+        if not name or any(ch in name for ch in ",+.") or not name.isprintable():
+            raise InvalidArgument(f"a draft name must be non-empty, printable, without ',', '+' or '.': {name!r}")
         with self.lock:
             if name in self.names():
                 raise InvalidArgument(f"a draft named {name!r} exists already")
@@ -122,9 +131,9 @@ class AdapterDrafts:
             with torch.random.fork_rng():  # the adapter's A is drawn from the global generator: seed it
                 torch.manual_seed(self.config.seed + self._created)
                 if self.peft is None:
-                    self.peft = get_peft_model(self.base, self.lora_config(), adapter_name=name)
+                    self.peft = get_peft_model(self.base, self.lora_config(), adapter_name=adapter_key(name))
                 else:
-                    self.peft.add_adapter(name, self.lora_config())
+                    self.peft.add_adapter(adapter_key(name), self.lora_config())
             self._created += 1
             if copy_from is not None:
                 self.load_state(name, self.state(copy_from))
@@ -136,9 +145,9 @@ class AdapterDrafts:
             self._check(name)
             if len(self.names()) == 1:
                 raise InvalidArgument(f"{name!r} is the last draft; create another before retiring it")
-            if self.peft.active_adapter == name:
-                self.peft.set_adapter(next(n for n in self.names() if n != name))
-            self.peft.delete_adapter(name)
+            if self.peft.active_adapter == adapter_key(name):
+                self.peft.set_adapter(adapter_key(next(n for n in self.names() if n != name)))
+            self.peft.delete_adapter(adapter_key(name))
             if name in self.registry.names():
                 self.registry.remove(name)
 
@@ -147,14 +156,14 @@ class AdapterDrafts:
         """Hold the lock with `name`'s adapter active (and the only trainable parameters): yields the master."""
         with self.lock:
             self._check(name)
-            self.peft.set_adapter(name)
+            self.peft.set_adapter(adapter_key(name))
             yield self.master
 
     def parameters(self, name: str) -> list[nn.Parameter]:
         """The adapter's parameters, in a fixed order."""
         with self.lock:
             self._check(name)
-            return [p for n, p in self.master.named_parameters() if "lora_" in n and n.endswith(f".{name}.weight")]
+            return [p for n, p in self.master.named_parameters() if "lora_" in n and n.endswith(f".{adapter_key(name)}.weight")]
 
     def state(self, name: str) -> dict[str, torch.Tensor]:
         """The adapter's weights with the adapter's name left out of the keys (loadable under any name)."""
@@ -162,15 +171,15 @@ class AdapterDrafts:
 
         with self.lock:
             self._check(name)
-            return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.peft, adapter_name=name).items()}
+            return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.peft, adapter_name=adapter_key(name)).items()}
 
     def load_state(self, name: str, state: dict[str, torch.Tensor]) -> None:
         from peft.utils import set_peft_model_state_dict
 
         with self.lock:
             self._check(name)
-            result = set_peft_model_state_dict(self.peft, state, adapter_name=name)
-            missing = [k for k in result.missing_keys if "lora_" in k and f".{name}." in k]
+            result = set_peft_model_state_dict(self.peft, state, adapter_name=adapter_key(name))
+            missing = [k for k in result.missing_keys if "lora_" in k and f".{adapter_key(name)}." in k]
             if missing or result.unexpected_keys:
                 raise InvalidArgument(f"adapter weights do not fit draft {name!r} (missing {missing[:2]}, "
                                       f"unexpected {list(result.unexpected_keys)[:2]}): another rank or layer set?")
@@ -196,10 +205,11 @@ class AdapterDrafts:
 
         out = {}
         for qname, module in self.master.named_modules():
-            if not isinstance(module, LoraLayer) or name not in module.lora_A:
+            key = adapter_key(name)
+            if not isinstance(module, LoraLayer) or key not in module.lora_A:
                 continue
             shared = self.serving_base.get_submodule(qname)
-            a, b, scale = module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name]
+            a, b, scale = module.lora_A[key].weight, module.lora_B[key].weight, module.scaling[key]
             if self.config.serving == "adapter":
                 out[qname] = AdapterLinear(shared, a, b, scale)
             else:

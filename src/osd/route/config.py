@@ -20,10 +20,10 @@ class RouteConfig:
     score_time_share: float = 0.02  # ... and scoring stops while its seconds exceed this share of serving seconds
     score_max_tokens: int = 1024  # tokens (prompt tail + output) one scoring forward covers at most
     score_schedule: str = "sync"  # sync: score inside the request observer | background: in idle windows (serving)
-    bandit: bool = False  # also learn from the served draft's live alpha on unscored requests (biased: int8 copy, adaptive k)
-    route_lr: float = 0.5  # normalised step of the per-draft acceptance regressions (NLMS; 1 = fit each example exactly)
+    route_forget: float = 0.998  # the router's ridge regression forgets old requests by this factor each (~500 requests)
+    route_ridge: float = 0.1  # ridge regularisation of the router's regression
     route_margin: float = 0.01  # predicted acceptances within this of the best tie: the cold-start clustering decides
-    route_split_similarity: float = 0.5  # cold start: a request less similar (cosine) than this to every served
+    route_split_similarity: float = 0.3  # cold start: a request less similar (cosine) than this to every served
     #   draft's traffic goes to a draft that has served nothing yet
     route_centroid_ema: float = 0.05  # weight of a new request in its draft's traffic centroid
     route_buckets: int = 512  # hashed n-gram buckets of the prompt features
@@ -39,8 +39,8 @@ class RouteConfig:
             raise InvalidArgument("explore must be in [0, 1), score_share in [0, 1], score_time_share >= 0")
         if self.score_schedule not in SCHEDULES:
             raise InvalidArgument(f"score_schedule must be one of {SCHEDULES}, got {self.score_schedule!r}")
-        if self.route_lr <= 0 or self.route_lr > 2 or self.route_margin < 0:
-            raise InvalidArgument("route_lr must be in (0, 2] (NLMS is stable there), route_margin >= 0")
+        if not 0 < self.route_forget <= 1 or self.route_ridge <= 0 or self.route_margin < 0:
+            raise InvalidArgument("route_forget must be in (0, 1], route_ridge > 0, route_margin >= 0")
         if not 0 < self.route_centroid_ema <= 1 or self.route_buckets <= 0 or self.route_window < 0:
             raise InvalidArgument("route_centroid_ema in (0, 1], route_buckets > 0, route_window >= 0")
         if self.score_max_tokens < 2:

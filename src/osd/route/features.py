@@ -3,8 +3,10 @@
 Pure functions of the prompt's token ids (and its text, for the script):
 - hashed n-gram counts of the last `window` prompt tokens (unigrams and bigrams by default), log-scaled and
   L2-normalised: topic and language show in which tokens occur;
-- the share of the prompt's characters in each script (Latin, CJK, Cyrillic, ...): language at a glance;
-- a constant 1 (the bias of the router's linear scores).
+- the share of the prompt's characters in each script (Latin, CJK, Cyrillic, ...), times SCRIPT_WEIGHT:
+  language at a glance (weighted below the n-grams, so two topics in one script are not near-identical);
+- a constant BIAS (the intercept of the router's linear scores; small, so that what one mode teaches about a
+  draft leaks little into its score on another mode).
 Cost: O(window) integer hashing plus one decode of the prompt; microseconds to a millisecond.
 Limitation: a prompt whose tokens are mostly a shared template (a long system prompt) is dominated by it; the
 router's linear scores learn to discount common buckets, but a longer window dilutes the distinctive part.
@@ -24,6 +26,8 @@ _RANGES = (  # (first code point, last, script): checked before unicodedata's ca
     (0x0E00, 0x0E7F, "thai"), (0x1100, 0x11FF, "hangul"), (0x3040, 0x30FF, "kana"),
     (0x3400, 0x4DBF, "cjk"), (0x4E00, 0x9FFF, "cjk"), (0xAC00, 0xD7AF, "hangul"), (0xF900, 0xFAFF, "cjk"),
 )
+SCRIPT_WEIGHT = 0.5
+BIAS = 0.3
 _MULT = 0x9E3779B1  # Knuth's multiplicative hash (golden ratio), mod 2**32
 
 
@@ -66,10 +70,10 @@ def hashed_ngrams(token_ids: list[int], buckets: int, orders=(1, 2)) -> torch.Te
 
 
 def prompt_features(token_ids: list[int], text: str = "", buckets: int = 512, window: int = 512) -> torch.Tensor:
-    """(buckets + len(SCRIPTS) + 1,) features of a prompt: hashed n-grams, script shares, bias."""
+    """(buckets + len(SCRIPTS) + 1,) features of a prompt: hashed n-grams, weighted script shares, bias."""
     ids = list(token_ids[-window:]) if window else list(token_ids)
-    return torch.cat([hashed_ngrams(ids, buckets), script_shares(text[-4 * window:] if window else text),
-                      torch.ones(1)])
+    scripts = script_shares(text[-4 * window:] if window else text) * SCRIPT_WEIGHT
+    return torch.cat([hashed_ngrams(ids, buckets), scripts, torch.full((1,), BIAS)])
 
 
 def feature_size(buckets: int) -> int:

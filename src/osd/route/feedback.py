@@ -36,6 +36,8 @@ def score_drafts(drafts, names: list[str], prompt_ids: list[int], output_ids: li
     """Per draft: draft argmax == target token at each scored output position (teacher-forced, greedy).
 
     Keeps the last `max_tokens` of prompt + output (the output's head is dropped only when it alone is longer)."""
+    if not output_ids:
+        return {name: [] for name in names}
     tokens = (list(prompt_ids) + list(output_ids))[:-1][-max_tokens:]  # (T,) the last output token is never input
     cols = torch.arange(max(0, len(tokens) - len(output_ids)), len(tokens))  # logits at col predict the token after it
     truth = torch.tensor(list(output_ids)[len(output_ids) - len(cols):])  # (N,)
@@ -88,7 +90,7 @@ class RouteFeedback:
         self.budget = ScoreBudget(config.score_share, config.route_seed + 1)
         self.pending: deque[_Job] = deque()
         self.counters = {"requests": 0, "scored": 0, "dropped": 0, "over_time_budget": 0, "served_best": 0,
-                         "regret_sum": 0.0, "score_seconds": 0.0, "serving_seconds": 0.0, "bandit_updates": 0}
+                         "regret_sum": 0.0, "score_seconds": 0.0, "serving_seconds": 0.0}
         self.scored_alpha: dict[str, list[float]] = {}  # draft -> [sum of scored acceptances, requests scored]
         self._lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
@@ -102,20 +104,12 @@ class RouteFeedback:
             self.counters["serving_seconds"] += result.seconds
             over_time = self.counters["score_seconds"] > self.config.score_time_share * self.counters["serving_seconds"]
         if not result.token_ids or not self.budget.take():
-            self._bandit(x, served, result)
             return
         if over_time:
             with self._lock:
                 self.counters["over_time_budget"] += 1
             return
         self._enqueue(_Job(x, list(result.prompt_ids), list(result.token_ids), served))
-
-    def _bandit(self, x, served: str, result) -> None:
-        c = result.counters
-        if self.config.bandit and c.beta_n:
-            self.router.learn(x, {served: c.beta_sum / c.beta_n})
-            with self._lock:
-                self.counters["bandit_updates"] += 1
 
     def _enqueue(self, job: _Job) -> None:
         with self._lock:

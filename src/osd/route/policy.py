@@ -1,9 +1,14 @@
 """The router: which draft serves a request, decided before decoding from the prompt's features.
 
-Per draft d a linear predictor of its acceptance on a request, score_d(x) = w_d . x, learned online by
-normalised least mean squares (NLMS: w_d += lr (r_d - w_d . x) x / |x|^2), which tracks drafts whose
-acceptance changes as they learn. Feedback is full-information where it can be (every draft's acceptance on
-a finished request, route/feedback.py), so the router learns about drafts that did not serve.
+Per draft d a linear predictor of its advantage on a request (its acceptance minus the mean over drafts),
+score_d(x) = w_d . x, fitted by exponentially weighted ridge regression on every scored request:
+    A = lam A + (1 - lam) ridge I + x x^T,   B = lam B + x (r - mean r)^T,   W = A^-1 B   (F x D)
+Full-information feedback (every draft's acceptance on a finished request, route/feedback.py) updates every
+draft at once, so the router learns about drafts that did not serve. lam < 1 forgets old requests, so the
+router follows drafts whose acceptance changes as they learn; the (1 - lam) ridge I term keeps A >= ridge I
+(no wind-up of directions the traffic never excites). Advantages, not acceptances: how hard a request is
+cancels, only which draft is better is learnt. Cost: routing is one (F,) x (F, D) product; learning one
+F x F solve per scored request (F = 527 by default: a few milliseconds, off the decoding path).
 
 A decision, in order:
 1. pinned: the request names a draft (unknown name -> DraftNotFound);
@@ -42,11 +47,15 @@ class Decision:
     seconds: float = 0.0  # featurise + decide
 
 
-def nlms_step(weights: torch.Tensor, x: torch.Tensor, reward: float, lr: float) -> float:
-    """One normalised LMS step in place; returns the prediction error before it."""
-    error = reward - float(weights @ x)
-    weights.add_(x, alpha=lr * error / max(float(x @ x), 1e-12))
-    return error
+def ridge_step(gram: torch.Tensor, moments: torch.Tensor, x: torch.Tensor, targets: torch.Tensor, forget: float,
+               ridge: float) -> torch.Tensor:
+    """One exponentially weighted ridge update in place; returns the new weights A^-1 B.
+
+    gram (F, F) = A, moments (F, D) = B, x (F,), targets (D,)."""
+    gram.mul_(forget).diagonal().add_((1 - forget) * ridge)
+    gram.addr_(x, x)
+    moments.mul_(forget).addr_(x, targets)
+    return torch.linalg.solve(gram, moments)  # (F, D)
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -63,7 +72,10 @@ class Router:
         c = self.config
         self.size = feature_size(c.route_buckets)
         self.featurize = featurize or (lambda ids: prompt_features(ids, "", c.route_buckets, c.route_window))
-        self.weights: dict[str, torch.Tensor] = {}
+        self.order: list[str] = []  # draft of each column of weights / moments
+        self.gram = torch.eye(self.size) * c.route_ridge  # (F, F) A
+        self.moments = torch.zeros(self.size, 0)  # (F, D) B
+        self.weights = torch.zeros(self.size, 0)  # (F, D) W = A^-1 B
         self.centroids: dict[str, torch.Tensor | None] = {}
         self.rng = random.Random(c.route_seed)
         self._lock = threading.Lock()
@@ -78,23 +90,32 @@ class Router:
     def add(self, name: str, like: str | None = None) -> None:
         """A new draft; `like`: start from that draft's predictor (a copy of its adapter)."""
         with self._lock:
-            if name in self.weights:
+            if name in self.order:
                 raise InvalidArgument(f"the router knows a draft named {name!r} already")
-            self.weights[name] = self.weights[like].clone() if like is not None else torch.zeros(self.size)
+            if like is not None:
+                self._known(like)
+            column = self.order.index(like) if like is not None else None
+            new = lambda m: m[:, column : column + 1].clone() if column is not None else torch.zeros(self.size, 1)
+            self.moments = torch.cat([self.moments, new(self.moments)], 1)
+            self.weights = torch.cat([self.weights, new(self.weights)], 1)
+            self.order.append(name)
             self.centroids[name] = None
 
     def remove(self, name: str) -> None:
         with self._lock:
             self._known(name)
-            del self.weights[name], self.centroids[name]
+            keep = [i for i, n in enumerate(self.order) if n != name]
+            self.moments, self.weights = self.moments[:, keep], self.weights[:, keep]
+            self.order.remove(name)
+            del self.centroids[name]
 
     def names(self) -> list[str]:
         with self._lock:
-            return sorted(self.weights)
+            return sorted(self.order)
 
     def _known(self, name: str) -> None:
-        if name not in self.weights:
-            raise DraftNotFound(f"no draft named {name!r}; known: {sorted(self.weights)}")
+        if name not in self.order:
+            raise DraftNotFound(f"no draft named {name!r}; known: {sorted(self.order)}")
 
     # --- deciding -------------------------------------------------------------------------------
     def route(self, prompt_ids: list[int], pinned: str | None = None) -> Decision:
@@ -108,7 +129,8 @@ class Router:
 
     def predict(self, x: torch.Tensor) -> dict[str, float]:
         with self._lock:
-            return {name: float(w @ x) for name, w in sorted(self.weights.items())}
+            scores = (x @ self.weights).tolist()  # (D,)
+            return dict(sorted(zip(self.order, scores)))
 
     def choose(self, x: torch.Tensor, pinned: str | None = None) -> Decision:
         scores = self.predict(x)
@@ -142,7 +164,7 @@ class Router:
     def commit(self, decision: Decision) -> None:
         """Count a decision whose request was served; its draft's traffic centroid moves toward it."""
         with self._lock:
-            if decision.draft not in self.weights:
+            if decision.draft not in self.order:
                 return  # retired meanwhile
             by_draft = self.decisions[decision.reason]
             by_draft[decision.draft] = by_draft.get(decision.draft, 0) + 1
@@ -158,11 +180,17 @@ class Router:
 
     # --- learning -------------------------------------------------------------------------------
     def learn(self, x: torch.Tensor, rewards: dict[str, float]) -> None:
-        """Move each named draft's predictor toward its observed acceptance on a request with features x."""
+        """Every draft's acceptance on a request with features x (full information). A draft missing from
+        `rewards` (created after the request) is given its own prediction: no evidence either way."""
         with self._lock:
-            for name, reward in rewards.items():
-                if name in self.weights:
-                    nlms_step(self.weights[name], x, reward, self.config.route_lr)
+            known = [rewards[n] for n in self.order if n in rewards]
+            if not known:
+                return
+            mean = sum(known) / len(known)
+            predicted = (x @ self.weights).tolist()
+            targets = torch.tensor([rewards[n] - mean if n in rewards else p for n, p in zip(self.order, predicted)])
+            c = self.config
+            self.weights = ridge_step(self.gram, self.moments, x, targets, c.route_forget, c.route_ridge)
             self.updates += 1
 
     def stats(self) -> dict:
