@@ -5,9 +5,11 @@ Every draft has its own buffer, guard, drift guard, optimizer, version history a
 the base's weights, so every update runs with its adapter active (AdapterDrafts.use: one lock, so at most one
 draft trains at a time, which on a CPU shared with decoding is what we want anyway).
 
-`DraftLearners` hands each StepRecord and finished request to the learner of the draft that served it
-(`served_draft`: the routed draft's name, also behind an n-gram lookup's "ngram+<draft>").
-Limitation: a record of a draft that was retired meanwhile is dropped.
+`DraftLearners` hands each StepRecord and finished request to the learner of the draft that owns the request:
+`owner_of(served draft)`, by default the draft that served it (`served_draft`: the routed draft's name, also
+behind an n-gram lookup's "ngram+<draft>"); with a router, the owner of the request's mode (route/policy.py).
+Limitations: a record of a draft that was retired meanwhile is dropped; when the owner did not serve, it learns
+at the positions the serving draft proposed (mode "mismatch": where the serving draft was rejected).
 """
 from __future__ import annotations
 
@@ -97,8 +99,8 @@ class AdapterLearner(OnlineLearner):
 class DraftLearners:
     """The per-draft learners, duck-typed like one OnlineLearner for the engine, the server and /metrics."""
 
-    def __init__(self, drafts, config: LearnConfig | None = None):
-        self.drafts, self.config = drafts, config or LearnConfig()
+    def __init__(self, drafts, config: LearnConfig | None = None, owner_of=served_draft):
+        self.drafts, self.config, self.owner_of = drafts, config or LearnConfig(), owner_of
         self.learners: dict[str, AdapterLearner] = {}
         self.engine_busy = lambda: False
         for name in drafts.names():
@@ -115,12 +117,12 @@ class DraftLearners:
             learner.stop()
 
     def observe(self, record) -> None:
-        learner = self.learners.get(served_draft(record.draft[0]))
+        learner = self.learners.get(self.owner_of(served_draft(record.draft[0])))
         if learner is not None:
             learner.observe(record)
 
     def after_request(self, result) -> None:
-        learner = self.learners.get(served_draft(result.draft[0]))
+        learner = self.learners.get(self.owner_of(served_draft(result.draft[0])))
         if learner is not None:
             learner.after_request(result)
 

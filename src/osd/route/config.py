@@ -23,8 +23,9 @@ class RouteConfig:
     route_forget: float = 0.998  # the router's ridge regression forgets old requests by this factor each (~500 requests)
     route_ridge: float = 0.1  # ridge regularisation of the router's regression
     route_margin: float = 0.01  # predicted acceptances within this of the best tie: the cold-start clustering decides
-    route_split_similarity: float = 0.3  # cold start: a request less similar (cosine) than this to every served
-    #   draft's traffic goes to a draft that has served nothing yet
+    route_warmup: int = 128  # requests (all owned by the first draft) on which k-means then finds one mode per draft
+    route_split_similarity: float = 0.3  # a draft without a mode claims a request less similar (cosine) than this to
+    #   every mode (route/policy.py)
     route_centroid_ema: float = 0.05  # weight of a new request in its draft's traffic centroid
     route_buckets: int = 512  # hashed n-gram buckets of the prompt features
     route_window: int = 512  # prompt tokens (the last ones) the features look at
@@ -41,7 +42,7 @@ class RouteConfig:
             raise InvalidArgument(f"score_schedule must be one of {SCHEDULES}, got {self.score_schedule!r}")
         if not 0 < self.route_forget <= 1 or self.route_ridge <= 0 or self.route_margin < 0:
             raise InvalidArgument("route_forget must be in (0, 1], route_ridge > 0, route_margin >= 0")
-        if not 0 < self.route_centroid_ema <= 1 or self.route_buckets <= 0 or self.route_window < 0:
+        if not 0 < self.route_centroid_ema <= 1 or self.route_buckets <= 0 or self.route_window < 0 or self.route_warmup < 0:
             raise InvalidArgument("route_centroid_ema in (0, 1], route_buckets > 0, route_window >= 0")
         if self.score_max_tokens < 2:
             raise InvalidArgument("score_max_tokens must be >= 2")

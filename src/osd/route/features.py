@@ -1,8 +1,9 @@
 """What the router sees of a request before decoding: features that cost nothing next to decoding.
 
 Pure functions of the prompt's token ids (and its text, for the script):
-- hashed n-gram counts of the last `window` prompt tokens (unigrams and bigrams by default), log-scaled and
-  L2-normalised: topic and language show in which tokens occur;
+- hashed token counts (unigrams) of the last `window` prompt tokens, log-scaled and L2-normalised: topic and
+  language show in which tokens occur (with the bundled tokenizer, nearest-centroid on these is right for 0.95
+  of gsm8k / spider / code / finance prompts with 512 buckets; adding bigrams made it 0.93, route/cluster.py);
 - the share of the prompt's characters in each script (Latin, CJK, Cyrillic, ...), times SCRIPT_WEIGHT:
   language at a glance (weighted below the n-grams, so two topics in one script are not near-identical);
 - a constant BIAS (the intercept of the router's linear scores; small, so that what one mode teaches about a
@@ -70,10 +71,10 @@ def hashed_ngrams(token_ids: list[int], buckets: int, orders=(1, 2)) -> torch.Te
 
 
 def prompt_features(token_ids: list[int], text: str = "", buckets: int = 512, window: int = 512) -> torch.Tensor:
-    """(buckets + len(SCRIPTS) + 1,) features of a prompt: hashed n-grams, weighted script shares, bias."""
+    """(buckets + len(SCRIPTS) + 1,) features of a prompt: hashed token counts, weighted script shares, bias."""
     ids = list(token_ids[-window:]) if window else list(token_ids)
     scripts = script_shares(text[-4 * window:] if window else text) * SCRIPT_WEIGHT
-    return torch.cat([hashed_ngrams(ids, buckets), scripts, torch.full((1,), BIAS)])
+    return torch.cat([hashed_ngrams(ids, buckets, orders=(1,)), scripts, torch.full((1,), BIAS)])
 
 
 def feature_size(buckets: int) -> int:

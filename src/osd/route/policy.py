@@ -10,18 +10,27 @@ router follows drafts whose acceptance changes as they learn; the (1 - lam) ridg
 cancels, only which draft is better is learnt. Cost: routing is one (F,) x (F, D) product; learning one
 F x F solve per scored request (F = 527 by default: a few milliseconds, off the decoding path).
 
-A decision, in order:
-1. pinned: the request names a draft (unknown name -> DraftNotFound);
-2. explore: with probability `explore`, but never past `explore` x (routed requests so far), a uniformly
-   random other draft (so a draft the router passes over still sees some of every traffic and can improve);
-3. routed: the best predicted draft, when it leads the others by more than `margin`;
-4. cold: otherwise (ties: all drafts start equal) the draft whose served traffic is most similar (cosine to
-   its running centroid), or, when the request is unlike all of them, a draft that has served nothing yet.
-   This online leader clustering breaks the symmetry of drafts created equal: each mode of the traffic
-   claims its own draft, which then learns it, and the scores take over.
-`route` decides without side effects; `commit` (after the request was served) counts it and moves the
-centroid, so warm-up requests (engine.calibrate) leave no trace.
-Limitation: linear in the features, so a draft's niche must be linearly separable in the hashed n-grams.
+Two drafts per request: the OWNER learns from it, the SERVED one decodes it.
+- owner: the mode (cluster) the request belongs to (route/cluster.py). The first `route_warmup` requests are
+  all owned by the first draft and kept; then spherical k-means (k = drafts) on them gives each draft a mode,
+  the largest to the first draft (it learnt them all); from then on the owner is the draft whose mode centroid
+  is nearest (cosine of IDF-weighted token counts, so that a chat template every prompt shares weighs
+  nothing), and the centroid follows its traffic (EMA). A draft without a mode (created later, or more drafts
+  than warm-up requests) claims a request unlike every mode (cosine < route_split_similarity); with
+  route_warmup = 0 that greedy leader rule is the whole clustering. Each draft so learns one mode of the
+  traffic, as the paper's per-mode drafts do. Learning by the served draft instead is rich-get-richer: whichever draft trains first is best
+  everywhere for a while (early learning is mostly not mode-specific), serves everything, and the others never
+  learn (observed on the tiny two-mode replay of tests/route/test_replay_routed.py before owners existed).
+- served, in order: 1. pinned: the request names a draft (unknown -> DraftNotFound; it owns the request too);
+  2. explore: with probability `explore`, but never past `explore` x (routed requests so far), a random other
+  draft than the choice below (a live check of the router's belief, visible in the served draft's /metrics
+  acceptance; most useful when scoring is sparse); 3. routed: the best predicted draft, when it leads the
+  others by more than `margin`; 4. cold: otherwise (drafts created equal tie) the owner.
+`route` decides without side effects; `commit` (after the request was served) counts it, updates the document
+frequencies and moves the owner's centroid, so warm-up requests (engine.calibrate) leave no trace.
+Limitations: scores are linear in the features (a draft's niche must be linearly separable in the hashed
+token counts); modes are fixed by the warm-up requests (a mode absent from them joins the nearest one, unless
+a draft without a mode is there to claim it); pinned requests stay out of the warm-up.
 """
 from __future__ import annotations
 
@@ -32,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from osd.errors import DraftNotFound, InvalidArgument
+from osd.route.cluster import idf_weights, normalised, spherical_kmeans
 from osd.route.config import RouteConfig
 
 REASONS = ("pinned", "explore", "routed", "cold")
@@ -39,10 +49,11 @@ REASONS = ("pinned", "explore", "routed", "cold")
 
 @dataclass
 class Decision:
-    draft: str
+    draft: str  # serves the request
     reason: str  # one of REASONS
-    scores: dict[str, float]  # predicted acceptance per draft
+    scores: dict[str, float]  # predicted advantage per draft
     features: torch.Tensor = field(repr=False)  # (F,)
+    owner: str = ""  # learns from the request: the draft whose traffic (cluster) it belongs to
     prompt_len: int = 0
     seconds: float = 0.0  # featurise + decide
 
@@ -76,7 +87,9 @@ class Router:
         self.gram = torch.eye(self.size) * c.route_ridge  # (F, F) A
         self.moments = torch.zeros(self.size, 0)  # (F, D) B
         self.weights = torch.zeros(self.size, 0)  # (F, D) W = A^-1 B
-        self.centroids: dict[str, torch.Tensor | None] = {}
+        self.centroids: dict[str, torch.Tensor | None] = {}  # owner -> unit EMA of its traffic's IDF-weighted features
+        self.documents, self.document_frequency = 0, torch.zeros(c.route_buckets)  # requests; requests per bucket
+        self.warmup: list[torch.Tensor] | None = [] if c.route_warmup else None  # None: modes are set
         self.rng = random.Random(c.route_seed)
         self._lock = threading.Lock()
         self.decisions = {r: {} for r in REASONS}  # reason -> draft -> count
@@ -132,51 +145,74 @@ class Router:
             scores = (x @ self.weights).tolist()  # (D,)
             return dict(sorted(zip(self.order, scores)))
 
-    def choose(self, x: torch.Tensor, pinned: str | None = None) -> Decision:
+    def choose(self, x: torch.Tensor, pinned: str | None = None, explore: bool = True) -> Decision:
+        """explore=False: the router's own choice (measuring it on held-out requests)."""
         scores = self.predict(x)
         if not scores:
             raise DraftNotFound("the router has no drafts")
         if pinned is not None:
             with self._lock:
                 self._known(pinned)
-            return Decision(pinned, "pinned", scores, x)
+            return Decision(pinned, "pinned", scores, x, owner=pinned)
         c = self.config
         with self._lock:
-            may_explore = len(scores) > 1 and self.explored + 1 <= c.explore * (self.routed + 1)
-            if may_explore and self.rng.random() < c.explore:
-                best = max(scores, key=scores.get)
-                return Decision(self.rng.choice([n for n in scores if n != best]), "explore", scores, x)
+            owner = self._cluster(x)
+            may_explore = explore and len(scores) > 1 and self.explored + 1 <= c.explore * (self.routed + 1)
             top = max(scores.values())
             tied = [n for n, s in scores.items() if s >= top - c.route_margin]
-            if len(tied) == 1:
-                return Decision(tied[0], "routed", scores, x)
-            return Decision(self._cold(x, tied), "cold", scores, x)
+            choice, reason = (tied[0], "routed") if len(tied) == 1 else (owner if owner in tied else tied[0], "cold")
+            if may_explore and self.rng.random() < c.explore:
+                return Decision(self.rng.choice([n for n in scores if n != choice]), "explore", scores, x, owner=owner)
+            return Decision(choice, reason, scores, x, owner=owner)
 
-    def _cold(self, x: torch.Tensor, tied: list[str]) -> str:
-        """Nearest served traffic among the tied drafts, or a fresh draft for a request unlike all of them."""
-        served = {n: cosine(x[:-1], self.centroids[n][:-1]) for n in tied if self.centroids[n] is not None}
-        fresh = [n for n in tied if self.centroids[n] is None]
-        if not served:
+    def _cluster(self, x: torch.Tensor) -> str:
+        """The draft whose mode the request belongs to (module docstring)."""
+        if self.warmup is not None:
+            return self.order[0]
+        weighted = self._idf_weighted(x)
+        owned = {n: cosine(weighted, c) for n, c in self.centroids.items() if c is not None}
+        fresh = [n for n in self.order if self.centroids[n] is None]
+        if not owned:
             return fresh[0]
-        nearest = max(served, key=served.get)
-        return fresh[0] if fresh and served[nearest] < self.config.route_split_similarity else nearest
+        nearest = max(owned, key=owned.get)
+        return fresh[0] if fresh and owned[nearest] < self.config.route_split_similarity else nearest
+
+    def _idf_weighted(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., F) -> (..., F - 1): the bias left out, token buckets weighted by IDF over the requests so far."""
+        b = self.config.route_buckets
+        return torch.cat([x[..., :b] * idf_weights(self.document_frequency, self.documents), x[..., b:-1]], -1)
+
+    def _set_modes(self) -> None:
+        """k-means on the warm-up requests: one mode per draft (the largest to the first draft)."""
+        points = normalised(self._idf_weighted(torch.stack(self.warmup)))  # (N, F - 1)
+        centroids, assign = spherical_kmeans(points, len(self.order), self.config.route_seed)
+        sizes = torch.bincount(assign, minlength=len(centroids))
+        for name, j in zip(self.order, sizes.argsort(descending=True).tolist()):
+            self.centroids[name] = centroids[j]
+        self.warmup = None
 
     def commit(self, decision: Decision) -> None:
-        """Count a decision whose request was served; its draft's traffic centroid moves toward it."""
+        """Count a decision whose request was served; the owner's traffic centroid moves toward it."""
         with self._lock:
             if decision.draft not in self.order:
                 return  # retired meanwhile
             by_draft = self.decisions[decision.reason]
             by_draft[decision.draft] = by_draft.get(decision.draft, 0) + 1
             self.route_seconds += decision.seconds
-            if decision.reason == "pinned":
-                return
-            self.routed += 1
+            self.routed += decision.reason != "pinned"
             self.explored += decision.reason == "explore"
-            if decision.reason != "explore":  # explored traffic is not the draft's own
-                c = self.centroids[decision.draft]
+            x, b = decision.features, self.config.route_buckets
+            self.documents += 1
+            self.document_frequency += (x[:b] > 0).float()
+            if self.warmup is not None:
+                if decision.reason != "pinned":
+                    self.warmup.append(x.clone())
+                if len(self.warmup) >= self.config.route_warmup:
+                    self._set_modes()
+            elif decision.owner in self.centroids:
+                c, w = self.centroids[decision.owner], normalised(self._idf_weighted(x))
                 ema = self.config.route_centroid_ema
-                self.centroids[decision.draft] = decision.features.clone() if c is None else (1 - ema) * c + ema * decision.features
+                self.centroids[decision.owner] = w if c is None else normalised((1 - ema) * c + ema * w)
 
     # --- learning -------------------------------------------------------------------------------
     def learn(self, x: torch.Tensor, rewards: dict[str, float]) -> None:

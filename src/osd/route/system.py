@@ -53,8 +53,13 @@ class Routing:
         return self
 
     def attach_learners(self, learn, engine) -> DraftLearners:
-        self.learners = DraftLearners(self.drafts, learn).attach(engine)
+        self.learners = DraftLearners(self.drafts, learn, owner_of=self.owner_of).attach(engine)
         return self.learners
+
+    def owner_of(self, served: str) -> str:
+        """The draft that learns from the request in flight: its decision's owner (one worker: `last` is it)."""
+        decision = self.proposer.last
+        return decision.owner if decision is not None and decision.draft == served and decision.owner else served
 
     def after_request(self, result) -> None:
         decision = self.proposer.last
