@@ -94,6 +94,7 @@ def test_metrics_give_acceptance_per_draft_version_and_route(served):
     assert 'osd_spec_beta_n_total{draft="a",draft_version="0"}' in text
     assert 'osd_draft_version{draft="b"} 0.0' in text
     assert 'osd_route_decisions_total{draft="a",reason="pinned"}' in text
+    assert 'osd_route_owned_total{draft="a"}' in text
     scored = [line for line in text.splitlines() if line.startswith("osd_route_scored_requests_total ")]
     assert scored and float(scored[0].split()[1]) >= 1
     assert 'osd_draft_scored_acceptance_sum_total{draft="b"}' in text

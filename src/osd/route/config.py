@@ -22,7 +22,7 @@ class RouteConfig:
     score_schedule: str = "sync"  # sync: score inside the request observer | background: in idle windows (serving)
     route_forget: float = 0.998  # the router's ridge regression forgets old requests by this factor each (~500 requests)
     route_ridge: float = 0.1  # ridge regularisation of the router's regression
-    route_margin: float = 0.01  # predicted acceptances within this of the best tie: the cold-start clustering decides
+    route_margin: float = 0.01  # predicted advantages within this of the best tie: the request's owner serves
     route_warmup: int = 128  # requests (all owned by the first draft) on which k-means then finds one mode per draft
     route_split_similarity: float = 0.3  # a draft without a mode claims a request less similar (cosine) than this to
     #   every mode (route/policy.py)

@@ -2,6 +2,7 @@
 
   osd_draft_version{draft}                          gauge: the draft's published version
   osd_route_decisions_total{draft,reason}           requests served per draft and reason (pinned/explore/routed/cold)
+  osd_route_owned_total{draft}                      requests each draft learnt from (the owner of their mode)
   osd_route_explored_total, osd_route_routed_total  exploration share = explored / routed (bounded by --explore)
   osd_route_seconds_total                           featurising + deciding
   osd_route_scored_requests_total                   requests on which every draft was scored
@@ -39,6 +40,11 @@ class RouteCollector:
             for name, n in sorted(by_draft.items()):
                 decisions.add_metric([name, reason], n)
         yield decisions
+        owned = CounterMetricFamily("osd_route_owned", "Requests each draft learnt from (their mode's owner).",
+                                    labels=["draft"])
+        for name, n in sorted(router["owned"].items()):
+            owned.add_metric([name], n)
+        yield owned
         yield CounterMetricFamily("osd_route_explored", "Requests routed off the router's choice.", value=router["explored"])
         yield CounterMetricFamily("osd_route_routed", "Requests routed (not pinned).", value=router["routed"])
         yield CounterMetricFamily("osd_route_seconds", "Seconds featurising and deciding.", value=router["route_seconds"])

@@ -92,7 +92,8 @@ class Router:
         self.warmup: list[torch.Tensor] | None = [] if c.route_warmup else None  # None: modes are set
         self.rng = random.Random(c.route_seed)
         self._lock = threading.Lock()
-        self.decisions = {r: {} for r in REASONS}  # reason -> draft -> count
+        self.decisions = {r: {} for r in REASONS}  # reason -> served draft -> count
+        self.owned: dict[str, int] = {}  # owner -> requests it learnt from
         self.routed = self.explored = 0  # non-pinned decisions, and those explored (the share bound)
         self.route_seconds = 0.0
         self.updates = 0
@@ -199,6 +200,7 @@ class Router:
             by_draft = self.decisions[decision.reason]
             by_draft[decision.draft] = by_draft.get(decision.draft, 0) + 1
             self.route_seconds += decision.seconds
+            self.owned[decision.owner] = self.owned.get(decision.owner, 0) + 1
             self.routed += decision.reason != "pinned"
             self.explored += decision.reason == "explore"
             x, b = decision.features, self.config.route_buckets
@@ -232,5 +234,5 @@ class Router:
     def stats(self) -> dict:
         with self._lock:
             return {"routed": self.routed, "explored": self.explored, "updates": self.updates,
-                    "route_seconds": self.route_seconds,
+                    "route_seconds": self.route_seconds, "modes_set": self.warmup is None, "owned": dict(self.owned),
                     "decisions": {r: dict(d) for r, d in self.decisions.items()}}
