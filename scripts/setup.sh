@@ -37,5 +37,7 @@ if ! "$VENV/bin/python" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version_
   $PIP install --no-deps "$WHEELS"/llama_cpp_python-$LLAMA_CPP_VERSION-*.whl
   $PIP install "diskcache>=5.6.1" "jinja2>=2.11.3" "typing-extensions>=4.5.0"  # its own dependencies
 fi
-# Build the rows_linear CPU kernel once (cached by torch; a no-op afterwards; osd falls back to torch's kernels without it).
-HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "from osd.models.kernels import rows_linear; rows_linear()"
+# Build osd's CPU kernels once (cached by torch; a no-op afterwards). Without them osd's torch path stops with
+# KernelUnavailable unless --allow-kernel-fallback (torch's kernels: slower, not row-invariant).
+HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "from osd.models import kernels; kernels.load()" \
+  || echo "setup: osd's compiled kernels did not build (error above); install g++ and ninja, then run this again" >&2

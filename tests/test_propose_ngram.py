@@ -83,14 +83,20 @@ def test_lookup_speculation_keeps_greedy_output_identical():
 def test_k_zero_when_the_draft_is_artificially_slow_and_probes_back_off():
     """With drafting dearer than what acceptance can repay, the policy does not speculate; its probes (k = 1,
     each of which makes a model draft catch up on the whole context) come ever more rarely."""
-    policy = KPolicy(k_max=6, adaptive=True, alpha_prior=0.8, probe_every=16, max_probe_every=512)
-    policy.calibrate(t_draft=0.050, t_target=[0.030, 0.060, 0.085, 0.11, 0.13, 0.16, 0.19])  # c = 1.7
+    policy = KPolicy(k_max=6, adaptive=True, alpha_prior=0.3, probe_every=16, max_probe_every=512)
+    policy.calibrate(t_draft=0.005, t_target=[0.030, 0.040, 0.050, 0.060, 0.070, 0.080, 0.090])  # pays only if alpha is high
     ks = [policy.choose_k(remaining=64) for _ in range(1000)]
     assert set(ks) == {0, 1}
     assert [i for i, k in enumerate(ks) if k] == [15, 47, 111, 239, 495]  # intervals 16, 32, 64, 128, 256 (then 512)
     cheap = KPolicy(k_max=6, adaptive=True, alpha_prior=0.8)
     cheap.calibrate(t_draft=0.001, t_target=[0.030, 0.031, 0.032, 0.033, 0.034, 0.035, 0.036])  # ~free verification
     assert cheap.choose_k(remaining=64) == 6
+
+
+def test_no_probes_where_even_a_perfect_draft_would_not_pay():
+    policy = KPolicy(k_max=3, adaptive=True, alpha_prior=0.8, probe_every=4)
+    policy.calibrate(t_draft=0.024, t_target=[0.030, 0.052, 0.080, 0.086])  # c = 0.8, 2 rows = 1.72x (measured)
+    assert [policy.choose_k(64) for _ in range(100)] == [0] * 100
 
 
 def test_probe_interval_resets_once_speculation_pays_again():
@@ -124,8 +130,19 @@ class SlowRightDraft:
         pass
 
 
+class TickClock:
+    """Each reading is 30 ms after the previous one: every target feed "takes" 30 ms whatever its rows."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 0.030
+        return self.now
+
+
 def _engine_with_costs(target, draft, t_draft):
-    engine = SpeculativeEngine(target, ToyTokenizer(), draft, SpeculationConfig(k=4, adaptive=True))
+    engine = SpeculativeEngine(target, ToyTokenizer(), draft, SpeculationConfig(k=4, adaptive=True), clock=TickClock())
     engine.target_costs.calibrate([0.030, 0.054, 0.075, 0.09, 0.10])
     for policy, t in zip(engine.policies, t_draft):
         policy.calibrate(t)

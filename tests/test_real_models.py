@@ -52,13 +52,40 @@ def test_bundled_pair_matches_target_greedy_exactly():
     record = load_records("spider", split="test", limit=1)[0]
     ids = prompt_ids(tokenizer, record["prompt"])
     reference = hf_greedy(target, ids, 16, {151643, 151645})
-    models.prepack_target = True  # osd's fast path: prepacked target (in place), int8 draft, adaptive k
-    system = build_system(models, SpeculationConfig(k=4), target_model=target)
-    calibration = system.engine.calibrate(repeats=2)
+    models.prepack_target = True  # osd's fast path: prepacked target (in place), int8 draft
+    # fixed k: adaptive k may choose k = 0 on a loaded machine, and then nothing is proposed to accept
+    system = build_system(models, SpeculationConfig(k=4, adaptive=False), target_model=target)
     result = system.engine.generate(ids, SamplingConfig(max_new_tokens=16))
     assert result.token_ids == reference
-    # speculation ran (the k policy found it worth it) and the draft was mostly right
-    assert result.stats["alpha"] is not None and result.stats["alpha"] > 0.3, (result.stats, calibration)
+    assert result.counters.proposed > 0  # speculation ran, and the draft was mostly right
+    assert result.stats["alpha"] is not None and result.stats["alpha"] > 0.3, result.stats
+
+
+@pytest.mark.parametrize("spec,serving", [("bundled:smollm2-135m", "prepacked"), ("bundled:qwen2.5-coder-1.5b", "prepacked"),
+                                          ("bundled:qwen2.5-coder-0.5b", "int8")])
+def test_a_positions_logits_do_not_depend_on_the_rows_verified_with_it(spec, serving):
+    """Greedy identity by construction on real weights: the target's serving copy (prepacked) and the int8
+    draft give a position bitwise the same logits fed alone or in a step of k + 1 rows, k = 0..8."""
+    from osd.models.cached import CachedModel
+    from osd.models.prepack import prepack_linears
+    from osd.models.serving_draft import make_serving_draft
+
+    model = load_model(spec)
+    if serving == "prepacked":
+        prepack_linears(model)
+    else:
+        model, _ = make_serving_draft(model, "int8")
+    tokenizer = load_tokenizer(spec)
+    record = load_records("code", split="test", limit=1)[0]
+    ids = prompt_ids(tokenizer, record["prompt"])
+    runner = CachedModel(model)
+    runner.feed(ids[:-9])
+    alone = [runner.feed([t])[0] for t in ids[-9:]]
+    for k in range(9):
+        runner.rollback(len(ids) - 9)
+        together = runner.feed(ids[-9 : len(ids) - 8 + k], n_logits=k + 1)
+        for i in range(k + 1):
+            assert torch.equal(together[i], alone[i]), (k, i)
 
 
 def test_mismatched_tokenizers_are_refused():
@@ -100,3 +127,31 @@ def test_bundled_gguf_target_on_llama_cpp_speculative_equals_target_only():
         got = spec.generate(ids, SamplingConfig(max_new_tokens=24))
         assert got.token_ids == want
         assert got.counters.accepted > 0
+
+
+def test_bundled_gguf_target_on_osds_own_q4_kernel_speculative_equals_target_only():
+    """osd's own Q4_K kernel (models/q4_runner.py) serving the bundled Q4_K_M target, the bundled 0.5B GGUF drafting
+    on llama.cpp at k = 8 (9 rows per verification, the most the backend allows): output identical to its
+    target-only output; the text agrees with llama.cpp's greedy output at least at the start."""
+    pytest.importorskip("llama_cpp")
+    from osd.engine import SpeculativeEngine
+    from osd.models.llama_cpp_runner import LlamaCppRunner
+    from osd.models.loading import gguf_file
+    from osd.models.q4_runner import Q4Runner
+    from osd.propose import RunnerProposer
+
+    models = ModelConfig()
+    tokenizer = load_tokenizer(models.target)
+    target = Q4Runner(gguf_file(models.target), n_ctx=1024)
+    draft = RunnerProposer(LlamaCppRunner(gguf_file(models.draft), n_ctx=1024), "gguf-draft", target.vocab_size)
+    llama = SpeculativeEngine(LlamaCppRunner(gguf_file(models.target), n_ctx=1024), tokenizer, None,
+                              SpeculationConfig(k=0, adaptive=False))
+    plain = SpeculativeEngine(target, tokenizer, None, SpeculationConfig(k=0, adaptive=False))
+    spec = SpeculativeEngine(target, tokenizer, draft, SpeculationConfig(k=8, adaptive=False))
+    for record in load_records("spider", split="test", limit=2):
+        ids = prompt_ids(tokenizer, record["prompt"])
+        want = plain.generate(ids, SamplingConfig(max_new_tokens=24)).token_ids
+        got = spec.generate(ids, SamplingConfig(max_new_tokens=24))
+        assert got.token_ids == want
+        assert got.counters.accepted > 0
+        assert want[:3] == llama.generate(ids, SamplingConfig(max_new_tokens=3)).token_ids

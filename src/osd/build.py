@@ -36,7 +36,7 @@ class System:
         """Build a serving copy of draft weights and publish it under `name`."""
         master = master if master is not None else self.draft_master
         serving, vocab_ids = make_serving_draft(master, self.models.draft_quantize, self.models.draft_vocab,
-                                                special_ids(self.tokenizer))
+                                                special_ids(self.tokenizer), self.models.allow_kernel_fallback)
         snapshot = self.registry.publish(name, serving, vocab_ids, version)
         trim()  # building the copy's transients (float temporaries of each matrix) went back to the heap
         return snapshot
@@ -62,20 +62,25 @@ def target_backend(models: ModelConfig, target_model=None) -> str:
 
 
 def build_target(models: ModelConfig, target_model=None):
-    """The target runner (llama.cpp, quantized weights) or torch model (maybe prepacked) the engine verifies with."""
-    if target_backend(models, target_model) == "llama.cpp":
-        from osd.models.llama_cpp_runner import LlamaCppRunner
-
+    """The target runner (llama.cpp or osd's Q4 kernel: quantized weights) or torch model (maybe prepacked)."""
+    backend = target_backend(models, target_model)
+    if backend in ("llama.cpp", "osd"):
         gguf = gguf_file(models.target)
         if gguf is None:
-            raise InvalidArgument(f"the llama.cpp backend serves GGUF targets; {models.target!r} is not one "
+            raise InvalidArgument(f"the {backend} backend serves GGUF targets; {models.target!r} is not one "
                                   "(give a .gguf file or bundled:<name>, or --target-backend torch)")
+        if backend == "osd":
+            from osd.models.q4_runner import Q4Runner
+
+            return Q4Runner(gguf, models.n_ctx)
+        from osd.models.llama_cpp_runner import LlamaCppRunner
+
         return LlamaCppRunner(gguf, models.n_ctx, models.threads)
     if target_model is None:
         target_model = load_model(models.target, models.dtype)
     if models.prepack_target:
         target_model = shared_weights_copy(target_model) if models.prepack_copy else target_model
-        prepack_linears(target_model)
+        prepack_linears(target_model, models.allow_kernel_fallback)
     return target_model
 
 
@@ -88,9 +93,7 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
     set_threads(models.threads)
     tokenizer = load_tokenizer(models.target)
     target = build_target(models, target_model)
-    vocab_size = as_runner(target).vocab_size
-    registry, proposer = DraftRegistry(), None
-    system = System(None, tokenizer, registry, target, None, models, spec)
+    system = System(None, tokenizer, DraftRegistry(), target, None, models, spec)
     if with_draft and models.draft:
         check_same_tokenizer(tokenizer, load_tokenizer(models.draft))
         master = load_model(models.draft, models.draft_dtype)
@@ -98,20 +101,30 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
         if routed:
             from osd.route.system import Routing
 
-            system.routing = Routing.build(master, route, registry, tokenizer, vocab_size, models.draft_quantize,
-                                           models.draft_vocab, special_ids(tokenizer))
-            proposer = system.routing.proposer
+            system.routing = Routing.build(master, route, system.registry, tokenizer, as_runner(target).vocab_size,
+                                           models.draft_quantize, models.draft_vocab, special_ids(tokenizer))
         else:
             system.publish_draft(master)
-            proposer = DraftModelProposer(registry, DEFAULT_DRAFT, vocab_size)
+    system.engine = speculative_engine(system, target, spec)
+    return system
+
+
+def speculative_engine(system: System, target, spec: SpeculationConfig) -> SpeculativeEngine:
+    """An engine over `target` with a new proposer of the system's kind: its published draft (if any), behind
+    an n-gram lookup with its own traffic index when spec.lookup (benchmarks build one per target backend);
+    with several drafts, the system's one routed proposer (route/system.py), its feedback attached."""
+    vocab_size = as_runner(target).vocab_size
+    if system.routing is not None:
+        engine = SpeculativeEngine(target, system.tokenizer, system.routing.proposer, spec)
+        system.routing.attach(engine)
+        return engine
+    proposer = DraftModelProposer(system.registry, DEFAULT_DRAFT, vocab_size) if system.draft_master is not None else None
     if spec.lookup and spec.k > 0:
         proposer = LookupThenDraft(NgramProposer(vocab_size), proposer)
-    system.engine = SpeculativeEngine(target, tokenizer, proposer, spec)
-    if system.routing is not None:
-        system.routing.attach(system.engine)
+    engine = SpeculativeEngine(target, system.tokenizer, proposer, spec)
     if isinstance(proposer, LookupThenDraft):  # the lookup learns continuations from every finished request
-        system.engine.request_observers.append(lambda r: proposer.observe_request(r.prompt_ids + r.token_ids))
-    return system
+        engine.request_observers.append(lambda r: proposer.observe_request(r.prompt_ids + r.token_ids))
+    return engine
 
 
 def attach_learner(system: System, learn):

@@ -65,7 +65,7 @@ def cmd_bench_speed(args) -> None:
 
     result = run_speed(config_from(args, ModelConfig), config_from(args, SpeculationConfig), args.per_domain,
                        args.max_new_tokens, llama_cpp=not args.no_llama_cpp, hf_baseline=args.hf_baseline,
-                       spec_k=args.llama_cpp_spec_k)
+                       spec_k=args.llama_cpp_spec_k, osd_q4=not args.no_osd_q4)
     report_speed(result, args.out, args.markdown)
 
 
@@ -73,7 +73,8 @@ def cmd_bench_rows(args) -> None:
     from osd.bench.report import report_rows
     from osd.bench.rows import run_rows
 
-    report_rows(run_rows(args.target, args.threads, args.context, args.repeats), args.out, args.markdown)
+    backends = tuple(b for b in args.backends.split(",") if b)
+    report_rows(run_rows(args.target, args.threads, args.context, args.repeats, backends), args.out, args.markdown)
 
 
 def cmd_bench_train_step(args) -> None:
@@ -251,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-baseline", action="store_true", help="add transformers' fp32 target-only greedy (slow; "
                    "converts the GGUF to fp32 once)")
     p.add_argument("--llama-cpp-spec-k", type=int, default=4, help="k of the llama.cpp-drafted arm")
+    p.add_argument("--no-osd-q4", action="store_true", help="skip the arms on osd's own Q4_K kernel (osd_q4*)")
     p.add_argument("--out", default="benchmarks/bench-speed.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
     for cls in (ModelConfig, SpeculationConfig):
@@ -261,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--context", type=int, default=100)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--backends", default="llama.cpp,llama.cpp-norepack,osd",
+                   help="comma-separated: llama.cpp (repacked Q4_K), llama.cpp-norepack, osd (own Q4_K kernel)")
     p.add_argument("--out", default="benchmarks/bench-rows.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
     p.set_defaults(func=cmd_bench_rows)

@@ -59,29 +59,33 @@ class SpeculationConfig:
             raise InvalidArgument(f"alpha_ema must be in [0, 1), got {self.alpha_ema}")
 
 
+TARGET_BACKENDS = ("auto", "torch", "llama.cpp", "osd")  # osd: models/q4_runner.py (own Q4_K/Q6_K kernel)
+
+
 @dataclass
 class ModelConfig:
     target: str = "bundled:qwen2.5-coder-1.5b"  # hub id, local dir, .gguf file or bundled:<name>
     draft: str = "bundled:qwen2.5-coder-0.5b"
     dtype: str = "float32"  # target dtype (the baseline uses the same)
     draft_dtype: str = "float32"  # dtype of the draft's master weights
-    draft_quantize: str = "int8"  # "none" | "int8": serving copy of the draft (dynamic int8 linears)
+    draft_quantize: str = "int8"  # "none" | "int8" | "int8_vnni": serving copy of the draft (int8 linears, models/serving_draft.py)
     draft_vocab: int = 0  # 0 = full; N = draft proposes only among token ids < N (+ special tokens)
-    target_backend: str = "auto"  # "torch" | "llama.cpp" | "auto" (llama.cpp for a GGUF target, torch otherwise)
-    n_ctx: int = 4096  # llama.cpp target: context (KV cache) length
+    target_backend: str = "auto"  # "torch" | "llama.cpp" | "osd" (own Q4_K kernel, Qwen2 GGUFs) | "auto" (llama.cpp for a GGUF target, torch otherwise)
+    n_ctx: int = 4096  # llama.cpp / osd target: context (KV cache) length
     threads: int = 0  # torch (and llama.cpp) threads; 0 = default (torch's; llama.cpp: the cores we may use)
     prepack_target: bool = True  # fast fp32 linears for the target (models/prepack.py; CPU speed trick)
     prepack_copy: bool = False  # prepack a copy (sharing its weights), keeping the given target model plain (benchmarks)
+    allow_kernel_fallback: bool = False  # run on torch's kernels where osd's compiled ones cannot be built (else an error; models/kernels.py)
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise InvalidArgument(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")
         if self.draft_dtype not in ("float32", "bfloat16", "float16"):
             raise InvalidArgument(f"draft_dtype must be float32, bfloat16 or float16, got {self.draft_dtype}")
-        if self.draft_quantize not in ("none", "int8"):
-            raise InvalidArgument(f"draft_quantize must be none or int8, got {self.draft_quantize}")
-        if self.target_backend not in ("auto", "torch", "llama.cpp"):
-            raise InvalidArgument(f"target_backend must be auto, torch or llama.cpp, got {self.target_backend}")
+        if self.draft_quantize not in ("none", "int8", "int8_vnni"):
+            raise InvalidArgument(f"draft_quantize must be none, int8 or int8_vnni, got {self.draft_quantize}")
+        if self.target_backend not in TARGET_BACKENDS:
+            raise InvalidArgument(f"target_backend must be one of {', '.join(TARGET_BACKENDS)}, got {self.target_backend}")
         if self.draft_vocab < 0:
             raise InvalidArgument(f"draft_vocab must be >= 0, got {self.draft_vocab}")
 

@@ -40,6 +40,7 @@ class StepRecord:
     temperature: float
     t_draft: float
     t_target: float
+    draft_weights: str | None = None  # fingerprint of the weights this step's proposal ran with (Proposal.weights)
 
 
 @dataclass
@@ -128,7 +129,7 @@ class SpeculativeEngine:
             emitted = proposal.tokens[: outcome.n_accepted] + [outcome.next_token]
             record = StepRecord(request_id, draft, tokens[:], proposal.tokens, outcome.n_accepted, outcome.next_token,
                                 target_logits, proposal.draft_probs, betas, sampling.temperature, t1 - t0,
-                                t2 - t1) if self.observers else None  # the context copy only when someone observes
+                                t2 - t1, proposal.weights) if self.observers else None  # the context copy only when someone observes
             tokens += emitted
             self.target.rollback(len(tokens) - 1)  # keep the accepted prefix; the last token is pending
             if k:

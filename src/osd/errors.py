@@ -43,5 +43,14 @@ class CheckpointMismatch(OsdError):
     """A checkpoint holds only the trained part of a draft and was made on another base draft than the one given."""
 
 
+class OptimizerStateError(OsdError):
+    """A checkpoint's optimizer state cannot be read or does not fit the parameters being trained (names the file
+    and why); resuming would otherwise restart the optimizer silently."""
+
+
 class BackendUnavailable(OsdError):
     """A model backend was asked for that is not installed here (with how to install it)."""
+
+
+class KernelUnavailable(OsdError):
+    """osd's compiled CPU kernels cannot be built or loaded here and no fallback was allowed (with the build error and the fix)."""

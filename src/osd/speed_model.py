@@ -59,7 +59,9 @@ class KPolicy:
     alpha is estimated by the truncated-geometric MLE accepted / (accepted + rejections), smoothed
     with an EMA; the draft cost is an EMA of single-token draft forwards; target costs are shared
     (`TargetCosts`). With adaptive=False it always returns k_max.
-    Steps at k = 0 teach nothing about alpha, so after `probe_every` such steps it tries k = 1. A probe
+    Where speculation could not pay even with every token accepted (draft + verification dearer than the
+    tokens they could yield), k = 0 and no probing. Otherwise steps at k = 0 teach nothing about alpha, so
+    after `probe_every` such steps it tries k = 1. A probe
     costs more than a draft token (a model draft first catches up on every token committed without it),
     so the interval doubles after each probe that does not change the decision (up to `max_probe_every`)
     and returns to `probe_every` once speculation pays again: probing costs a bounded share of steps.
@@ -87,11 +89,11 @@ class KPolicy:
         if t_target is not None:
             self.costs.calibrate(t_target)
 
-    def _best(self, cap: int) -> int | None:
+    def _best(self, cap: int, alpha: float | None = None) -> int | None:
         costs = self.costs.by_rows()
         if costs is None or self.t_draft is None:
             return None
-        return best_k(self.alpha, self.t_draft, costs[: cap + 1], cap)
+        return best_k(self.alpha if alpha is None else alpha, self.t_draft, costs[: cap + 1], cap)
 
     def choose_k(self, remaining: int) -> int:
         cap = max(0, min(self.k_max, remaining - 1))
@@ -103,6 +105,8 @@ class KPolicy:
         if k > 0:
             self._zero_steps, self._interval = 0, self.probe_every
             return k
+        if self._best(cap, alpha=1.0) == 0:  # would not pay even if every token were accepted: nothing to learn
+            return 0
         self._zero_steps += 1
         if self._zero_steps >= self._interval:
             self._zero_steps, self._interval = 0, min(2 * self._interval, self.max_probe_every)

@@ -14,7 +14,7 @@ from osd.distill.target_outputs import target_samples
 from osd.learn.batch import acceptance_on
 from osd.learn.guard import paired_z
 from osd.learn.online import LearnConfig, OnlineLearner
-from osd.serve.prom import learner_lines
+from osd.serve.prom import learner_families
 
 rng = random.Random(3)
 PROMPTS = [[rng.randrange(2, 40) for _ in range(rng.randrange(2, 5))] for _ in range(80)]
@@ -100,7 +100,8 @@ def test_a_slide_after_learning_rolls_back_to_the_best_version(tasks):
     assert 0 < best < now and all(torch.equal(a, b) for a, b in zip(published[best], published[now]))
     stats = learner.stats()
     assert stats["rollbacks"] == learner.counters["rollbacks"] and stats["resets"] == learner.counters["resets"]
-    assert f"osd_learner_rollbacks {stats['rollbacks']}" in learner_lines(stats)  # what /metrics shows
+    exposed = {sample.name: sample.value for family in learner_families(stats) for sample in family.samples}
+    assert exposed["osd_learner_rollbacks_total"] == stats["rollbacks"]  # what /metrics shows
 
 
 def test_held_out_requests_were_never_trained_on(tasks, monkeypatch):

@@ -72,3 +72,48 @@ def test_temperature_and_bad_arguments():
         distill_loss(d, t, "jsd", beta=1.5)
     tl, dl = bucket_log_probs(d, compress(t, 4))
     assert tl.shape == dl.shape == (4, 5)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+@pytest.mark.parametrize("loss", LOSSES)
+def test_tempered_compact_target_equals_tempered_full_when_k_covers_vocab(loss, temperature):
+    """--loss-temperature tempers a compact (stored) target too, not only the draft."""
+    target, draft = logits(3), logits(4)
+    full = distill_loss(draft, target, loss, temperature=temperature)
+    compact = distill_loss(draft, compress(target, top_k=10), loss, temperature=temperature)
+    assert compact.item() == pytest.approx(full.item(), rel=1e-4, abs=1e-5)
+
+
+def exact_tempered_buckets(target_logits, ids, temperature):
+    """Reference: temper the full distribution, then bucket it (listed tokens + the summed rest)."""
+    probs = torch.softmax(target_logits / temperature, -1)
+    listed = probs.gather(-1, ids)
+    return torch.cat([listed, (1 - listed.sum(-1, keepdim=True)).clamp_min(0)], -1)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_tempered_compact_tail_is_exact_for_a_flat_tail_and_bounded_as_stated_otherwise(temperature):
+    from osd.learn.compact import tempered_log_buckets
+
+    v, k = 50, 6
+    flat = logits(9, v=v, scale=3.0)
+    top = flat.topk(k, -1)
+    flat = torch.full_like(flat, float(top.values.min()) - 2.0).scatter(-1, top.indices, top.values)  # flat tail
+    dist = compress(flat, top_k=k)
+    approx = tempered_log_buckets(dist, temperature, v).exp()
+    assert torch.allclose(approx, exact_tempered_buckets(flat, dist.ids, temperature), atol=1e-5)
+    uneven = logits(10, v=v, scale=3.0)
+    dist = compress(uneven, top_k=k)
+    approx_tail = tempered_log_buckets(dist, temperature, v).exp()[:, -1]
+    exact_tail = exact_tempered_buckets(uneven, dist.ids, temperature)[:, -1]
+    if temperature > 1:  # a flat tail is the flattest: tempering above 1 spreads it the most
+        assert (approx_tail >= exact_tail - 1e-6).all() and (approx_tail > exact_tail).any()
+    else:
+        assert (approx_tail <= exact_tail + 1e-6).all() and (approx_tail < exact_tail).any()
+
+
+def test_temperature_one_keeps_the_stored_compact_target():
+    target, draft = logits(11, v=20), logits(12, v=20)
+    dist = compress(target, top_k=5)
+    target_logp, _ = bucket_log_probs(draft, dist, temperature=1.0)
+    assert torch.equal(target_logp, torch.log(torch.cat([dist.probs, dist.tail.clamp_min(1e-10)[:, None]], -1)))

@@ -56,9 +56,10 @@ def _gguf_names(layers: int) -> dict[str, str]:
     return names
 
 
-def write_tiny_gguf(path: Path, seed: int = 0):
+def write_tiny_gguf(path: Path, seed: int = 0, quantize: bool = True):
     """Write a Q4_K_M GGUF of a seeded tiny Qwen2 (quantized by llama.cpp itself, as the real GGUFs were);
-    return the torch model holding exactly the dequantized weights llama.cpp serves."""
+    return the torch model holding exactly the dequantized weights llama.cpp serves. quantize=False: the float32
+    GGUF as written (every tensor F32)."""
     import ctypes
 
     import gguf
@@ -68,7 +69,7 @@ def write_tiny_gguf(path: Path, seed: int = 0):
 
     llama_cpp_lib()  # initialised, its log quiet
     model = tiny_torch_model(seed)
-    f32 = path.with_name(path.stem + "-f32.gguf")
+    f32 = path.with_name(path.stem + "-f32.gguf") if quantize else path
     writer = gguf.GGUFWriter(str(f32), "qwen2")
     writer.add_context_length(512)
     writer.add_embedding_length(HIDDEN)
@@ -94,6 +95,8 @@ def write_tiny_gguf(path: Path, seed: int = 0):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if not quantize:
+        return model
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M

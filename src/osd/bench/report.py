@@ -20,14 +20,18 @@ def report_speed(result: dict, out: str, markdown: str) -> None:
     rows = [[name, decode[name], decode[name] / decode[base], e2e[name], e2e[name] / e2e[base], diffs[name]]
             for name in decode]
     t = table(rows, ["arm", "decode tok/s", f"x {base}", "end-to-end tok/s", f"x {base} (e2e)",
-                     "outputs != osd_target"])
+                     "outputs != reference"])
     s, cal = result["osd_spec_stats"], result["calibration"]
     rss = ", ".join(f"{k} {v:.2f}" for k, v in result["peak_rss_gib"].items())
     notes = (f"osd: alpha {s['alpha']:.3f}, tokens/step {s['tokens_per_step']:.2f}, acceptance {s['acceptance_rate']:.3f}, "
              f"proposed {s.get('proposed', '-')}; measured c = {cal['c']:.3f}, verify cost (k+1 tokens / 1) = "
              + ", ".join(f"{v:.2f}" for v in cal["verify_cost"])
              + f"; target backend {result['target_backend']} (max rows per verify {result['target_max_rows']}); "
-             f"peak RSS GiB: {rss}")
+             f"peak RSS GiB: {rss}; reference of osd_q4: osd_q4_target, of the other arms: osd_target")
+    if result.get("osd_q4_spec_stats"):
+        q, qc = result["osd_q4_spec_stats"], result["osd_q4_calibration"]
+        notes += (f"\nosd_q4 (own Q4_K kernel): alpha {q['alpha']:.3f}, tokens/step {q['tokens_per_step']:.2f}, "
+                  f"measured c = {qc['c']:.3f}, verify cost = " + ", ".join(f"{v:.2f}" for v in qc["verify_cost"]))
     cfg, m = result["config"], machine()
     emit_report("Speed (`osd bench speed`)",
                 f"`{redacted_command(sys.argv[1:])}` per_domain={cfg['per_domain']} max_new_tokens={cfg['max_new_tokens']} "

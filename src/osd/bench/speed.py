@@ -9,8 +9,11 @@ of them alike. Arms (same GGUF files, same prompts, same token counts, greedy):
   osd_target        osd with k = 0 on its target backend (llama.cpp for a GGUF target)
   osd               osd speculative decoding: the configured draft (lookup and/or model), adaptive k
   osd_lookup        osd with the n-gram lookup proposer alone (drafting costs ~0), adaptive k
+  osd_q4_target     osd with k = 0 on its own Q4_K kernel (models/q4_runner.py, same GGUF; --no-osd-q4 drops it)
+  osd_q4            osd speculative on its own Q4_K kernel, a proposer of the osd arm's kind (same draft), adaptive k
 Decode tokens/s leaves out the prompt (time to the first token for llama.cpp's loop, the prefill for osd's);
-end-to-end tokens/s includes it. Outputs of every arm are compared token by token with osd_target.
+end-to-end tokens/s includes it. Outputs of every arm are compared token by token with their reference: osd_q4
+with osd_q4_target (greedy identity on that backend), every other arm with osd_target.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from osd.data import load_records, prompt_ids
 from osd.engine import SpeculativeEngine
 
 DOMAINS = ("code", "gsm8k", "spider", "chat")
+REFERENCE = {"osd_q4": "osd_q4_target", "osd_q4_target": "osd_q4_target"}  # arm -> the arm its outputs must equal
 
 
 def bench_prompts(per_domain: int, split: str = "test") -> list[dict]:
@@ -53,6 +57,7 @@ def _engine_arm(engine: SpeculativeEngine, max_new: int):
     def run(ids):
         result = engine.generate(ids, sampling)
         return Timed(result.token_ids, result.seconds, result.prefill_seconds)
+    run.engine = engine
     return run
 
 
@@ -94,7 +99,8 @@ def _hf_arm(dense_target, max_new: int, eos: set[int]):
     return run
 
 
-def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama_cpp: bool, hf: bool, spec_k: int):
+def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama_cpp: bool, hf: bool, spec_k: int,
+               osd_q4: bool = True):
     """name -> (run(prompt_ids) -> Timed), plus the osd system and what each arm added to peak RSS."""
     from osd.models.loading import gguf_file
 
@@ -112,6 +118,18 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
     arms["osd_lookup"] = _engine_arm(lookup, max_new)
     rss["osd (target + draft)"] = rss_gib() - start
     target_gguf = gguf_file(models.target)
+    if osd_q4 and target_gguf is not None and type(system.target_model).__name__ != "Q4Runner":
+        from osd.build import speculative_engine
+        from osd.models.q4_runner import Q4Runner
+
+        before = rss_gib()
+        q4_target = Q4Runner(target_gguf, models.n_ctx)
+        arms["osd_q4_target"] = _engine_arm(SpeculativeEngine(q4_target, system.tokenizer, None,
+                                                              SpeculationConfig(k=0, adaptive=False)), max_new)
+        q4_engine = speculative_engine(system, q4_target, spec)
+        arms["osd_q4"] = _engine_arm(q4_engine, max_new)
+        arms["osd_q4"].calibration = q4_engine.calibrate()
+        rss["osd Q4 kernel target"] = rss_gib() - before
     if llama_cpp and target_gguf is not None:
         from osd.models.llama_cpp_runner import LlamaCppRunner
         from osd.propose import RunnerProposer
@@ -136,8 +154,8 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
 
 
 def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2, max_new_tokens: int = 64,
-              llama_cpp: bool = True, hf_baseline: bool = False, spec_k: int = 4) -> dict:
-    arms, system, rss = build_arms(models, spec, max_new_tokens, llama_cpp, hf_baseline, spec_k)
+              llama_cpp: bool = True, hf_baseline: bool = False, spec_k: int = 4, osd_q4: bool = True) -> dict:
+    arms, system, rss = build_arms(models, spec, max_new_tokens, llama_cpp, hf_baseline, spec_k, osd_q4)
     engine = system.engine
     calibration = engine.calibrate()
     warm = prompt_ids(system.tokenizer, "Write a haiku about the sea.")
@@ -148,6 +166,9 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
     totals = {name: {"tokens": 0, "seconds": 0.0, "decode_seconds": 0.0} for name in arms}
     per_prompt, mismatches = [], {name: 0 for name in arms}
     engine.metrics.reset()
+    q4_engine = arms["osd_q4"].engine if "osd_q4" in arms else None
+    if q4_engine is not None:
+        q4_engine.metrics.reset()
     for record in tqdm(records, desc="bench speed", unit="prompt"):
         ids = prompt_ids(system.tokenizer, record["prompt"])
         row, outputs = {"id": record["id"], "prompt_tokens": len(ids)}, {}
@@ -160,9 +181,10 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
             row[name] = {"tokens": len(timed.tokens), "seconds": round(timed.seconds, 3),
                          "prompt_seconds": round(timed.prompt_seconds, 3)}
         for name, out in outputs.items():
-            same = out == outputs["osd_target"]
+            reference = REFERENCE.get(name, "osd_target")
+            same = out == outputs[reference]
             mismatches[name] += int(not same)
-            row[name]["identical_to_osd_target"] = same
+            row[name][f"identical_to_{reference}"] = same
         per_prompt.append(row)
     end_to_end = {name: t["tokens"] / t["seconds"] for name, t in totals.items()}
     decode = {name: t["tokens"] / t["decode_seconds"] for name, t in totals.items()}
@@ -179,8 +201,11 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
         "baseline": base,
         "decode_speedup_vs_baseline": {name: r / decode[base] for name, r in decode.items()},
         "end_to_end_speedup_vs_baseline": {name: r / end_to_end[base] for name, r in end_to_end.items()},
-        "outputs_differing_from_osd_target": mismatches,
+        "outputs_differing_from_osd_target": mismatches,  # osd_q4: from osd_q4_target (REFERENCE)
+        "reference_arm": {name: REFERENCE.get(name, "osd_target") for name in arms},
         "osd_spec_stats": engine.metrics.total().summary(),
+        "osd_q4_spec_stats": q4_engine.metrics.total().summary() if q4_engine is not None else None,
+        "osd_q4_calibration": arms["osd_q4"].calibration if q4_engine is not None else None,
         "peak_rss_gib": {"after_all_arms": rss_gib(), **{f"added by {k}": v for k, v in rss.items()}},
         "warmup_excluded": True,
         "per_prompt": per_prompt,

@@ -43,8 +43,9 @@ def register(sub) -> None:
     add_stream_flags(p, split="test", limit=40)
     p.add_argument("--drafts", nargs="+", default=None, help="draft specs to compare (default: --draft)")
     p.add_argument("--k", type=int, default=4, help="proposal length for tokens/step")
-    p.add_argument("--calibration", default="", help="an `osd bench speed` JSON for c and verify costs "
-                   "(default: the newest benchmarks/bench-speed-*.json)")
+    p.add_argument("--calibration", default="", help="an `osd bench speed` JSON for c and verify costs, or 'none' "
+                   "(default: of benchmarks/bench-speed-*.json with the same draft settings, the newest by the date "
+                   "recorded inside it)")
     p.add_argument("--out", default="benchmarks/eval.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
     for cls in (ModelConfig, DecodeSettings):
@@ -86,6 +87,7 @@ def cmd_distill(args) -> None:
     from osd.cli import config_from
     from osd.config import ModelConfig
     from osd.distill.cache import DecodeSettings
+    from osd.distill.evaluate import newest_calibration
     from osd.distill.run import run_distill
     from osd.distill.trainer import DistillConfig
 
@@ -106,24 +108,11 @@ def cmd_export_draft(args) -> None:
     print(json.dumps({"draft_dir": str(out), "version": provenance["version"], "base_draft": args.draft}, indent=2))
 
 
-def newest_calibration(path: str = "", models=None) -> dict | None:
-    """c and verify costs from a `osd bench speed` JSON: the given one, else the newest whose draft settings match."""
-    from pathlib import Path
-
-    files = [Path(path)] if path else sorted(Path("benchmarks").glob("bench-speed-*.json"), key=lambda f: f.stat().st_mtime)
-    for f in reversed(files):
-        data = json.loads(f.read_text())
-        used = data.get("config", {}).get("models", {})
-        same = path or models is None or all(used.get(k) == getattr(models, k) for k in ("draft_quantize", "draft_vocab"))
-        if "calibration" in data and same:
-            return {**data["calibration"], "source": str(f)}
-    return None
-
-
 def cmd_eval(args) -> None:
     from osd.cli import config_from
     from osd.config import ModelConfig
     from osd.distill.cache import DecodeSettings
+    from osd.distill.evaluate import newest_calibration
     from osd.distill.report import report_eval
     from osd.distill.run import run_eval
 

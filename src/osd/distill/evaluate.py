@@ -5,12 +5,19 @@ while they equal it. One teacher-forced draft forward over prompt + response giv
 every position; the first mismatch in a step ends it (later proposals would be rejected anyway), so
 `greedy_steps` reproduces every step's accepted count. For sampling (T = 1) the expected acceptance of
 one proposal is sum_x min(p, q) = 1 - TV(p, q) (PAPER.md section 2), from the stored top-K + tail.
+Implied speedups take c and verify costs from an `osd bench speed` result: the one given, else the newest by the
+date recorded inside it (newest_calibration).
 """
 from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
 
 import torch
 
 from osd.distill.cache import TargetSample
+from osd.errors import InvalidArgument
 from osd.learn.batch import draft_logits_at
 from osd.learn.buffer import ReplayItem
 from osd.learn.compact import CompactDist
@@ -98,3 +105,50 @@ def summarize(stats: list[dict], k: int, calibration: dict | None = None, max_ne
             out[f"implied_best_k_{name}"] = best
     return out
 
+
+CALIBRATION_KEYS = ("draft_quantize", "draft_vocab")  # settings a calibration must share with the models evaluated
+
+
+def newest_calibration(path: str = "", models=None, root: str = "benchmarks") -> dict | None:
+    """c and verify costs from an `osd bench speed` JSON (plus its "source" and "recorded_at").
+
+    path: that file (it must hold a calibration; "none": no calibration). Else, among <root>/bench-speed-*.json
+    whose draft settings match `models`, the one with the newest date recorded inside it ("timestamp", written by
+    bench/record.py); file modification times are not used (a fresh clone gives every file the same one), and a
+    file without a recorded date is only used when given. None when no file fits.
+    """
+    if path:
+        return None if path == "none" else _calibration_in(Path(path))
+    found = []
+    for f in Path(root).glob("bench-speed-*.json"):
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        used = data.get("config", {}).get("models", {})
+        same = models is None or all(used.get(k) == getattr(models, k) for k in CALIBRATION_KEYS)
+        when = _recorded_at(data)
+        if "calibration" in data and same and when is not None:
+            found.append((when, f.name, f, data))
+    if not found:
+        return None
+    _, _, f, data = max(found)
+    return {**data["calibration"], "source": str(f), "recorded_at": data["timestamp"]}
+
+
+def _recorded_at(data: dict):
+    """The UTC datetime in a result's "timestamp" (bench/record.py's format), or None."""
+    try:
+        return datetime.strptime(str(data.get("timestamp")), "%Y-%m-%dT%H:%M:%SZ")
+    except ValueError:
+        return None
+
+
+def _calibration_in(f) -> dict:
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise InvalidArgument(f"--calibration {f}: cannot read it as JSON ({type(e).__name__}: {e})") from e
+    if not isinstance(data, dict) or "calibration" not in data:
+        raise InvalidArgument(f"--calibration {f} holds no 'calibration' (an `osd bench speed` result has one)")
+    return {**data["calibration"], "source": str(f), "recorded_at": data.get("timestamp")}

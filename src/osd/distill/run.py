@@ -32,7 +32,7 @@ def student_source(models: ModelConfig, draft, prompts_of, settings: DecodeSetti
 
     target = load_model(models.target, models.dtype)
     if models.prepack_target:
-        prepack_linears(target)
+        prepack_linears(target, models.allow_kernel_fallback)
 
     def source(epoch: int):
         prompts = prompts_of()

@@ -46,7 +46,7 @@ def dataset_samples(models, dataset: str, split: str | None, limit: int | None, 
     if any((p, settings) not in cache for p in prompts):
         target = load_model(models.target, models.dtype)
         if models.prepack_target:
-            prepack_linears(target)
+            prepack_linears(target, models.allow_kernel_fallback)
     eos = eos_token_ids(target, tokenizer) if target is not None else set()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     samples = target_samples(cache, target, prompts, settings, eos, pad, batch_size, progress)

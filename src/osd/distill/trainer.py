@@ -19,7 +19,7 @@ from osd.distill.evaluate import sample_item
 from osd.distill.generate import SOURCES
 from osd.errors import InvalidArgument
 from osd.learn.batch import items_loss
-from osd.learn.checkpoint import load_checkpoint, save_checkpoint
+from osd.learn.checkpoint import load_checkpoint, save_checkpoint, saved_state
 from osd.learn.losses import LOSSES
 from osd.learn.trainable import TRAINABLE, configure_trainable, merge_lora, split_index
 
@@ -36,7 +36,7 @@ class DistillConfig:
     trainable: str = "no_embeddings"  # all | no_embeddings | lora
     train_layers: int = 4  # 0 = all decoder layers; N = only the top N (lower layers frozen, outputs cached)
     lora_rank: int = 8
-    loss_temperature: float = 1.0
+    loss_temperature: float = 1.0  # tempers target and draft alike (a compact target: approximate tail, learn/compact.py)
     save_every: int = 50  # optimizer steps between resumable checkpoints
     shuffle_seed: int = 0
 
@@ -68,11 +68,12 @@ class DistillTrainer:
         self.skipped_nonfinite = 0
 
     def resume(self) -> bool:
-        state = load_checkpoint(self.state_dir, self.draft, self.optimizer) if self.state_dir else None
-        if state is None:
+        saved = saved_state(self.state_dir) if self.state_dir else None
+        if saved is None:
             return False
-        if state.get("config") != asdict(self.config):
+        if saved.get("config") != asdict(self.config):  # before loading: other settings are the clearer error
             raise InvalidArgument(f"{self.state_dir} holds a run with other settings; use another output directory")
+        state = load_checkpoint(self.state_dir, self.draft, self.optimizer)
         self.epoch, self.step, self.history = state["epoch"], state["step"], state["history"]
         return True
 

@@ -4,12 +4,16 @@ Weights: only the trainable parameters when some are frozen (the frozen rest is 
 starts from and resumes onto), so a checkpoint of the top 4 layers of the 0.5B draft is ~0.25 GB, not 2.5.
 Such a checkpoint is only right on the base it was trained on: state.json keeps a fingerprint of the weights
 it does not hold, and loading it onto any other base raises CheckpointMismatch instead of mixing two drafts.
+An optimizer state that cannot be read or does not fit the parameters raises OptimizerStateError (never a
+silent fresh start).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -17,11 +21,15 @@ from safetensors import safe_open
 from safetensors.torch import load_model, save_file, save_model
 
 from osd.bench.record import git_revision
-from osd.errors import CheckpointMismatch
+from osd.errors import CheckpointMismatch, OptimizerStateError
+
+PAUSE_ENV = "OSD_TEST_CHECKPOINT_PAUSE"  # test hook (tests/serve/test_real_learner.py): see _pause_if_asked
 
 
 def save_checkpoint(directory: str, master, optimizer, state: dict) -> Path:
-    """Write into a temporary dir, then swap it in: a crash never leaves a half-written checkpoint."""
+    """Atomic: write every file into <dir>.partial and fsync it, then swap the directory in by renames (and fsync
+    the parent). A crash at any point (kill -9, power loss) leaves the last complete checkpoint loadable: <dir>,
+    or <dir>.old between the two renames (checkpoint_dir finds it)."""
     final = Path(directory)
     tmp, old = final.with_name(final.name + ".partial"), final.with_name(final.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -32,15 +40,44 @@ def save_checkpoint(directory: str, master, optimizer, state: dict) -> Path:
     else:
         save_file({n: p.detach().contiguous() for n, p in params.items() if p.requires_grad}, str(tmp / "draft.safetensors"))
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    _pause_if_asked("files")
     state = {**state, "base_fingerprint": base_fingerprint(master, _names_in(tmp)), "git_revision": git_revision()}
     (tmp / "state.json").write_text(json.dumps(state, indent=2, default=str))
     master.config.save_pretrained(tmp)
+    for f in tmp.iterdir():
+        _fsync(f)
+    _fsync(tmp)
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
+        _pause_if_asked("renames")
     tmp.rename(final)
+    _fsync(final.parent)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a directory's entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pause_if_asked(stage: str, max_seconds: float = 300.0) -> None:
+    """Test hook, inert unless $OSD_TEST_CHECKPOINT_PAUSE names a file that exists and holds `stage` ("files":
+    new files written, nothing swapped yet; "renames": the old checkpoint moved to .old, the new one not yet in
+    place). Then the write announces itself by creating <file>.entered and sleeps until the file is removed, so a
+    test can kill -9 the process at exactly that point."""
+    flag = os.environ.get(PAUSE_ENV)
+    if not flag or not os.path.exists(flag) or Path(flag).read_text().strip() != stage:
+        return
+    Path(flag + ".entered").write_text(stage)
+    deadline = time.monotonic() + max_seconds
+    while os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def spread_indices(n: int, count: int) -> torch.Tensor:
@@ -79,9 +116,16 @@ def checkpoint_dir(directory: str) -> Path | None:
     return None
 
 
+def saved_state(directory: str) -> dict | None:
+    """The state.json of the last complete checkpoint (version, counters, config, ...), or None; loads nothing."""
+    final = checkpoint_dir(directory)
+    return json.loads((final / "state.json").read_text()) if final is not None else None
+
+
 def load_checkpoint(directory: str, master, optimizer=None) -> dict | None:
     """Load the weights (and the optimizer's state, when given one) into `master`; the saved state, or None.
-    Raises CheckpointMismatch when `master` is not the base draft the checkpoint was trained on."""
+    Raises CheckpointMismatch when `master` is not the base draft the checkpoint was trained on, and
+    OptimizerStateError (after the weights were loaded: do not train on) when the optimizer state is unusable."""
     final = checkpoint_dir(directory)
     if final is None:
         return None
@@ -97,8 +141,37 @@ def load_checkpoint(directory: str, master, optimizer=None) -> dict | None:
     except RuntimeError as e:  # other shapes: another architecture
         raise CheckpointMismatch(f"checkpoint {directory} does not fit the draft given: {e}") from e
     if optimizer is not None:  # None: weights only (evaluating a checkpointed draft)
-        try:
-            optimizer.load_state_dict(torch.load(final / "optimizer.pt", weights_only=True))
-        except (ValueError, RuntimeError, KeyError):
-            pass  # a different trainable set: start the optimizer afresh
+        load_optimizer_state(optimizer, final / "optimizer.pt", state.get("config", {}))
     return state
+
+
+def load_optimizer_state(optimizer, path: Path, config: dict) -> None:
+    """Load a saved optimizer state, or raise OptimizerStateError saying which file and why (unreadable; other
+    parameter groups or counts; moments shaped unlike the parameters). config: the run's saved config, to name
+    the settings it was trained with."""
+    try:
+        saved = torch.load(path, weights_only=True)
+    except Exception as e:  # missing, truncated or corrupt: torch raises OSError, RuntimeError, EOFError, pickle errors
+        raise OptimizerStateError(f"cannot read the optimizer state {path}: {type(e).__name__}: {e}") from e
+    settings = ", ".join(f"{k}={config[k]}" for k in ("trainable", "train_layers", "lora_rank") if k in config)
+    hint = (f"the checkpoint was trained with {settings or 'other settings'} (its state.json): resume with the same "
+            "settings, or give another checkpoint directory")
+    try:
+        _check_moment_shapes(optimizer, saved)
+        optimizer.load_state_dict(saved)
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise OptimizerStateError(f"the optimizer state {path} does not fit the parameters being trained ({e}); "
+                                  f"{hint}") from e
+
+
+def _check_moment_shapes(optimizer, saved: dict) -> None:
+    """load_state_dict checks only the parameter counts; moments of another shape would fail at the next step."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, moments in saved.get("state", {}).items():
+        index = int(index)
+        if index >= len(params):
+            raise ValueError(f"state for parameter {index}, but only {len(params)} parameters train")
+        for name, value in moments.items():
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape != params[index].shape:
+                raise ValueError(f"{name} of parameter {index} has shape {tuple(value.shape)}, "
+                                 f"the parameter {tuple(params[index].shape)}")

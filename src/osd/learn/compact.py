@@ -2,6 +2,8 @@
 
 A full Qwen2.5 distribution is 151,936 floats (600 KB); top-64 ids + probs is ~770 bytes and
 keeps almost all of the mass at the positions that matter. Losses treat the tail as one bucket.
+Stored at temperature 1; `tempered_log_buckets` re-tempers one, exactly for the listed tokens and with a stated
+approximation for the tail (whose shape is not stored).
 """
 from __future__ import annotations
 
@@ -37,3 +39,23 @@ def compress(logits: torch.Tensor, top_k: int = 64, temperature: float = 1.0) ->
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     top = torch.topk(probs, min(top_k, probs.shape[-1]), dim=-1)
     return CompactDist(top.indices, top.values)
+
+
+def tempered_log_buckets(dist: CompactDist, temperature: float, vocab_size: int) -> torch.Tensor:
+    """(N, K+1) log-probabilities of the K listed tokens and the tail bucket at `temperature`, from a distribution
+    stored at temperature 1: p_T(i) = p(i)^(1/T) / Z for each listed token i.
+
+    Approximation (the tail's shape is not stored): its mass t is taken as spread evenly over the n = V - listed
+    other tokens, so the tail bucket weighs n * (t / n)^(1/T) before normalising. Exact when the tail is flat or
+    K covers the vocabulary (then the tail bucket is empty); for an uneven tail it overstates the tempered tail
+    when T > 1 and understates it when T < 1 (Jensen: x^(1/T) is concave, resp. convex). Entries of probability 0
+    (padding of CompactDist.cat) stay empty.
+    """
+    logp = torch.log(dist.probs) / temperature  # (N, K), -inf where p = 0
+    if dist.ids.shape[-1] >= vocab_size:  # nothing unlisted: an empty tail bucket, as at temperature 1
+        log_tail = torch.full_like(logp[:, 0], float("-inf"))
+    else:
+        n = (vocab_size - (dist.probs > 0).sum(-1)).clamp_min(1).float()  # (N,) unlisted tokens
+        tail = dist.tail.clamp_min(1e-10)  # the floor of losses.bucket_log_probs: finite KL
+        log_tail = n.log() + (tail.log() - n.log()) / temperature  # (N,) log of n * (t / n)^(1/T)
+    return torch.log_softmax(torch.cat([logp, log_tail[:, None]], -1), dim=-1)  # (N, K+1)

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from osd.learn.compact import CompactDist
+from osd.learn.compact import CompactDist, tempered_log_buckets
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "tv", "reference_mix")
 
@@ -66,7 +66,8 @@ def bucket_log_probs(draft_logits: torch.Tensor, target: torch.Tensor | CompactD
     """-> (target_logp, draft_logp), each (N, B).
 
     draft_logits: (N, V). target: full logits (N, V') or CompactDist (top-K at temperature 1).
-    Full target logits are tempered like the draft's; a compact target is used as stored.
+    The target is tempered like the draft: full logits exactly; a compact target exactly on its listed tokens and
+    approximately on its tail bucket (compact.tempered_log_buckets states how).
     """
     draft_logp = torch.log_softmax(draft_logits.float() / temperature, dim=-1)  # (N, V)
     if isinstance(target, torch.Tensor):
@@ -75,10 +76,13 @@ def bucket_log_probs(draft_logits: torch.Tensor, target: torch.Tensor | CompactD
         return target_logp, torch.log_softmax(draft_logp[:, :v], dim=-1)
     top = draft_logp.gather(-1, target.ids)  # (N, K)
     draft_tail = draft_logp.scatter(-1, target.ids, float("-inf")).logsumexp(-1)  # (N,) exact rest of the draft
+    draft_buckets = torch.cat([top, draft_tail[:, None]], -1)  # (N, K+1)
+    if temperature != 1.0:
+        return tempered_log_buckets(target, temperature, draft_logp.shape[-1]), draft_buckets
     covers_vocab = target.ids.shape[-1] >= draft_logp.shape[-1]
     target_tail = torch.zeros_like(draft_tail) if covers_vocab else target.tail.clamp_min(1e-10)  # floor: finite KL
     target_buckets = torch.cat([target.probs, target_tail[:, None]], -1)  # (N, K+1)
-    return torch.log(target_buckets), torch.cat([top, draft_tail[:, None]], -1)  # log 0 = -inf: an empty bucket
+    return torch.log(target_buckets), draft_buckets  # log 0 = -inf: an empty bucket
 
 
 def distill_loss(draft_logits: torch.Tensor, target: torch.Tensor | CompactDist, loss: str = "forward_kl",

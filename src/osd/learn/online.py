@@ -12,10 +12,13 @@ Drift guard (drift_guard): after each update the draft that serves is also compa
 base (and the best version so far) on the same held-out requests; significantly below the base (paired
 z < -drift_z), it is rolled back to the best version or reset to the base (counters "rollbacks", "resets";
 learn/guard.py drift_action, learn/drift.py). Held-out requests are ones no optimizer step has seen.
+An exception inside a background update is logged and counted apart (`update_errors`, not `updates_rejected`:
+those are the guard's verdicts); serving goes on with the last published draft.
 """
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import random
 import threading
@@ -33,6 +36,8 @@ from osd.learn.guard import drift_action, is_worse, paired_flips, paired_z
 from osd.learn.losses import LOSSES
 from osd.learn.trainable import configure_trainable, split_index
 from osd.learn.triggers import UpdateTrigger
+
+log = logging.getLogger("osd.learn")
 
 
 @dataclass
@@ -103,6 +108,7 @@ class OnlineLearner:
         self.rng = random.Random(self.config.seed)
         self.version = 0
         self.counters = {"requests": 0, "requests_since_update": 0, "updates_published": 0, "updates_rejected": 0,
+                         "update_errors": 0,  # exceptions inside background updates (not guard rejections)
                          "steps_skipped_nonfinite": 0, "optimizer_steps": 0, "train_seconds": 0.0,
                          "rollbacks": 0, "resets": 0}  # drift guard: back to the best version / to the base
         self.last_update: dict = {}
@@ -304,9 +310,11 @@ class OnlineLearner:
                 break
             try:
                 self.maybe_update()
-            except Exception as e:  # a failed update never takes serving down
-                self.counters["updates_rejected"] += 1
+            except Exception as e:  # a failed update never takes serving down, nor passes for a guard rejection
+                self.counters["update_errors"] += 1
                 self.last_update = {"error": repr(e)}
+                log.exception("background draft update failed (%d so far); serving goes on with draft version %d",
+                              self.counters["update_errors"], self.version)
 
     def stop(self) -> None:
         self._stop.set()

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from osd.errors import CheckpointMismatch
-from osd.learn.checkpoint import base_fingerprint
+from osd.learn.checkpoint import _fsync, base_fingerprint, load_optimizer_state
 from osd.learn.online import LearnConfig, OnlineLearner
 
 
@@ -51,7 +51,8 @@ class AdapterLearner(OnlineLearner):
             return super().update(reason)
 
     def save(self) -> None:
-        """Atomic: adapter weights, optimizer state and state.json into a temporary dir, then swapped in."""
+        """Atomic as save_checkpoint: adapter weights, optimizer state and state.json into <dir>.partial, fsynced,
+        then swapped in by renames."""
         with self.drafts.use(self.name), self._lock:
             final = Path(self.config.checkpoint_dir)
             tmp, old = final.with_name(final.name + ".partial"), final.with_name(final.name + ".old")
@@ -63,10 +64,14 @@ class AdapterLearner(OnlineLearner):
                      "config": asdict(self.config), "adapter": asdict(self.drafts.config),
                      "base_fingerprint": self._base_fingerprint()}
             (tmp / "state.json").write_text(json.dumps(state, indent=2, default=str))
+            for f in tmp.iterdir():
+                _fsync(f)
+            _fsync(tmp)
             if final.exists():
                 shutil.rmtree(old, ignore_errors=True)
                 final.rename(old)
             tmp.rename(final)
+            _fsync(final.parent)
             shutil.rmtree(old, ignore_errors=True)
 
     def resume(self) -> bool:
@@ -82,10 +87,7 @@ class AdapterLearner(OnlineLearner):
             if state["base_fingerprint"] != self._base_fingerprint():
                 raise CheckpointMismatch(f"checkpoint {final} of draft {self.name!r} was trained on another base draft")
             self.drafts.load_state(self.name, load_file(str(final / "adapter.safetensors")))
-            try:
-                self.optimizer.load_state_dict(torch.load(final / "optimizer.pt", weights_only=True))
-            except (ValueError, RuntimeError, KeyError):
-                pass  # another trainable set: a fresh optimizer
+            load_optimizer_state(self.optimizer, final / "optimizer.pt", state.get("config", {}))  # unusable: raises
             self.counters.update(state["counters"])
             self.version = self.publish(self.master, version=state["version"]).version
         return True

@@ -7,6 +7,12 @@ import torch
 class CachedModel:
     """Feeds tokens into a model whose KV cache holds the first `length` tokens of one sequence.
 
+    Row invariance: over a serving copy made with the compiled kernels (models/prepack.py for the target,
+    the int8 draft of models/serving_draft.py) a position's logits are bitwise the same whether it is fed
+    alone or with up to any number of other rows (tests/models/test_kernel_invariance.py checks 1..9), so
+    greedy output does not depend on the k chosen. Over a plain torch model they are not: torch's matmuls,
+    attention and SiLU sum differently by row count (differences ~1e-6), which can flip an exact near-tie.
+
     Limitations: batch size 1; the cache is a transformers DynamicCache (cropping is O(1) views).
     """
 

@@ -1,9 +1,13 @@
-"""Our compiled CPU kernels (rows_linear.cpp), built on first use and cached; optional.
+"""Our compiled CPU kernels (rows_linear.cpp): row-invariant linears (fp32, int8 weights), attention and SiLU.
 
-`rows_linear()` / `rows_linear_int8()` return the compiled functions, or None where they cannot be had (no
-C++ compiler or ninja, a CPU without AVX2, or OSD_NO_KERNELS=1): callers then fall back to torch's own
-kernels, which give the same results up to float rounding, only slower. The build (~45 s) happens once per machine and torch
-version, in torch's extension cache (~/.cache/torch_extensions); scripts/setup.sh triggers it.
+Built on first use (~45 s, once per machine and torch version, in torch's extension cache; scripts/setup.sh
+triggers it). They are what makes greedy output independent of how many rows a step verifies (see the
+contract at the top of rows_linear.cpp), and the int8 draft's accuracy: a missing kernel is therefore an
+error, `KernelUnavailable`, naming the build error and the fix. Only a caller that explicitly allows the
+fallback (`ModelConfig.allow_kernel_fallback`, `--allow-kernel-fallback`) gets None and uses torch's kernels
+instead; `status()` then says so, for the server's metrics. With the fallback, a position's logits may differ
+in the last bits with the number of rows verified together, and torch's dynamic int8 draft accepts fewer
+tokens. OSD_NO_KERNELS=1 skips the build (to test the fallback).
 """
 from __future__ import annotations
 
@@ -12,11 +16,15 @@ import sys
 import threading
 from pathlib import Path
 
-MAX_ROWS = 8  # rows_linear handles 1..MAX_ROWS rows
-MAX_ROWS_INT8 = 4  # rows_linear_int8 handles 1..MAX_ROWS_INT8 rows
+from osd.errors import KernelUnavailable
 
 _lock = threading.Lock()
 _state: dict = {}
+_fallbacks: set[str] = set()  # what ran on torch's kernels instead of ours (allowed fallbacks only)
+
+FIX = ("install a C++ compiler and ninja (`apt-get install g++ ninja-build` or `pip install ninja`; scripts/setup.sh "
+       "builds the kernels), or allow torch's kernels with --allow-kernel-fallback (ModelConfig.allow_kernel_fallback): "
+       "slower, greedy output no longer independent of the number of rows verified, and the int8 draft accepts fewer tokens")
 
 
 def cpu_has_avx2() -> bool:
@@ -25,28 +33,69 @@ def cpu_has_avx2() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def _module():
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def load(allow_fallback: bool = False, use: str = "kernels"):
+    """The compiled module. Where it cannot be built: KernelUnavailable, or None if `allow_fallback`
+    (then `use`, what runs on torch's kernels instead, is recorded for status())."""
     with _lock:
-        if "module" not in _state:
-            _state["module"], _state["error"] = _build()
+        _ensure_built()
+        if _state["module"] is None:
+            if not allow_fallback:
+                raise KernelUnavailable(f"osd's compiled CPU kernels are unavailable ({_state['error']}); {FIX}")
+            _fallbacks.add(use)
         return _state["module"]
 
 
-def rows_linear():
-    """The compiled `rows_linear(x (M, K) f32, w (N, K) f32, bias (N,) | None) -> (M, N)`, or None."""
-    module = _module()
+def rows_linear(allow_fallback: bool = False, use: str = "fp32 linears"):
+    """The compiled `rows_linear(x (M, K) f32, w (N, K) f32, bias (N,) | None) -> (M, N)` (see load())."""
+    module = load(allow_fallback, use)
     return module.rows_linear if module is not None else None
 
 
-def rows_linear_int8():
-    """The compiled `rows_linear_int8(x (M, K) f32, w (N, K) int8, scale (N,) f32, bias | None) -> (M, N)`, or None."""
-    module = _module()
+def rows_linear_int8(allow_fallback: bool = False, use: str = "int8 linears"):
+    """The compiled `rows_linear_int8(x (M, K) f32, w (N, K) int8, scale (N,) f32, bias | None) -> (M, N)`."""
+    module = load(allow_fallback, use)
     return module.rows_linear_int8 if module is not None else None
 
 
-def build_error() -> str | None:
-    """Why the kernel is unavailable (after rows_linear() returned None)."""
-    return _state.get("error")
+def vnni_available() -> bool:
+    """Whether the int8 x int8 AVX-512 VNNI path of rows_linear_int8 runs here (cpuinfo flags and the CPU's own
+    answer; False without the compiled kernels)."""
+    flags = cpu_flags()
+    if not {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"} <= flags:
+        return False
+    with _lock:
+        _ensure_built()
+    return _state["module"] is not None and bool(_state["module"].has_vnni())
+
+
+def status() -> dict:
+    """For metrics: {"compiled": bool | None (not tried yet), "error": str | None, "fallback": [uses], "avx512_vnni": bool}.
+    A non-empty "fallback" means some model runs on torch's kernels because a fallback was allowed."""
+    return {"compiled": None if "module" not in _state else _state["module"] is not None, "error": _state.get("error"),
+            "fallback": sorted(_fallbacks), "avx512_vnni": "avx512_vnni" in cpu_flags()}
+
+
+def _reset_for_tests() -> None:
+    with _lock:
+        _state.clear()
+        _fallbacks.clear()
+
+
+def _ensure_built() -> None:
+    if "module" not in _state:
+        _state["module"], _state["error"] = _build()
 
 
 def _build():
@@ -55,13 +104,13 @@ def _build():
     if not cpu_has_avx2():
         return None, "this CPU has no AVX2"
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import load as load_extension
 
         source = Path(__file__).with_name("rows_linear.cpp")
         print("[osd] loading the rows_linear CPU kernels (compiled once per machine, ~45 s) ...", file=sys.stderr, flush=True)
-        module = load("osd_rows_linear", [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-                      extra_ldflags=["-fopenmp"], verbose=False)
+        module = load_extension("osd_rows_linear", [str(source)], verbose=False,
+                                extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
+                                extra_ldflags=["-fopenmp"])
         return module, None
-    except Exception as e:  # no compiler / ninja / headers: torch's kernels serve instead
-        print(f"[osd] rows_linear kernel unavailable ({type(e).__name__}: {e}); using torch's kernels", file=sys.stderr)
+    except Exception as e:  # no compiler / ninja / headers: the caller decides (error, or an allowed fallback)
         return None, f"{type(e).__name__}: {e}"

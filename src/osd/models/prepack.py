@@ -1,4 +1,4 @@
-"""Fast fp32 linears for CPU decoding and verification (speed trick, optional, exact up to float rounding).
+"""Fast, row-invariant fp32 linears for CPU decoding and verification (the target's serving copy).
 
 Decoding multiplies 1 row (a target-only step) and verification k+1 rows (2-9) by each weight. Both are
 memory-bound: the ideal cost is one read of the weight, whatever the row count. Measured here (2-core
@@ -8,13 +8,21 @@ AVX2, torch 2.13, one 8960x1536 fp32 weight, ms; the machine is noisy, ratios ar
     F.linear (x @ W^T, torch default)   4.1   7.3  18.5  21.7   repacks W on every call
     oneDNN prepacked (MkldnnLinear)     2.8   5.7   6.9   7.9   a fast gemv, ~2x for 2+ rows
     W @ x^T (MKL, dense W)              3.8   3.7   4.5   6.2
-    rows_linear (models/kernels.py)     2.9   3.0   3.5   4.7   one pass over W, 8 rows in registers
+    rows_linear (models/kernels.py)     2.9   3.0   3.5   4.7   one pass over W, rows in registers
 
-`FastLinear` runs 1-8 rows through rows_linear and more (prefill) through W @ x^T, on the dense weight
-it shares with the original linear (no extra memory). Where the kernel cannot be built, the fallback is
-oneDNN's prepacked copy (fast for one row, a second copy of the weights). Logits differ from the dense
-path by ~1e-5 (float summation order), so greedy output can differ from a dense-kernel run only at exact
-near-ties; `osd bench speed` reports whether outputs matched.
+The row-invariant rows_linear (one fixed order per row, any row count) measured within noise of the
+per-row-count kernel it replaced (1 thread, thread CPU time, best of 20, same weight: 1/2/5/8 rows
+2.83/2.94/8.10/10.1 ms vs 2.91/2.97/7.94/10.7 ms).
+
+`FastLinear` runs every row count through rows_linear, on the dense weight it shares with the original
+linear (no extra memory), and `prepack_linears` also installs the row-invariant attention and SiLU
+(models/invariant.py): a position's logits are then bitwise independent of the number of rows verified
+with it, so greedy output cannot depend on the k a policy chose. They differ from torch's dense path by
+~1e-5 (float summation order), so greedy output can differ from a plain torch run at exact near-ties;
+`osd bench speed` reports whether outputs matched. Prefill runs through the same kernel: as fast as
+torch.mm for short rows (K = 896), up to ~2x slower for long ones (K = 4864; no K blocking).
+Without the compiled kernels `prepack_linears` raises KernelUnavailable unless a fallback is allowed; the
+fallback is oneDNN's prepacked copy (fast for one row, a second copy of the weights, not row-invariant).
 """
 from __future__ import annotations
 
@@ -23,15 +31,12 @@ import copy
 import torch
 from torch import nn
 
-from osd.models.kernels import MAX_ROWS, rows_linear
-
-
-def prepack_available() -> bool:
-    return rows_linear() is not None or torch.backends.mkldnn.is_available()
+from osd.models import kernels
+from osd.models.invariant import make_row_invariant
 
 
 class FastLinear(nn.Module):
-    """A frozen fp32 nn.Linear that picks the fastest CPU kernel per row count (table above)."""
+    """A frozen fp32 nn.Linear through the compiled rows_linear kernel (any number of rows, row-invariant)."""
 
     def __init__(self, linear: nn.Linear, kernel):
         super().__init__()
@@ -41,29 +46,27 @@ class FastLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        flat = x.reshape(rows, self.in_features)  # (M, K)
-        if rows <= MAX_ROWS:
-            out = self.kernel(flat, self.weight, self.bias)  # (M, N)
-        else:
-            out = torch.mm(self.weight, flat.t()).t()  # (N, K) @ (K, M) -> (M, N) view
-            out = out + self.bias if self.bias is not None else out.contiguous()
-        return out.reshape(*x.shape[:-1], self.out_features)
+        flat = x.reshape(-1, self.in_features)  # (M, K)
+        return self.kernel(flat, self.weight, self.bias).reshape(*x.shape[:-1], self.out_features)  # (..., N)
 
 
-def prepack_linears(model) -> int:
-    """Replace every float32 nn.Linear of a frozen model by a fast one. Returns the count."""
-    kernel = rows_linear()
-    if kernel is None and not torch.backends.mkldnn.is_available():
+def prepack_linears(model, allow_fallback: bool = False) -> int:
+    """Replace every float32 nn.Linear of a frozen model by a fast one and make its attention and SiLU
+    row-invariant (in place). Returns the count of linears. Without the compiled kernels: KernelUnavailable,
+    or with `allow_fallback` oneDNN's linears (recorded in kernels.status())."""
+    module = kernels.load(allow_fallback, use="target fp32 linears: oneDNN")
+    if module is None and not torch.backends.mkldnn.is_available():
         return 0
     count = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32:
-                setattr(module, name, FastLinear(child, kernel) if kernel else _onednn_linear(child))
+                setattr(parent, name, FastLinear(child, module.rows_linear) if module else _onednn_linear(child))
                 count += 1
     if count:
         model.config.tie_word_embeddings = False  # the LM head is its own module now
+    if module is not None:
+        make_row_invariant(model, module)
     return count
 
 

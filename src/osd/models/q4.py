@@ -20,8 +20,8 @@ on VNNI, of which 4 are the vpdpbusd themselves).
 Weights are repacked once from the GGUF's blocks (`repack_q4k`, `repack_q6k`: same bytes per block, another
 order; layout in q4_kernel.cpp). The path runs where the CPU has AVX2 (AVX-512 VNNI is used where present, chosen
 at run time; OSD_Q4_ISA=avx2 forces AVX2). The build (~1 min) happens once per machine and torch version, in
-torch's extension cache. Limitations: K must be a multiple of 256; no bias; not yet used by any model runner
-(a microbenchmark, `osd bench kernel`, measures it against the target's shapes).
+torch's extension cache. Limitations: K must be a multiple of 256; no bias. Used by the `osd` target backend
+(models/q4_runner.py); `osd bench kernel` measures it alone against the target's shapes.
 """
 from __future__ import annotations
 
@@ -66,7 +66,9 @@ def _build():
 
         source = Path(__file__).with_name("q4_kernel.cpp")
         print("[osd] loading the Q4_K/Q6_K CPU kernels (compiled once per machine, ~1 min) ...", file=sys.stderr, flush=True)
-        module = load("osd_q4_kernel", [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False)
+        # -fopenmp: at::parallel_for splits output tiles across threads only when compiled with OpenMP
+        module = load("osd_q4_kernel", [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                      extra_ldflags=["-fopenmp"], verbose=False)
         return module, None
     except Exception as e:  # no compiler / ninja / headers
         return None, f"{type(e).__name__}: {e}"

@@ -14,6 +14,7 @@ class Proposal:
     tokens: list[int]  # k proposed ids
     draft_probs: torch.Tensor | None = None  # (k, V) warped draft probabilities (sampling only)
     single_token_seconds: list[float] | None = None  # timings of forwards that fed exactly one token (cost model)
+    weights: str | None = None  # fingerprint of the draft weights that made these tokens (None: no weights ran)
 
     @property
     def k(self) -> int:

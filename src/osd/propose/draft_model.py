@@ -6,7 +6,7 @@ import time
 import torch
 
 from osd.config import SamplingConfig
-from osd.drafts import DraftRegistry
+from osd.drafts import DraftRegistry, weights_fingerprint
 from osd.models.cached import CachedModel
 from osd.propose.base import Proposal
 from osd.verify.sampling import sample_from, warp_probs
@@ -17,6 +17,8 @@ class DraftModelProposer:
 
     The snapshot is taken in `begin` (once per request): a newer version is picked up by the next
     request, and its KV cache starts empty (caches built with old weights are never reused).
+    Every proposal names the weights its forwards ran with (`Proposal.weights`: the snapshot's version and a
+    checksum of the serving copy taken at that propose call), so a swap inside a request would show per step.
     """
 
     def __init__(self, registry: DraftRegistry, name: str, vocab_size: int):
@@ -43,10 +45,11 @@ class DraftModelProposer:
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator=None) -> Proposal:
         proposed, probs, timings = [], [], []
-        pending = tokens[self.runner.length :]
+        runner = self.runner
+        pending = tokens[runner.length :]
         for _ in range(k):
             t0 = time.perf_counter()
-            logits = self._full_vocab(self.runner.feed(pending)[0])  # (V,)
+            logits = self._full_vocab(runner.feed(pending)[0])  # (V,)
             if len(pending) == 1:  # catch-up forwards (several pending tokens) would skew the cost model
                 timings.append(time.perf_counter() - t0)
             if sampling.greedy:
@@ -57,7 +60,14 @@ class DraftModelProposer:
                 probs.append(q)
             proposed.append(token)
             pending = [token]
-        return Proposal(proposed, torch.stack(probs) if probs else None, single_token_seconds=timings)
+        return Proposal(proposed, torch.stack(probs) if probs else None, single_token_seconds=timings,
+                        weights=self.fingerprint(runner))
+
+    def fingerprint(self, runner) -> str:
+        """'<name>@v<version>:<checksum of the weights `runner` holds now>' (no checksum for a non-torch runner)."""
+        model = getattr(runner, "model", None)
+        checksum = weights_fingerprint(model) if isinstance(model, torch.nn.Module) else "frozen"
+        return f"{self.name}@v{self.version}:{checksum}"
 
     def rollback(self, length: int) -> None:
         self.runner.rollback(length)

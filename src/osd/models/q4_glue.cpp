@@ -1,0 +1,244 @@
+// The float work of a transformer forward around the Q4_K/Q6_K kernel (q4_kernel.cpp), one row at a time:
+// RMSNorm, q/k/v biases + RoPE + KV-cache write, causal GQA attention over the cache, SiLU(gate) * up.
+//
+// Why C++ and not torch ops: greedy identity by construction. A position's logits must be bitwise the same
+// whether it is fed alone or with up to 8 other rows. torch's reductions (the mean of RMSNorm, softmax sums,
+// batched matmuls in attention) and its vectorised transcendental functions (exp in SiLU: SIMD body, scalar tail)
+// may sum or round differently with the number of rows or where a thread's chunk ends. Here every row runs the
+// same instructions in the same order whatever M is and whichever thread takes it: work is split across threads by
+// whole rows (or row x head), reductions are per row in a fixed order, exp is one vectorised function applied to
+// every element (no scalar tail: widths must be multiples of 8).
+//
+// Limitations: float32 only; widths (hidden, head dim, intermediate) must be multiples of 8; RoPE is the NEOX
+// form (pairs i, i + D/2) that Qwen2 uses; the KV cache is float32, (G, T, D) per layer.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+inline float hsum8(__m256 v) {  // fixed order
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// exp(x) for 8 floats (Cephes' expf: range reduction by ln 2, degree-5 polynomial; ~1 ulp). The same function
+// for every element, so results never depend on an element's place in a vector.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+void check_f32(const torch::Tensor& t, int64_t dim, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == dim, "q4_glue: ", name,
+              " must be a contiguous float32 tensor with ", dim, " dims");
+}
+
+void check_width(int64_t k, const char* name) {
+  TORCH_CHECK(k > 0 && k % 8 == 0, "q4_glue: ", name, " must be a positive multiple of 8, got ", k);
+}
+
+}  // namespace
+
+// x (M, K), w (K) -> x / sqrt(mean(x^2) + eps) * w, per row (llama.cpp's and transformers' RMSNorm)
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_f32(x, 2, "x");
+  check_f32(w, 1, "w");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_width(K, "the hidden size");
+  TORCH_CHECK(w.size(0) == K, "rms_norm: weight size ", w.size(0), " != ", K);
+  auto y = torch::empty_like(x);
+  const float *X = x.data_ptr<float>(), *W = w.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = X + r * K;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t j = 0; j < K; j += 8) {
+        const __m256 v = _mm256_loadu_ps(xr + j);
+        acc = _mm256_fmadd_ps(v, v, acc);
+      }
+      const float scale = 1.f / std::sqrt(hsum8(acc) / static_cast<float>(K) + static_cast<float>(eps));
+      const __m256 s = _mm256_set1_ps(scale);
+      for (int64_t j = 0; j < K; j += 8)
+        _mm256_storeu_ps(Y + r * K + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + j), s), _mm256_loadu_ps(W + j)));
+    }
+  });
+  return y;
+}
+
+// qkv (M, (H + 2G) D) = the q, k, v projections side by side, bias ((H + 2G) D), cos/sin (T, D/2), pos (M) int64,
+// k_cache/v_cache (G, T, D) of this layer. Adds the biases, rotates q and k (NEOX RoPE at each row's position),
+// writes k and v at the rows' positions; returns q (M, H, D).
+torch::Tensor qkv_rope(torch::Tensor qkv, torch::Tensor bias, torch::Tensor cos, torch::Tensor sin, torch::Tensor pos,
+                       torch::Tensor k_cache, torch::Tensor v_cache, int64_t H) {
+  check_f32(qkv, 2, "qkv");
+  check_f32(bias, 1, "bias");
+  check_f32(cos, 2, "cos");
+  check_f32(sin, 2, "sin");
+  check_f32(k_cache, 3, "k_cache");
+  check_f32(v_cache, 3, "v_cache");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.dim() == 1 && pos.size(0) == qkv.size(0),
+              "qkv_rope: pos must be (M,) int64");
+  const int64_t M = qkv.size(0), G = k_cache.size(0), T = k_cache.size(1), D = k_cache.size(2), half = D / 2;
+  const int64_t width = (H + 2 * G) * D;
+  check_width(half, "half the head dim");
+  TORCH_CHECK(qkv.size(1) == width && bias.size(0) == width, "qkv_rope: qkv/bias width must be (H + 2G) D = ", width);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && cos.size(1) == half && sin.sizes() == cos.sizes() &&
+                  cos.size(0) >= T, "qkv_rope: cache or RoPE table shapes disagree");
+  const int64_t* P = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) TORCH_CHECK(P[r] >= 0 && P[r] < T, "qkv_rope: position ", P[r], " outside the cache");
+  auto q = torch::empty({M, H, D}, qkv.options());
+  const float *X = qkv.data_ptr<float>(), *B = bias.data_ptr<float>();
+  const float *C = cos.data_ptr<float>(), *S = sin.data_ptr<float>();
+  float *Q = q.data_ptr<float>(), *KC = k_cache.data_ptr<float>(), *VC = v_cache.data_ptr<float>();
+  // one head vector (D) of row r: x + bias, rotated by position p, stored at out
+  auto rotate = [&](const float* x, const float* b, int64_t p, float* out) {
+    const float *c = C + p * half, *s = S + p * half;
+    for (int64_t i = 0; i < half; i += 8) {
+      const __m256 x0 = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(b + i));
+      const __m256 x1 = _mm256_add_ps(_mm256_loadu_ps(x + half + i), _mm256_loadu_ps(b + half + i));
+      const __m256 ci = _mm256_loadu_ps(c + i), si = _mm256_loadu_ps(s + i);
+      _mm256_storeu_ps(out + i, _mm256_sub_ps(_mm256_mul_ps(x0, ci), _mm256_mul_ps(x1, si)));
+      _mm256_storeu_ps(out + half + i, _mm256_add_ps(_mm256_mul_ps(x1, ci), _mm256_mul_ps(x0, si)));
+    }
+  };
+  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = X + r * width;
+      const int64_t p = P[r];
+      for (int64_t h = 0; h < H; ++h) rotate(x + h * D, B + h * D, p, Q + (r * H + h) * D);
+      for (int64_t g = 0; g < G; ++g) {
+        rotate(x + (H + g) * D, B + (H + g) * D, p, KC + (g * T + p) * D);
+        const float *v = x + (H + G + g) * D, *bv = B + (H + G + g) * D;
+        float* vout = VC + (g * T + p) * D;
+        for (int64_t i = 0; i < D; i += 8)
+          _mm256_storeu_ps(vout + i, _mm256_add_ps(_mm256_loadu_ps(v + i), _mm256_loadu_ps(bv + i)));
+      }
+    }
+  });
+  return q;
+}
+
+// q (M, H, D), k_cache/v_cache (G, T, D), pos (M): row r's head h attends to cached positions 0..pos[r] of KV head
+// h / (H / G) with softmax(q k / sqrt(D)). Returns (M, H D). Each (row, head) is computed alone, in a fixed order.
+torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor pos) {
+  check_f32(q, 3, "q");
+  check_f32(k_cache, 3, "k_cache");
+  check_f32(v_cache, 3, "v_cache");
+  const int64_t M = q.size(0), H = q.size(1), D = q.size(2), G = k_cache.size(0), T = k_cache.size(1);
+  check_width(D, "the head dim");
+  TORCH_CHECK(k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes() && G > 0 && H % G == 0,
+              "attention: cache shapes disagree with q (G must divide H)");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.dim() == 1 && pos.size(0) == M,
+              "attention: pos must be (M,) int64");
+  const int64_t* P = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) TORCH_CHECK(P[r] >= 0 && P[r] < T, "attention: position ", P[r], " outside the cache");
+  auto out = torch::empty({M, H * D}, q.options());
+  const float *Q = q.data_ptr<float>(), *KC = k_cache.data_ptr<float>(), *VC = v_cache.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const int64_t group = H / G;
+  at::parallel_for(0, M * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
+    std::vector<__m256> acc(D / 8);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = i / H, h = i % H, g = h / group, n = P[r] + 1;
+      const float* qv = Q + i * D;
+      const float *K = KC + g * T * D, *V = VC + g * T * D;
+      scores.resize((n + 7) / 8 * 8);
+      __m256 vmax = _mm256_set1_ps(-INFINITY);
+      int64_t t = 0;
+      for (; t + 4 <= n; t += 4) {  // 4 independent chains; each score is the same chain of fmadds as below
+        __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
+        for (int64_t j = 0; j < D; j += 8) {
+          const __m256 x = _mm256_loadu_ps(qv + j);
+          d0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(K + t * D + j), d0);
+          d1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(K + (t + 1) * D + j), d1);
+          d2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(K + (t + 2) * D + j), d2);
+          d3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(K + (t + 3) * D + j), d3);
+        }
+        scores[t] = hsum8(d0) * scale;
+        scores[t + 1] = hsum8(d1) * scale;
+        scores[t + 2] = hsum8(d2) * scale;
+        scores[t + 3] = hsum8(d3) * scale;
+      }
+      for (; t < n; ++t) {
+        __m256 d = _mm256_setzero_ps();
+        for (int64_t j = 0; j < D; j += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(qv + j), _mm256_loadu_ps(K + t * D + j), d);
+        scores[t] = hsum8(d) * scale;
+      }
+      for (t = n; t < static_cast<int64_t>(scores.size()); ++t) scores[t] = -INFINITY;  // padding: weight 0
+      for (size_t u = 0; u < scores.size(); u += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(&scores[u]));
+      const __m256 mx = _mm256_set1_ps(hmax8(vmax)), ninf = _mm256_set1_ps(-INFINITY);
+      __m256 vsum = _mm256_setzero_ps();
+      for (size_t u = 0; u < scores.size(); u += 8) {
+        const __m256 s = _mm256_loadu_ps(&scores[u]);
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(s, mx)), _mm256_cmp_ps(s, ninf, _CMP_NEQ_OQ));
+        _mm256_storeu_ps(&scores[u], e);
+        vsum = _mm256_add_ps(vsum, e);
+      }
+      const float inv = 1.f / hsum8(vsum);
+      for (auto& a : acc) a = _mm256_setzero_ps();
+      for (int64_t t = 0; t < n; ++t) {
+        const __m256 w = _mm256_set1_ps(scores[t]);
+        for (int64_t j = 0; j < D / 8; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(V + t * D + 8 * j), acc[j]);
+      }
+      const __m256 vi = _mm256_set1_ps(inv);
+      for (int64_t j = 0; j < D / 8; ++j) _mm256_storeu_ps(O + i * D + 8 * j, _mm256_mul_ps(acc[j], vi));
+    }
+  });
+  return out;
+}
+
+// gate_up (M, 2I): gate columns then up columns -> (M, I) = silu(gate) * up, silu(x) = x / (1 + exp(-x))
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_f32(gate_up, 2, "gate_up");
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  check_width(I, "the intermediate size");
+  TORCH_CHECK(gate_up.size(1) == 2 * I, "silu_mul: gate_up must have an even width");
+  auto y = torch::empty({M, I}, gate_up.options());
+  const float* X = gate_up.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float *g = X + r * 2 * I, *u = g + I;
+      for (int64_t j = 0; j < I; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+        _mm256_storeu_ps(Y + r * I + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
+      }
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "x (M, K), w (K), eps -> RMSNorm(x) * w, per row");
+  m.def("qkv_rope", &qkv_rope, "biases + NEOX RoPE + KV-cache write; returns q (M, H, D)");
+  m.def("attention", &attention, "causal GQA attention of each row over the cache up to its position -> (M, H D)");
+  m.def("silu_mul", &silu_mul, "gate_up (M, 2I) -> silu(gate) * up (M, I)");
+}

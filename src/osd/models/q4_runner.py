@@ -1,0 +1,394 @@
+"""The osd target backend on its own Q4_K/Q6_K kernel (models/q4.py): a Qwen2 GGUF served from its 4-bit weights.
+
+Same interface as the other runners (models/runner.py): `feed(tokens, n_logits) -> (n_logits, V)` float32 logits
+for the last positions, `rollback(length)`, `reset()`, `length`, `vocab_size`, `context_window`, `eos_ids`,
+`max_rows`. A forward per fed chunk of rows (M): the token embeddings dequantized from the GGUF's quantized table,
+then per layer RMSNorm -> q/k/v (one kernel call per quant type: adjacent matrices of one type are concatenated at
+load) -> biases, RoPE, KV-cache write -> attention over the cache -> output projection -> RMSNorm -> gate|up (one
+call) -> SiLU * up -> down; the LM head only for the rows whose logits are asked. Matrices run on the kernel
+(activations quantized per row to Q8_K, as llama.cpp does); the float work around them is q4_glue.cpp.
+
+Greedy identity by construction: every step of the forward computes each row alone and in a fixed order (the
+kernel's rows are bitwise independent of the row count; the glue splits work by whole rows), so a position's
+logits and its cached keys/values are bitwise the same whether it is fed alone, with 8 proposals, or inside a
+prompt. `max_rows` = 9 (the pending token + 8 proposals: the kernel's 8-row pass plus one) is what the tests check;
+larger feeds (prompts) run the same code in chunks of `chunk_rows`.
+
+The KV cache is position-indexed (float32, (layers, KV heads, context, head dim)): rollback only sets `length`,
+the next feed overwrites. Weights are repacked once per GGUF file (~1-3 min for the 1.5B on 2 cores) and cached
+under ~/.cache/osd/q4 (memory-mapped on later loads); norms and biases are float32.
+
+Limitations: the `qwen2` architecture only (q/k/v biases, NEOX RoPE, no RoPE scaling, SiLU MLP); matrices must be
+Q4_K or Q6_K (a Q4_K_M/Q4_K_S/Q6_K file; an error names any other type); one sequence (batch size 1); CPU with
+AVX2; a float32 KV cache of the whole context window is reserved (touched as it fills: ~235 MB at 4096 tokens).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from osd.errors import BackendUnavailable, ContextTooLong, InvalidArgument, ModelNotFound
+from osd.models import q4
+
+ARCHITECTURES = ("qwen2",)
+MATRIX_TYPES = ("Q4_K", "Q6_K")
+LAYOUT_VERSION = 1  # bump when the cached repacked layout changes
+CACHE_MIN_BYTES = 64 << 20  # files at least this large keep their repacked weights on disk
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+# ------------------------------------------------------------------------------------------ the glue kernels
+def glue():
+    """The compiled q4_glue.cpp (RMSNorm, RoPE + cache write, attention, SiLU * up), built once per machine."""
+    with _lock:
+        if "module" not in _state:
+            _state["module"], _state["error"] = _build_glue()
+        if _state["module"] is None:
+            raise BackendUnavailable(f"the osd Q4 backend's glue kernels are unavailable here: {_state['error']}")
+        return _state["module"]
+
+
+def _build_glue():
+    if not q4.available():
+        return None, q4.build_error()
+    try:
+        from torch.utils.cpp_extension import load
+
+        source = Path(__file__).with_name("q4_glue.cpp")
+        print("[osd] loading the Q4 backend's glue kernels (compiled once per machine, ~1 min) ...", file=sys.stderr,
+              flush=True)
+        return load("osd_q4_glue", [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False), None
+    except Exception as e:  # no compiler / ninja / headers
+        return None, f"{type(e).__name__}: {e}"
+
+
+# ------------------------------------------------------------------------------------------ the model's shape
+@dataclass(frozen=True)
+class Qwen2Shape:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float
+    eps: float
+    context_length: int
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise InvalidArgument(f"the GGUF has no {key!r}: not a complete model file")
+        return default
+    return field.contents()
+
+
+def read_shape(reader) -> Qwen2Shape:
+    """The architecture's hyperparameters from a GGUF's metadata; a clear error for what this backend cannot run."""
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise InvalidArgument(f"the osd Q4 backend runs {', '.join(ARCHITECTURES)} GGUFs; this one is {arch!r} "
+                              "(use --target-backend llama.cpp)")
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", ""):
+        raise InvalidArgument(f"the osd Q4 backend has no RoPE scaling ({scaling!r} in the GGUF)")
+    hidden, heads = int(_field(reader, f"{arch}.embedding_length")), int(_field(reader, f"{arch}.attention.head_count"))
+    return Qwen2Shape(
+        layers=int(_field(reader, f"{arch}.block_count")), hidden=hidden,
+        intermediate=int(_field(reader, f"{arch}.feed_forward_length")), heads=heads,
+        kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        context_length=int(_field(reader, f"{arch}.context_length", 0)))
+
+
+def rope_tables(positions: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (positions, head_dim / 2) float32 of NEOX RoPE, computed as transformers' Qwen2 does."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # (D/2,)
+    freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq[None, :]  # (T, D/2)
+    return freqs.cos().contiguous(), freqs.sin().contiguous()
+
+
+# ------------------------------------------------------------------------------------------ weights
+QKV, GATE_UP = ("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")
+
+
+def fused_groups(types: list[str]) -> list[tuple[int, int]]:
+    """Runs of adjacent equal quant types, as (start, stop) index pairs: matrices fused into one kernel call."""
+    groups, start = [], 0
+    for i in range(1, len(types) + 1):
+        if i == len(types) or types[i] != types[start]:
+            groups.append((start, i))
+            start = i
+    return groups
+
+
+class FusedLinear:
+    """Matrices that read the same input, side by side: (M, K) Q8_K records -> (M, sum of N) float32.
+
+    One kernel call per run of adjacent matrices of one quant type (their GGUF rows concatenated before repacking).
+    """
+
+    def __init__(self, weights: list[q4.Q4KWeight | q4.Q6KWeight]):
+        module, code = q4.kernel(), q4.ISAS[q4.resolve_isa()]
+        self.weights = weights
+        self.calls = [_bound(module, w, code) for w in weights]
+        self.n = sum(w.n for w in weights)
+
+    def __call__(self, records: torch.Tensor) -> torch.Tensor:
+        if len(self.calls) == 1:
+            return self.calls[0](records)
+        return torch.cat([call(records) for call in self.calls], dim=1)
+
+
+def _bound(module, w, code):
+    if isinstance(w, q4.Q4KWeight):
+        return lambda records: module.q4k_matmul(records, w.qs, w.sm, w.dd, w.n, code)
+    return lambda records: module.q6k_matmul(records, w.ql, w.qh, w.sc, w.d, w.n, code)
+
+
+def _weight_tensors(w) -> dict:
+    if isinstance(w, q4.Q4KWeight):
+        return {"type": "Q4_K", "n": w.n, "qs": w.qs, "sm": w.sm, "dd": w.dd}
+    return {"type": "Q6_K", "n": w.n, "ql": w.ql, "qh": w.qh, "sc": w.sc, "d": w.d}
+
+
+def _weight_from(d: dict):
+    if d["type"] == "Q4_K":
+        return q4.Q4KWeight(d["n"], d["qs"], d["sm"], d["dd"])
+    return q4.Q6KWeight(d["n"], d["ql"], d["qh"], d["sc"], d["d"])
+
+
+def matrix_names(layers: int, tied: bool) -> dict[str, list[str]]:
+    """Fused weight name -> the GGUF matrices it holds, in output order (q|k|v, gate|up)."""
+    names = {}
+    for i in range(layers):
+        names[f"blk.{i}.qkv"] = [f"blk.{i}.{r}.weight" for r in QKV]
+        names[f"blk.{i}.attn_output"] = [f"blk.{i}.attn_output.weight"]
+        names[f"blk.{i}.gate_up"] = [f"blk.{i}.{r}.weight" for r in GATE_UP]
+        names[f"blk.{i}.ffn_down"] = [f"blk.{i}.ffn_down.weight"]
+    names["output"] = ["token_embd.weight" if tied else "output.weight"]
+    return names
+
+
+def repack_matrices(tensors: dict, names: dict[str, list[str]]) -> dict[str, list]:
+    """GGUF tensors (by name) -> fused name -> repacked kernel weights (one per run of one quant type)."""
+    out = {}
+    for fused, parts in names.items():
+        for name in parts:
+            if name not in tensors:
+                raise InvalidArgument(f"the GGUF has no tensor {name!r}")
+            kind = tensors[name].tensor_type.name
+            if kind not in MATRIX_TYPES:
+                raise InvalidArgument(f"{name} is {kind}: the osd Q4 backend runs Q4_K and Q6_K matrices only "
+                                      "(a Q4_K_M file; use --target-backend llama.cpp for others)")
+            if tensors[name].shape[0] % q4.QK:
+                raise InvalidArgument(f"{name}: rows of {tensors[name].shape[0]} are not a multiple of {q4.QK}")
+        types = [tensors[name].tensor_type.name for name in parts]
+        out[fused] = []
+        for start, stop in fused_groups(types):
+            raw = torch.from_numpy(np.concatenate([tensors[name].data for name in parts[start:stop]]))  # a copy
+            out[fused].append(q4.repack(raw, types[start]))
+    return out
+
+
+@dataclass
+class Q4Weights:
+    """What a forward needs, read from a GGUF (or from its cache): matrices repacked, vectors float32."""
+
+    shape: Qwen2Shape
+    eos_ids: list[int]
+    vectors: dict[str, torch.Tensor]  # blk.{i}.attn_norm / ffn_norm / qkv_bias (q|k|v, zeros if absent), output_norm
+    embd_type: str  # the token embedding table's GGML type (any type gguf can dequantize)
+    embd: np.ndarray  # (V, bytes per row) uint8: the table as stored (rows dequantized when looked up)
+    matrices: dict[str, list]  # fused name (matrix_names) -> repacked weights, one per run of one quant type
+
+    def to_dict(self) -> dict:
+        return {"layout": LAYOUT_VERSION, "shape": asdict(self.shape), "eos_ids": self.eos_ids, "vectors": self.vectors,
+                "embd_type": self.embd_type, "embd": torch.from_numpy(np.array(self.embd)),  # a copy: the file is read-only
+                "matrices": {k: [_weight_tensors(w) for w in v] for k, v in self.matrices.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Q4Weights":
+        return cls(Qwen2Shape(**d["shape"]), d["eos_ids"], d["vectors"], d["embd_type"], d["embd"].numpy(),
+                   {k: [_weight_from(w) for w in v] for k, v in d["matrices"].items()})
+
+
+def read_gguf(path: Path) -> Q4Weights:
+    """Read and check a GGUF, repack its matrices (slow for a real model: minutes on 2 cores)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    s = read_shape(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    vectors = {"output_norm": _vector(tensors, "output_norm.weight")}
+    widths = (s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim)
+    for i in range(s.layers):
+        vectors[f"blk.{i}.attn_norm"] = _vector(tensors, f"blk.{i}.attn_norm.weight")
+        vectors[f"blk.{i}.ffn_norm"] = _vector(tensors, f"blk.{i}.ffn_norm.weight")
+        vectors[f"blk.{i}.qkv_bias"] = torch.cat([_vector(tensors, f"blk.{i}.{r}.bias", n) for r, n in zip(QKV, widths)])
+    if "token_embd.weight" not in tensors:
+        raise InvalidArgument("the GGUF has no tensor 'token_embd.weight'")
+    embd = tensors["token_embd.weight"]
+    eos_ids = [int(_field(reader, k)) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+               if k in reader.fields]
+    names = matrix_names(s.layers, tied="output.weight" not in tensors)
+    return Q4Weights(s, eos_ids, vectors, embd.tensor_type.name, embd.data, repack_matrices(tensors, names))
+
+
+def cache_path(gguf: Path, cache_dir: Path) -> Path:
+    st = gguf.stat()
+    digest = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}:{LAYOUT_VERSION}".encode()).hexdigest()
+    return cache_dir / f"{gguf.stem}-{digest[:16]}.pt"
+
+
+def load_weights(gguf: Path, cache: bool | None = None, cache_dir: str | Path | None = None) -> Q4Weights:
+    """The GGUF's weights for the kernel: from the cache when there (memory-mapped, ~1 s), else read and repacked
+    (then cached where `cache`; None = for files of at least CACHE_MIN_BYTES). The cache is keyed by the file's
+    path, size and mtime; a file of ~the GGUF's size (the 1.5B: 1.1 GB) under ~/.cache/osd/q4."""
+    from osd.models.bundled import cache_root
+
+    cache = gguf.stat().st_size >= CACHE_MIN_BYTES if cache is None else cache
+    path = cache_path(gguf, Path(cache_dir) if cache_dir else cache_root() / "q4")
+    if cache and path.exists():
+        stored = torch.load(path, mmap=True, weights_only=True)
+        if stored.get("layout") == LAYOUT_VERSION:
+            return Q4Weights.from_dict(stored)
+    if cache:
+        print(f"[osd] repacking {gguf.name} for the Q4 kernel (once, a few minutes; cached in {path.parent}) ...",
+              file=sys.stderr, flush=True)
+    weights = read_gguf(gguf)
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + f".{os.getpid()}.partial")
+        torch.save(weights.to_dict(), partial)
+        partial.replace(path)
+    return weights
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor  # (hidden,)
+    qkv: FusedLinear  # -> (M, (H + 2G) D)
+    qkv_bias: torch.Tensor  # ((H + 2G) D,)
+    attn_output: FusedLinear
+    ffn_norm: torch.Tensor
+    gate_up: FusedLinear  # -> (M, 2 I)
+    ffn_down: FusedLinear
+
+
+# ------------------------------------------------------------------------------------------ the runner
+class Q4Runner:
+    """A Qwen2 GGUF (Q4_K/Q6_K matrices) on osd's own kernel, holding the KV cache of one sequence."""
+
+    max_rows = 9  # rows per feed checked bitwise equal to 1-row feeds: the pending token + 8 proposals
+
+    def __init__(self, gguf_path: str | Path, n_ctx: int = 4096, chunk_rows: int = 64, cache: bool | None = None,
+                 cache_dir: str | Path | None = None):
+        path = Path(gguf_path)
+        if not path.is_file():
+            raise ModelNotFound(f"GGUF file not found: {path}")
+        self.path, self.chunk_rows = path, int(chunk_rows)
+        self._glue, self._quantize = glue(), q4.kernel().quantize_q8k
+        w = load_weights(path, cache, cache_dir)
+        self.shape = s = w.shape
+        v, m = w.vectors, w.matrices
+        self.layers = [Layer(v[f"blk.{i}.attn_norm"], FusedLinear(m[f"blk.{i}.qkv"]), v[f"blk.{i}.qkv_bias"],
+                             FusedLinear(m[f"blk.{i}.attn_output"]), v[f"blk.{i}.ffn_norm"],
+                             FusedLinear(m[f"blk.{i}.gate_up"]), FusedLinear(m[f"blk.{i}.ffn_down"]))
+                       for i in range(s.layers)]
+        self._check_widths(s)
+        self.output_norm, self.head = v["output_norm"], FusedLinear(m["output"])
+        self._embd_type, self._embd = w.embd_type, w.embd
+        self.vocab_size = self.head.n
+        self.context_window = min(int(n_ctx), s.context_length or int(n_ctx))
+        self.eos_ids = set(w.eos_ids)
+        kv_shape = (s.layers, s.kv_heads, self.context_window, s.head_dim)
+        self.k_cache, self.v_cache = torch.empty(kv_shape), torch.empty(kv_shape)  # pages touched as the cache fills
+        self._kv = [(self.k_cache[i], self.v_cache[i]) for i in range(s.layers)]
+        self.cos, self.sin = rope_tables(self.context_window, s.head_dim, s.rope_theta)
+        self.length = 0  # tokens whose keys/values are in the cache
+
+    def _check_widths(self, s: Qwen2Shape) -> None:
+        want = {"qkv": (s.heads + 2 * s.kv_heads) * s.head_dim, "attn_output": s.hidden, "gate_up": 2 * s.intermediate,
+                "ffn_down": s.hidden}
+        for i, layer in enumerate(self.layers):
+            for name, n in want.items():
+                if getattr(layer, name).n != n:
+                    raise InvalidArgument(f"blk.{i}: {name} gives {getattr(layer, name).n} outputs, the metadata says {n}")
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first `length` cached tokens (the next feed overwrites the rest)."""
+        if length < 0:
+            raise InvalidArgument(f"rollback length must be >= 0, got {length}")
+        self.length = min(self.length, length)
+
+    @torch.inference_mode()
+    def feed(self, token_ids: list[int], n_logits: int = 1) -> torch.Tensor:
+        """Append tokens to the cache; return float32 logits (n_logits, V) for the last positions."""
+        if self.length + len(token_ids) > self.context_window:
+            raise ContextTooLong(f"{self.length + len(token_ids)} tokens exceed the Q4 backend's context of "
+                                 f"{self.context_window}")
+        n_logits = min(n_logits, len(token_ids))
+        first_logit, kept = len(token_ids) - n_logits, []
+        for start in range(0, len(token_ids), self.chunk_rows):
+            chunk = token_ids[start : start + self.chunk_rows]
+            hidden = self._forward(chunk)  # (M, hidden)
+            if start + len(chunk) > first_logit:
+                kept.append(hidden[max(0, first_logit - start) :])
+        if not kept:
+            return torch.empty(0, self.vocab_size)
+        final = self._glue.rms_norm(torch.cat(kept), self.output_norm, self.shape.eps)  # (n_logits, hidden)
+        return self.head(self._quantize(final))  # (n_logits, V)
+
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
+        """(M, hidden) float32 rows of the quantized embedding table, dequantized (gguf's reference)."""
+        from gguf import GGMLQuantizationType, dequantize
+
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self._embd.shape[0]):
+            raise InvalidArgument(f"token ids must be in [0, {self._embd.shape[0]})")
+        rows = dequantize(self._embd[ids], GGMLQuantizationType[self._embd_type])
+        return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).reshape(len(token_ids), self.shape.hidden)
+
+    def _forward(self, token_ids: list[int]) -> torch.Tensor:
+        """Run M tokens through the layers at positions length.., caching their keys/values -> (M, hidden)."""
+        s, g, quantize = self.shape, self._glue, self._quantize
+        x = self.embed(token_ids)  # (M, hidden)
+        pos = torch.arange(self.length, self.length + len(token_ids))  # (M,)
+        for layer, (k_cache, v_cache) in zip(self.layers, self._kv):
+            qkv = layer.qkv(quantize(g.rms_norm(x, layer.attn_norm, s.eps)))  # (M, (H + 2G) D)
+            q = g.qkv_rope(qkv, layer.qkv_bias, self.cos, self.sin, pos, k_cache, v_cache, s.heads)  # (M, H, D)
+            x += layer.attn_output(quantize(g.attention(q, k_cache, v_cache, pos)))
+            gate_up = layer.gate_up(quantize(g.rms_norm(x, layer.ffn_norm, s.eps)))  # (M, 2 I)
+            x += layer.ffn_down(quantize(g.silu_mul(gate_up)))
+        self.length += len(token_ids)
+        return x
+
+
+def _vector(tensors: dict, name: str, zeros_if_missing: int | None = None) -> torch.Tensor:
+    """A norm weight or bias as float32 (any GGUF type, dequantized by gguf); zeros of the given size if absent."""
+    from gguf import dequantize
+
+    if name not in tensors:
+        if zeros_if_missing is not None:
+            return torch.zeros(zeros_if_missing)
+        raise InvalidArgument(f"the GGUF has no tensor {name!r}")
+    t = tensors[name]
+    return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1))
