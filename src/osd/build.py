@@ -30,6 +30,7 @@ class System:
     draft_master: object | None  # trainable draft weights (the serving copy lives in the registry)
     models: ModelConfig
     spec: SpeculationConfig
+    routing: object | None = None  # several drafts and their router (route/system.py), behind RouteConfig.drafts
 
     def publish_draft(self, master=None, name: str = DEFAULT_DRAFT, version: int | None = None):
         """Build a serving copy of draft weights and publish it under `name`."""
@@ -83,7 +84,12 @@ def build_target(models: ModelConfig, target_model=None):
     return target_model
 
 
-def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool = True, target_model=None) -> System:
+def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool = True, target_model=None,
+                 route=None) -> System:
+    """route: a RouteConfig; with drafts named (--drafts a,b), several adapter drafts on the draft model and a router."""
+    routed = route is not None and bool(route.names())
+    if routed and spec.lookup:
+        raise InvalidArgument("--lookup with --drafts is not supported yet (the lookup's draft label hides the routed draft)")
     set_threads(models.threads)
     tokenizer = load_tokenizer(models.target)
     target = build_target(models, target_model)
@@ -92,15 +98,26 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
         check_same_tokenizer(tokenizer, load_tokenizer(models.draft))
         master = load_model(models.draft, models.draft_dtype)
         system.draft_master = master
-        system.publish_draft(master)
+        if routed:
+            from osd.route.system import Routing
+
+            system.routing = Routing.build(master, route, system.registry, tokenizer, as_runner(target).vocab_size,
+                                           models.draft_quantize, models.draft_vocab, special_ids(tokenizer))
+        else:
+            system.publish_draft(master)
     system.engine = speculative_engine(system, target, spec)
     return system
 
 
 def speculative_engine(system: System, target, spec: SpeculationConfig) -> SpeculativeEngine:
     """An engine over `target` with a new proposer of the system's kind: its published draft (if any), behind
-    an n-gram lookup with its own traffic index when spec.lookup (benchmarks build one per target backend)."""
+    an n-gram lookup with its own traffic index when spec.lookup (benchmarks build one per target backend);
+    with several drafts, the system's one routed proposer (route/system.py), its feedback attached."""
     vocab_size = as_runner(target).vocab_size
+    if system.routing is not None:
+        engine = SpeculativeEngine(target, system.tokenizer, system.routing.proposer, spec)
+        system.routing.attach(engine)
+        return engine
     proposer = DraftModelProposer(system.registry, DEFAULT_DRAFT, vocab_size) if system.draft_master is not None else None
     if spec.lookup and spec.k > 0:
         proposer = LookupThenDraft(NgramProposer(vocab_size), proposer)
@@ -116,6 +133,11 @@ def attach_learner(system: System, learn):
 
     if system.draft_master is None:
         raise ValueError("online learning needs a draft model")
+    if system.routing is not None:  # one learner per draft, each with its own checkpoint under checkpoint_dir/<name>
+        learners = system.routing.attach_learners(learn, system.engine)
+        learners.resume()
+        learners.start()
+        return learners
     publish = lambda master, version=None: system.publish_draft(master, version=version)
     learner = OnlineLearner(system.draft_master, publish, learn).attach(system.engine)
     learner.resume()

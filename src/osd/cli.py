@@ -93,6 +93,8 @@ def cmd_bench_train_step(args) -> None:
 def cmd_replay(args) -> None:
     from tqdm import tqdm
 
+    if args.route:
+        return cmd_replay_routed(args)
     if args.fast:
         return cmd_replay_fast(args)
     from osd.bench.report import report_replay
@@ -135,6 +137,34 @@ def cmd_replay_fast(args) -> None:
     rows_path.write_text("".join(json.dumps(r) + "\n" for r in result["requests"]))  # now with the baselines' columns
     report_fast_replay(result, args.out, args.markdown, args.window)
     state_path.unlink(missing_ok=True)  # finished: the result JSON holds everything
+
+
+def cmd_replay_routed(args) -> None:
+    from tqdm import tqdm
+
+    from osd.bench.replay_routed import run_routed_replay
+    from osd.bench.replay_routed_report import report_routed_replay
+    from osd.distill.cache import DecodeSettings
+    from osd.errors import InvalidArgument
+    from osd.learn.online import LearnConfig
+    from osd.route.config import RouteConfig
+
+    if not args.fast:
+        raise InvalidArgument("--route runs on the greedy fast path: add --fast")
+    learn = config_from(args, LearnConfig)
+    rows_path = Path(args.out).with_suffix(".rows.jsonl")
+    rows_path.parent.mkdir(parents=True, exist_ok=True)
+    with rows_path.open("w") as rows_file:
+        def on_row(row):
+            rows_file.write(json.dumps(row) + "\n")
+            rows_file.flush()
+
+        result = run_routed_replay(config_from(args, ModelConfig), learn, config_from(args, RouteConfig), args.stream,
+                                   args.split, args.per_segment, DecodeSettings(max_new_tokens=args.max_new_tokens,
+                                                                                top_k=learn.top_k), args.k,
+                                   args.heldout, args.heldout_split, args.batch_size_generate, args.cache_dir, tqdm,
+                                   seed=learn.seed, on_row=on_row)
+    report_routed_replay(result, args.out, args.markdown)
 
 
 def cmd_bench_soak(args) -> None:
@@ -186,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "equal optimizer steps); the never-trained control is always measured")
     p.add_argument("--target-only", action="store_true", help="live: also decode each request with the target alone")
     p.add_argument("--fast", action="store_true", help="greedy fast path from the target-output cache (exact; hundreds of requests)")
+    p.add_argument("--route", action="store_true", help="--fast on an interleaved stream: one shared online draft, per-mode "
+                   "drafts with the router, per-label drafts (oracle split) and the control, in one run (RouteConfig flags; "
+                   "name@lang streams one language: multilingual_qa@de)")
     p.add_argument("--baseline-epochs", type=int, default=0, help="> 0: also the epochs recipe on 100%% of the stream "
                    "(its own, labelled draft; not equal steps)")
     p.add_argument("--baseline-lr", type=float, default=1e-5, help="learning rate of the epochs recipe (the equal-step "
@@ -205,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="benchmarks/replay.json", help="result JSON (and PNG beside it); --fast also writes "
                    "each request's row to <out>.rows.jsonl as it is measured, so a run cut short keeps them")
     p.add_argument("--markdown", default="BENCHMARKS.md")
-    for cls in (ModelConfig, SpeculationConfig, LearnConfig):
+    from osd.route.config import RouteConfig
+
+    for cls in (ModelConfig, SpeculationConfig, LearnConfig, RouteConfig):
         add_config_flags(p, cls)
     p.set_defaults(func=cmd_replay)
 

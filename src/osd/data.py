@@ -21,7 +21,10 @@ def datasets_dir() -> Path:
 
 
 def load_records(name: str, split: str | None = None, limit: int | None = None, offset: int = 0) -> list[dict]:
-    """Records of a dataset (file name without .jsonl, or a path), in file order."""
+    """Records of a dataset (file name without .jsonl, or a path), in file order.
+
+    name@lang keeps the records of one language (multilingual_qa@de): the language's own stream."""
+    name, _, lang = name.rpartition("@") if "@" in name and not Path(name).exists() else (name, "", "")
     path = Path(name)
     if not path.exists():
         path = datasets_dir() / (name if name.endswith(".jsonl") else f"{name}.jsonl")
@@ -36,7 +39,7 @@ def load_records(name: str, split: str | None = None, limit: int | None = None, 
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise InvalidArgument(f"{path}:{line_no}: not valid JSON ({e})") from e
-            if split and record.get("split") != split:
+            if (split and record.get("split") != split) or (lang and record.get("lang") != lang):
                 continue
             if "prompt" not in record or not str(record["prompt"]).strip():
                 continue

@@ -50,6 +50,13 @@ class DraftRegistry:
                 raise KeyError(f"no draft named {name!r}; known: {sorted(self._drafts)}")
             return self._drafts[name]
 
+    def remove(self, name: str) -> DraftSnapshot:
+        """Retire a draft: requests that already hold its snapshot finish with it; later ones cannot get it."""
+        with self._lock:
+            if name not in self._drafts:
+                raise KeyError(f"no draft named {name!r}; known: {sorted(self._drafts)}")
+            return self._drafts.pop(name)
+
     def names(self) -> list[str]:
         with self._lock:
             return sorted(self._drafts)

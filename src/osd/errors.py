@@ -16,6 +16,13 @@ class ContextTooLong(InvalidArgument):
     """Prompt plus max_new_tokens does not fit the model's context window (HTTP 413/400)."""
 
 
+class DraftNotFound(OsdError, KeyError):
+    """A request or call names a draft that does not exist (or was retired) (HTTP 404)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 class TokenizerMismatch(OsdError):
     """Draft and target tokenizers differ: speculative decoding would be wrong."""
 

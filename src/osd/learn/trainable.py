@@ -1,6 +1,7 @@
 """Which draft parameters train, and the frozen-trunk split that makes CPU training cheap.
 
-trainable: "all" | "no_embeddings" (freeze embeddings and LM head, which Qwen2.5 ties) | "lora".
+trainable: "all" | "no_embeddings" (freeze embeddings and LM head, which Qwen2.5 ties) | "lora" | "adapter"
+(the parameters the caller already marked trainable, e.g. the active peft adapter of drafts_multi.py).
 train_layers: 0 = every decoder layer trains; N = only the top N layers (and the final norm) train
 (all of them when the draft has N or fewer).
 With N > 0 the bottom layers are frozen, so their output for a token sequence never changes:
@@ -18,7 +19,7 @@ from torch import nn
 
 from osd.errors import InvalidArgument
 
-TRAINABLE = ("all", "no_embeddings", "lora")
+TRAINABLE = ("all", "no_embeddings", "lora", "adapter")
 
 
 class LoRALinear(nn.Module):
@@ -59,6 +60,8 @@ def configure_trainable(model, trainable: str = "no_embeddings", train_layers: i
     if trainable not in TRAINABLE:
         raise InvalidArgument(f"trainable must be one of {TRAINABLE}, got {trainable!r}")
     split = split_index(model, train_layers)
+    if trainable == "adapter":  # set up by the caller (a peft adapter made active): nothing inserted or frozen here
+        return [p for p in model.parameters() if p.requires_grad]
     if trainable == "all" and split > 0:
         raise InvalidArgument("trainable=all trains the embeddings, which sit below every layer: use train_layers=0")
     model.requires_grad_(False)

@@ -1,9 +1,11 @@
 """OpenAI-compatible app factory. Routes translate HTTP <-> library; the engine works on one worker thread.
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models,
+Endpoints: POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models (the target; its
+drafts and their versions in the entry's `osd` field),
 GET /health, GET /metrics (Prometheus text, serve/prom.py; behind the API key with
 ServeSettings.metrics_require_key). Every completion carries an `osd` extension field
-with its own speculative decoding figures (accepted, proposed, alpha, tokens_per_step, draft, ...).
+with its own speculative decoding figures (accepted, proposed, alpha, tokens_per_step, draft, ...). A request
+may pin the draft that serves it with its own `osd` field, {"osd": {"draft": "<name>"}} (unknown: 404).
 
 Limitations: batch size 1 (requests queue in arrival order); n = 1; no logprobs, penalties or tools.
 A request whose streaming client disconnects is aborted at its next text delta; its speculative
@@ -28,7 +30,7 @@ from osd.serve.middleware import BodyLimit, CountRequests
 from osd.serve.prom import CONTENT_TYPE, ServeMetrics
 from osd.serve.schemas import ChatCompletionRequest, CompletionRequest
 from osd.serve.settings import ServeSettings
-from osd.serve.translate import (Shapes, chat_prompt, check_common, completion_prompt, osd_stats,
+from osd.serve.translate import (Shapes, chat_prompt, check_common, completion_prompt, osd_stats, pinned_draft,
                                  sampling_from)
 from osd.serve.worker import Job, Worker
 
@@ -36,10 +38,10 @@ ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
 
 
 class Lifecycle:
-    """Starts and stops the worker and the optional learner, once each (idempotent)."""
+    """Starts and stops the worker, the optional learner and routing feedback, once each (idempotent)."""
 
-    def __init__(self, worker: Worker, learner=None):
-        self.worker, self.learner = worker, learner
+    def __init__(self, worker: Worker, learner=None, routing=None):
+        self.worker, self.learner, self.routing = worker, learner, routing
         self._lock, self._started, self._stopped = threading.Lock(), False, False
 
     def start(self) -> None:
@@ -50,6 +52,8 @@ class Lifecycle:
         self.worker.start()
         if self.learner is not None:
             self.learner.start()
+        if self.routing is not None:
+            self.routing.start()
 
     def stop(self) -> None:
         """Stop the worker (cancelling a generation whose connection uvicorn has already closed at
@@ -59,16 +63,25 @@ class Lifecycle:
                 return
             self._stopped = True
         self.worker.stop(timeout=120, cancel_running=True)
+        if self.routing is not None:
+            self.routing.stop()
         if self.learner is not None:  # also when it was started by its builder (attach_learner)
             self.learner.stop()
 
 
-def create_app(engine, tokenizer, model_name: str, learner=None, settings: ServeSettings | None = None) -> FastAPI:
+def create_app(engine, tokenizer, model_name: str, learner=None, settings: ServeSettings | None = None,
+               routing=None) -> FastAPI:
+    """routing: several drafts and their router (route/system.py), or None (the engine's one proposer)."""
     settings = settings or ServeSettings()
     model_name = settings.model_name or model_name
     worker, metrics = Worker(engine), ServeMetrics()
     metrics.attach(engine.metrics, learner, lambda: worker.depth)
-    lifecycle = Lifecycle(worker, learner)
+    if routing is not None:
+        from osd.route.metrics import RouteCollector
+
+        metrics.registry.register(RouteCollector(routing))
+    lifecycle = Lifecycle(worker, learner, routing)
+    drafts = lambda: _drafts(engine, routing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -90,7 +103,8 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
         check_common(req, model_name)
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
         sampling = sampling_from(req, settings, max_tokens)
-        job = worker.submit(chat_prompt(req, tokenizer), sampling, stream=bool(req.stream))
+        draft = pinned_draft(req, drafts())
+        job = worker.submit(chat_prompt(req, tokenizer), sampling, stream=bool(req.stream), draft=draft)
         return await _respond(job, req, Shapes(chat=True, model=model_name), metrics, arrived)
 
     @app.post("/v1/completions", dependencies=auth)
@@ -99,12 +113,17 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
         req = await _parse(request, CompletionRequest)
         check_common(req, model_name)
         sampling = sampling_from(req, settings, req.max_tokens)
-        job = worker.submit(completion_prompt(req, tokenizer), sampling, stream=bool(req.stream))
+        draft = pinned_draft(req, drafts())
+        job = worker.submit(completion_prompt(req, tokenizer), sampling, stream=bool(req.stream), draft=draft)
         return await _respond(job, req, Shapes(chat=False, model=model_name), metrics, arrived)
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "osd"}]}
+        """The target, with its drafts in the entry's `osd` extension (only the target is a model a client can
+        ask for by `model`; a request pins a draft with its own `osd.draft`)."""
+        listed = [{"id": name, "version": version} for name, version in sorted(drafts().items())]
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "osd",
+                                            "osd": {"drafts": listed}}]}
 
     @app.get("/health")
     async def health():
@@ -119,6 +138,14 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS)  # outermost: counts 413s and 500s too
     return app
+
+
+def _drafts(engine, routing) -> dict[str, int]:
+    """Draft name -> published version: the routed drafts, or the engine's one proposer (none without one)."""
+    if routing is not None:
+        return routing.versions()
+    proposer = engine.proposer
+    return {} if proposer is None else {proposer.name.rsplit("+", 1)[-1]: proposer.version}
 
 
 def _api_key_check(api_key: str | None):

@@ -12,6 +12,7 @@ def register(sub, bench) -> None:
     from osd.cli import add_config_flags
     from osd.config import ModelConfig, SpeculationConfig
     from osd.learn.online import LearnConfig
+    from osd.route.config import RouteConfig
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding")
     add_config_flags(p, ServeSettings, skip=("api_key", "model_name"))
@@ -21,9 +22,9 @@ def register(sub, bench) -> None:
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
     p.add_argument("--learn", action=argparse.BooleanOptionalAction, default=True,
                    help="distill the draft online from served traffic (on by default; LearnConfig flags)")
-    for cls in (ModelConfig, SpeculationConfig, LearnConfig):
+    for cls in (ModelConfig, SpeculationConfig, LearnConfig, RouteConfig):
         add_config_flags(p, cls)
-    p.set_defaults(schedule="background", checkpoint_dir="runs/draft-checkpoint")  # serving: learn in idle windows, resume on restart
+    p.set_defaults(schedule="background", checkpoint_dir="runs/draft-checkpoint", score_schedule="background")  # serving: learn in idle windows, resume on restart
     p.set_defaults(func=cmd_serve)
 
     p = bench.add_parser("serve", help="load a running server: throughput, TTFT, TPOT at several concurrencies")
@@ -50,24 +51,25 @@ def cmd_serve(args) -> None:
     from osd.config import ModelConfig, SpeculationConfig
     from osd.learn.online import LearnConfig
     from osd.memory import return_freed_memory_to_the_system
+    from osd.route.config import RouteConfig
 
     return_freed_memory_to_the_system()  # a long-running process: freed tensors must not stay resident
     settings = config_from(args, ServeSettings)
     models = config_from(args, ModelConfig)
-    system = build_system(models, config_from(args, SpeculationConfig))
+    system = build_system(models, config_from(args, SpeculationConfig), route=config_from(args, RouteConfig))
     system.engine.calibrate()
     learner = attach_learner(system, config_from(args, LearnConfig)) if args.learn else None
     name = settings.model_name or default_model_name(models.target)
-    serve(system.engine, system.tokenizer, name, settings, learner)
+    serve(system.engine, system.tokenizer, name, settings, learner, system.routing)
 
 
-def serve(engine, tokenizer, model_name: str, settings: ServeSettings, learner=None) -> None:
+def serve(engine, tokenizer, model_name: str, settings: ServeSettings, learner=None, routing=None) -> None:
     """Run the server until SIGINT/SIGTERM; shutdown finishes the running request, then stops the learner."""
     import uvicorn
 
     from osd.serve.app import create_app
 
-    app = create_app(engine, tokenizer, model_name, learner=learner, settings=settings)
+    app = create_app(engine, tokenizer, model_name, learner=learner, settings=settings, routing=routing)
     try:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=30)
     finally:

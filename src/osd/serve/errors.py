@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from osd.errors import ContextTooLong, InvalidArgument
+from osd.errors import ContextTooLong, DraftNotFound, InvalidArgument
 
 log = logging.getLogger("osd.serve")
 
@@ -63,6 +63,7 @@ ERROR_TABLE: dict[type, tuple[int, str, str | None]] = {
     BadJSON: (400, "invalid_request_error", "invalid_json"),
     ValidationError: (400, "invalid_request_error", "invalid_type"),  # as OpenAI: 400, not FastAPI's 422
     UnknownModel: (404, "invalid_request_error", "model_not_found"),
+    DraftNotFound: (404, "invalid_request_error", "draft_not_found"),
     Unauthorized: (401, "invalid_request_error", "invalid_api_key"),
     BodyTooLarge: (413, "invalid_request_error", "request_too_large"),
     ShuttingDown: (503, "server_error", "shutting_down"),

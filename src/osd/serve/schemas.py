@@ -15,6 +15,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class OsdRequestOptions(BaseModel):
+    """The request's `osd` extension field (the response's carries the speculative figures)."""
+
+    model_config = ConfigDict(extra="forbid")  # our own field: a misspelt key is a 400, not silently ignored
+
+    draft: str | None = None  # serve with this draft (GET /v1/models lists them); unknown -> 404 draft_not_found
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -29,6 +37,7 @@ class _Request(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    osd: OsdRequestOptions | None = None  # extension: pin a draft
     # known but unsupported: refused when set to anything but their neutral value
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -8,7 +8,7 @@ import uuid
 from osd.config import SamplingConfig
 from osd.data import chat_ids
 from osd.engine import GenerationResult
-from osd.errors import InvalidArgument
+from osd.errors import DraftNotFound, InvalidArgument
 from osd.serve.errors import BadParam, UnknownModel
 from osd.serve.schemas import ChatCompletionRequest, CompletionRequest, _Request
 from osd.serve.settings import ServeSettings
@@ -26,6 +26,16 @@ def check_common(req: _Request, model_name: str) -> None:
     bad = req.unsupported()
     if bad:
         raise BadParam(f"not supported by this server: {', '.join(bad)}", param=bad[0])
+
+
+def pinned_draft(req: _Request, drafts: dict[str, int]) -> str | None:
+    """The draft the request pins in its `osd` extension (None: routed); one this server does not have -> 404."""
+    name = req.osd.draft if req.osd is not None else None
+    if name is not None and name not in drafts:
+        error = DraftNotFound(f"draft {name!r} does not exist; this server's drafts: {sorted(drafts)} (GET /v1/models)")
+        error.param = "osd.draft"
+        raise error
+    return name
 
 
 def sampling_from(req: _Request, settings: ServeSettings, max_tokens: int | None = None) -> SamplingConfig:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from osd.config import SamplingConfig
+from osd.route import pinned
 from osd.serve.errors import ShuttingDown
 
 log = logging.getLogger("osd.serve")
@@ -30,6 +31,7 @@ class Job:
     sampling: SamplingConfig
     loop: asyncio.AbstractEventLoop
     stream: bool = False  # emit ("text", delta) events; otherwise only the outcome
+    draft: str | None = None  # the draft the request pinned (None: routed)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False  # set from the loop; read by the worker (a plain flag is enough)
     queued_at: float = field(default_factory=time.perf_counter)
@@ -82,8 +84,8 @@ class Worker:
     def depth(self) -> int:
         return self._queue.qsize()
 
-    def submit(self, prompt_ids: list[int], sampling: SamplingConfig, stream: bool = False) -> Job:
-        job = Job(prompt_ids, sampling, asyncio.get_running_loop(), stream)
+    def submit(self, prompt_ids: list[int], sampling: SamplingConfig, stream: bool = False, draft: str | None = None) -> Job:
+        job = Job(prompt_ids, sampling, asyncio.get_running_loop(), stream, draft=draft)
         with self._gate:
             if self._closing:
                 raise ShuttingDown("the server is shutting down")
@@ -116,7 +118,8 @@ class Worker:
 
         job.started_at = time.perf_counter()
         try:
-            job.emit("done", self.engine.generate(job.prompt_ids, job.sampling, on_text=on_text))
+            with pinned(job.draft):
+                job.emit("done", self.engine.generate(job.prompt_ids, job.sampling, on_text=on_text))
         except _Cancelled:  # nobody should be waiting; answer anyway so no waiter can hang
             job.emit("error", ShuttingDown("request cancelled (client gone or server shutting down)"))
         except Exception as e:  # a bad request never kills the worker; the handler maps the error

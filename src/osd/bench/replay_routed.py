@@ -1,0 +1,229 @@
+"""`osd replay --fast --route`: per-mode drafts and a router on a mixed stream, in one run (issue 18, item 4).
+
+On one interleaved stream of several datasets (each request keeps its dataset label), side by side, each
+measured on a request before it learns from it (the fast replay's teacher-forced greedy acceptance):
+- control: the never-trained draft;
+- shared:  one online draft learning from every request (the one-draft system);
+- oracle:  one online draft per dataset; each request is served and learnt by its label's draft (the paper's
+           offline split by a classifier, here by the true label);
+- routed:  as many online drafts (or --drafts names), created equal; per request the router (route/policy.py)
+           names the owner (the mode by online clustering of the prompts), which learns from it, and the draft
+           that serves it (predicted best from full-information scoring on a budgeted share, RouteConfig.
+           score_share: every routed draft measured on that request; bounded exploration; the owner on ties).
+At the end every arm is measured on each dataset's held-out requests (routed: the router's choice without
+exploration), paired position by position with the shared draft. Router accuracy against the label: labels
+are matched one-to-one to drafts (greedily, by how many of a label's requests each draft served), and a
+request counts as right when its draft is its label's match; the same for the owners (clustering accuracy).
+With fewer drafts than labels, the unmatched labels' requests all count as wrong.
+
+Drafts here are copies of the learn config's trainable set on the shared frozen trunk (as in the fast replay),
+not peft adapters; `--trainable lora` makes them LoRA adapters (the same math as served adapter drafts).
+Exactness: as the fast replay (bench/replay_fast.py EXACTNESS).
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict
+
+import torch
+
+from osd.bench.replay_fast import EXACTNESS, _alpha_columns, learn_item, paired_difference, stream_parts
+from osd.bench.baselines import draft_copy
+from osd.distill.evaluate import position_stats, sample_item
+from osd.errors import InvalidArgument
+from osd.learn.online import LearnConfig, OnlineLearner
+from osd.learn.trainable import split_index
+from osd.route.config import RouteConfig
+from osd.route.feedback import ScoreBudget, acceptance
+from osd.route.policy import Router
+
+ARMS = ("control", "shared", "oracle", "routed")
+
+
+class _Published:
+    def __init__(self, version: int):
+        self.version = version
+
+
+def mixed_order(lengths: list[int], seed: int = 0) -> list[int]:
+    """Segment index of each request of an interleaved stream: a seeded shuffle of the labels (each dataset's
+    requests keep their file order)."""
+    labels = [j for j, n in enumerate(lengths) for _ in range(n)]
+    random.Random(seed).shuffle(labels)
+    return labels
+
+
+def online_learner(base, learn: LearnConfig, seed: int) -> OnlineLearner:
+    with torch.random.fork_rng():  # LoRA adapters drawn from a seeded generator
+        torch.manual_seed(seed)
+        held = []
+        publish = lambda master, version=None: _Published(held[0].version + 1 if version is None else version)
+        held.append(OnlineLearner(draft_copy(base, learn), publish, learn))
+        return held[0]
+
+
+def _learn(learner: OnlineLearner, sample, item, matches, k: int, request_id: str, max_new_tokens) -> None:
+    made = {mode: learn_item(sample, item, matches, k, mode, request_id, learner.version, max_new_tokens)
+            for mode in {learner.config.mode, "all"}}
+    learner.observe_item(made[learner.config.mode], made["all"])
+    learner.after_request()
+
+
+def routed_replay(samples: list, domains: list[str], base, learn: LearnConfig, route: RouteConfig, featurize,
+                  k: int = 4, max_new_tokens: int | None = None, heldout: dict[str, list] | None = None,
+                  progress=None, on_row=None) -> dict:
+    """The four arms over target samples in stream order; `base` is left unchanged."""
+    split = split_index(base, learn.train_layers)
+    items = [sample_item(s) for s in samples]
+    labels = list(dict.fromkeys(domains))
+    names = route.names() or [f"d{j}" for j in range(len(labels))]
+    shared = online_learner(base, learn, learn.seed)
+    oracle = {d: online_learner(base, learn, learn.seed + 1 + j) for j, d in enumerate(labels)}
+    routed = {n: online_learner(base, learn, learn.seed + 101 + j) for j, n in enumerate(names)}
+    router, budget = Router(names, route, featurize), ScoreBudget(route.score_share, route.route_seed + 1)
+    matches = lambda model, i: position_stats(model, [items[i]], [samples[i]], split)[0]["matches"]
+    rows, seconds = [], {"route": 0.0, "score": 0.0, "replay": 0.0}
+    start = time.perf_counter()
+    iterator = progress(range(len(samples)), desc="routed replay", unit="req") if progress else range(len(samples))
+    for i in iterator:
+        sample, item, domain, rid = samples[i], items[i], domains[i], f"req-{i}"
+        row = {"i": i, "domain": domain, "positions": len(sample.response_ids)}
+        control = matches(base, i)
+        row.update(_alpha_columns("control", control, k, max_new_tokens))
+        for arm, learner in (("shared", shared), ("oracle", oracle[domain])):
+            got = matches(learner.master, i)
+            row.update(_alpha_columns(arm, got, k, max_new_tokens, control))
+            _learn(learner, sample, item, got, k, rid, max_new_tokens)
+        t0 = time.perf_counter()
+        decision = router.route(sample.prompt_ids)
+        router.commit(decision)
+        seconds["route"] += time.perf_counter() - t0
+        every = {decision.draft: matches(routed[decision.draft].master, i)}
+        row.update(_alpha_columns("routed", every[decision.draft], k, max_new_tokens, control))
+        row.update(routed_draft=decision.draft, routed_owner=decision.owner, route_reason=decision.reason,
+                   scored=budget.take())
+        if row["scored"]:
+            t0 = time.perf_counter()
+            every.update({n: matches(m.master, i) for n, m in routed.items() if n not in every})
+            rewards = {n: acceptance(m) for n, m in every.items()}
+            router.learn(decision.features, rewards)
+            seconds["score"] += time.perf_counter() - t0
+            row["served_best"] = rewards[decision.draft] >= max(rewards.values())  # before learning from this one
+        owned = every[decision.owner] if decision.owner in every else matches(routed[decision.owner].master, i)
+        _learn(routed[decision.owner], sample, item, owned, k, rid, max_new_tokens)
+        rows.append(row)
+        if on_row:
+            on_row(row)
+    seconds["replay"] = time.perf_counter() - start
+    matched = label_map(rows, "routed_draft")
+    held = _heldout(heldout or {}, base, shared, oracle, routed, router, matched, split)
+    return {"requests": rows, "arms": list(ARMS), "drafts": names, "labels": labels,
+            "stream_alpha": stream_alpha(rows), "router": {"label_to_draft": matched, **router_accuracy(rows, matched),
+                                                           "label_to_owner": label_map(rows, "routed_owner"),
+                                                           "owner_accuracy": router_accuracy(
+                                                               rows, label_map(rows, "routed_owner"), "routed_owner")["accuracy"],
+                                                           **router.stats()},
+            "heldout": held, "learners": {"shared": shared.stats(), "oracle": {d: l.stats() for d, l in oracle.items()},
+                                          "routed": {n: l.stats() for n, l in routed.items()}},
+            "timings": seconds}
+
+
+def label_map(rows: list[dict], key: str = "routed_draft") -> dict[str, str]:
+    """label -> draft, one-to-one: pairs taken greedily by how many of the label's (non-explored) requests the
+    draft got under `key`; a label left without a draft is absent."""
+    counts: dict[tuple[str, str], int] = {}
+    for r in rows:
+        if r["route_reason"] != "explore":
+            pair = (r["domain"], r[key])
+            counts[pair] = counts.get(pair, 0) + 1
+    out, taken = {}, set()
+    for (label, draft), _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        if label not in out and draft not in taken:
+            out[label] = draft
+            taken.add(draft)
+    return out
+
+
+def router_accuracy(rows: list[dict], matched: dict[str, str], key: str = "routed_draft") -> dict:
+    """Share of (non-explored) requests whose draft under `key` is their label's match: over the stream and its
+    second half."""
+    routed = [r for r in rows if r["route_reason"] != "explore"]
+    hit = lambda part: sum(r[key] == matched.get(r["domain"]) for r in part) / max(1, len(part))
+    scored = [r for r in routed if "served_best" in r]
+    return {"accuracy": hit(routed), "accuracy_second_half": hit(routed[len(routed) // 2:]),
+            "explored_share": 1 - len(routed) / max(1, len(rows)),
+            "served_best_share": sum(r["served_best"] for r in scored) / len(scored) if scored else None}
+
+
+def stream_alpha(rows: list[dict]) -> dict:
+    """Per arm: position-weighted alpha over the stream and its second half."""
+    out = {}
+    for arm in ARMS:
+        for name, part in (("all", rows), ("second_half", rows[len(rows) // 2:])):
+            positions = sum(r["positions"] for r in part)
+            out.setdefault(arm, {})[name] = sum(r[f"{arm}_alpha"] * r["positions"] for r in part) / max(1, positions)
+    return out
+
+
+def _heldout(unseen: dict[str, list], base, shared, oracle, routed, router, matched, split) -> dict:
+    """Every arm on each label's held-out requests; pooled; paired differences routed - shared, oracle - routed."""
+    per, pooled = {}, {arm: [] for arm in ARMS}
+    hits = total = 0
+    for domain, samples in unseen.items():
+        got = {arm: [] for arm in ARMS}
+        for s in samples:
+            item = sample_item(s)
+            stats = lambda model: position_stats(model, [item], [s], split)[0]["matches"]
+            choice = router.choose(router.featurize(s.prompt_ids), explore=False).draft
+            hits += choice == matched.get(domain)
+            total += 1
+            for arm, model in (("control", base), ("shared", shared.master), ("oracle", oracle[domain].master),
+                               ("routed", routed[choice].master)):
+                got[arm] += stats(model)
+        per[domain] = {arm: acceptance(m) for arm, m in got.items()}
+        for arm in ARMS:
+            pooled[arm] += got[arm]
+    if not total:
+        return {}
+    return {"by_label": per, "pooled": {arm: acceptance(m) for arm, m in pooled.items()},
+            "routed_vs_shared": paired_difference(pooled["shared"], pooled["routed"]),
+            "oracle_vs_routed": paired_difference(pooled["routed"], pooled["oracle"]),
+            "router_accuracy": hits / total,
+            "targets": {"routed_minus_shared": acceptance(pooled["routed"]) - acceptance(pooled["shared"]),
+                        "oracle_minus_routed": acceptance(pooled["oracle"]) - acceptance(pooled["routed"])}}
+
+
+def run_routed_replay(models, learn: LearnConfig, route: RouteConfig, stream: str, split: str, per_segment: int,
+                      settings, k: int = 4, heldout: int = 0, heldout_split: str = "test", batch_size_generate: int = 16,
+                      cache_dir=None, progress=None, seed: int = 0, on_row=None) -> dict:
+    """Target outputs from the teacher cache (filled once), the stream interleaved, the four arms."""
+    from osd.distill.target_outputs import dataset_samples
+    from osd.models.loading import load_model
+    from osd.route.system import featurizer
+
+    parts = stream_parts(stream, split)
+    if len(parts) < 2:
+        raise InvalidArgument(f"a routed replay needs a mixed stream of at least two datasets, got {stream!r}")
+    segments, tokenizer = [], None
+    for name, s in parts:
+        samples, tokenizer = dataset_samples(models, name, s, per_segment, settings, 0, batch_size_generate, cache_dir,
+                                             progress, tokenizer)
+        if not samples:
+            raise InvalidArgument(f"no requests of {name} in split {s!r} (a dataset with one split: {name}:test)")
+        segments.append(samples)
+    unseen = {n: dataset_samples(models, n, heldout_split, heldout, settings, per_segment if heldout_split == s else 0,
+                                 batch_size_generate, cache_dir, progress, tokenizer)[0]
+              for n, s in parts} if heldout > 0 else {}
+    cursor, samples, domains = [0] * len(segments), [], []
+    for j in mixed_order([len(s) for s in segments], seed):
+        samples.append(segments[j][cursor[j]])
+        domains.append(parts[j][0])
+        cursor[j] += 1
+    base = load_model(models.draft, models.draft_dtype)
+    result = routed_replay(samples, domains, base, learn, route, featurizer(tokenizer, route), k,
+                           settings.max_new_tokens, unseen, progress, on_row)
+    return {"config": {"models": asdict(models), "learn": asdict(learn), "route": asdict(route),
+                       "teacher": asdict(settings), "stream": stream, "split": split, "per_segment": per_segment,
+                       "k": k, "heldout": heldout, "heldout_split": heldout_split, "order": "interleaved",
+                       "order_seed": seed, "mode": "fast (greedy), routed", "exactness": EXACTNESS}, **result}
