@@ -2,6 +2,9 @@
 
 Resumable by construction: each finished batch is on disk before the next starts, and a later call
 skips every prompt already cached. Prompts are batched by length to keep padding small.
+Greedy samples of a GGUF target served by llama.cpp or osd's Q4 kernel (the default for bundled targets) come from
+that runner, one prompt at a time (`serving_samples`): the target as it serves, several times faster on a CPU than
+the fp32 twin in batches. They are cached under their own fingerprint (the backend's name is part of it).
 """
 from __future__ import annotations
 
@@ -26,6 +29,23 @@ def target_samples(cache: TargetCache, target, prompts: list[list[int]], setting
     return [cache.get(p, settings) for p in prompts]
 
 
+def serving_samples(cache: TargetCache, runner, prompts: list[list[int]], settings: DecodeSettings, eos_ids: set[int],
+                    progress=None) -> list[TargetSample]:
+    """Greedy samples from a serving runner (llama.cpp / Q4 kernel), one prompt at a time; only the missing ones."""
+    from osd.distill.heal import greedy_answer
+
+    missing = [i for i, p in enumerate(prompts) if (p, settings) not in cache]
+    bar = progress(total=len(missing)) if progress and missing else None
+    for i in missing:
+        response, dist = greedy_answer(runner, prompts[i], settings.max_new_tokens, eos_ids, settings.top_k)
+        cache.put(TargetSample(prompts[i], response, dist, {"source": "teacher"}), settings)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return [cache.get(p, settings) for p in prompts]
+
+
 def dataset_samples(models, dataset: str, split: str | None, limit: int | None, settings: DecodeSettings,
                     offset: int = 0, batch_size: int = 8, cache_root=None, progress=None, tokenizer=None):
     """(samples, tokenizer) for a dataset's prompts (chat template); the target loads only if some are missing."""
@@ -33,15 +53,25 @@ def dataset_samples(models, dataset: str, split: str | None, limit: int | None, 
 
     from osd.data import load_records, prompt_ids
     from osd.distill.cache import default_cache_root, model_fingerprint
-    from osd.models.runner import eos_token_ids
+    from osd.build import build_target, target_backend
+    from osd.models.runner import eos_ids_of, eos_token_ids
     from osd.models.loading import load_model, load_tokenizer, resolve_model_dir
     from osd.models.prepack import prepack_linears
 
     tokenizer = tokenizer or load_tokenizer(models.target)
     records = load_records(dataset, split, limit, offset)
     prompts = [prompt_ids(tokenizer, r["prompt"]) for r in records]
-    fingerprint = model_fingerprint(models.target, AutoConfig.from_pretrained(resolve_model_dir(models.target)))
+    config = AutoConfig.from_pretrained(resolve_model_dir(models.target))
+    backend = target_backend(models)
+    serving = backend in ("llama.cpp", "osd") and settings.temperature == 0
+    fingerprint = model_fingerprint(models.target + (f"@{backend}" if serving else ""), config)
     cache = TargetCache(cache_root or default_cache_root(), fingerprint)
+    if serving:
+        runner = build_target(models) if any((p, settings) not in cache for p in prompts) else None
+        samples = serving_samples(cache, runner, prompts, settings, eos_ids_of(config, tokenizer), progress)
+        for s, r in zip(samples, records):
+            s.meta.setdefault("id", r.get("id"))
+        return samples, tokenizer
     target = None
     if any((p, settings) not in cache for p in prompts):
         target = load_model(models.target, models.dtype)
