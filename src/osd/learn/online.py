@@ -6,7 +6,8 @@ callable. Training runs on its own fp32 master copy of the draft; serving uses p
 
 Schedules: "sync" trains inside `after_request` (deterministic; stream replay, tests); "background"
 trains in its own thread, taking optimizer steps only while the engine is idle ("idle windows") so
-that serving latency suffers least on a 2-core CPU.
+that serving latency suffers least on a 2-core CPU; under constant load it trains anyway, for about
+`busy_share` of the time (learn/idle.py), so that updates still publish on a saturated server.
 A rejected update restores the weights and the optimizer's state (its Adam moments) as they were
 (learn/restore.py RestorePoint); so does an update that an exception cuts short: the master is never left
 half-updated (it returns to its state when the update began, or when this update last published).
@@ -25,7 +26,7 @@ import math
 import random
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -35,6 +36,7 @@ from osd.learn.buffer import MODES, ReplayBuffer, item_from_step
 from osd.learn.checkpoint import load_checkpoint, save_checkpoint
 from osd.learn.drift import VersionStore
 from osd.learn.guard import drift_action, is_worse, paired_flips, paired_z
+from osd.learn.idle import IdleWindows
 from osd.learn.losses import LOSSES
 from osd.learn.restore import RestorePoint
 from osd.learn.trainable import configure_trainable, split_index
@@ -71,6 +73,11 @@ class LearnConfig:
     #   held-out requests; significantly below it -> roll back to the best version so far or reset to the base
     drift_z: float = 1.64  # "significantly below": paired z < -drift_z
     schedule: str = "sync"  # sync | background
+    busy_share: float = field(default=0.2, metadata={"help": (
+        "background schedule: the learner waits for idle windows (no request decoding) before each micro-batch, "
+        "but under constant load it waits at most (1 - share) / share x the seconds it has worked in the update, "
+        "then trains beside the requests: saturated, it takes about this share of the time and an update about "
+        "its working time / share. In (0, 1]; 1 = never wait")})
     checkpoint_dir: str = ""  # "" = no checkpoints
     seed: int = 0
 
@@ -89,13 +96,15 @@ class LearnConfig:
             raise InvalidArgument("lr, batch_size, steps_per_update, capacity, top_k and guard_capacity must be > 0")
         if not 0.0 <= self.guard_holdout < 1.0:
             raise InvalidArgument(f"guard_holdout must be in [0, 1), got {self.guard_holdout}")
+        if not 0.0 < self.busy_share <= 1.0:
+            raise InvalidArgument(f"busy_share must be in (0, 1], got {self.busy_share}")
         if self.schedule not in ("sync", "background"):
             raise InvalidArgument(f"schedule must be sync or background, got {self.schedule!r}")
 
 
 class OnlineLearner:
     def __init__(self, master, publish, config: LearnConfig | None = None, engine_busy=lambda: False,
-                 clock=time.monotonic):
+                 clock=time.monotonic, sleep=time.sleep):
         self.config = config or LearnConfig()
         self.master, self.publish, self.engine_busy, self.clock = master, publish, engine_busy, clock
         self.buffer = ReplayBuffer(self.config.capacity, clock)  # the training signal (mismatches, or all)
@@ -121,6 +130,8 @@ class OnlineLearner:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # background: before each chunk of work, wait for an idle engine (engine_busy, set by attach), within budget
+        self.idle = IdleWindows(self.config.busy_share, lambda: self.engine_busy(), clock, sleep, stop=self._stop)
         self.training = False
 
     # --- seam 1: observing the engine ---------------------------------------------------------
@@ -171,6 +182,7 @@ class OnlineLearner:
             self.training = True
             start = self.clock()
             self._restore_point = RestorePoint(self.params, self.optimizer)
+            self.idle.begin()
             try:
                 report = self._update(reason)
             except Exception as e:
@@ -302,13 +314,10 @@ class OnlineLearner:
         fresh = [i for i in ids if self.versions is None or i not in self.versions.trained_ids]
         return set(fresh[-n_hold:]) if n_hold else set()
 
-    def _wait_idle(self, max_wait: float = 30.0) -> None:
-        """In background mode, let in-flight decoding finish before taking a training step."""
-        if self.config.schedule != "background":
-            return
-        deadline = self.clock() + max_wait
-        while self.engine_busy() and self.clock() < deadline and not self._stop.is_set():
-            time.sleep(0.005)
+    def _wait_idle(self) -> None:
+        """In background mode, let in-flight decoding finish before a chunk of work (within the busy_share budget)."""
+        if self.config.schedule == "background":
+            self.idle.wait()
 
     # --- background thread --------------------------------------------------------------------
     def start(self) -> None:
@@ -359,4 +368,6 @@ class OnlineLearner:
 
     def stats(self) -> dict:
         return {"version": self.version, "buffer_positions": len(self.buffer), "buffer_added": self.buffer.added,
-                "buffer_evicted": self.buffer.evicted, "training": int(self.training), **self.counters}
+                "buffer_evicted": self.buffer.evicted, "training": int(self.training), **self.counters,
+                "idle_wait_seconds": self.idle.waited_total,  # background: waiting for idle windows
+                "chunks_under_load": self.idle.forced}  # ... and chunks run beside decoding once the wait budget was spent
