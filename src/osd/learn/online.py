@@ -279,6 +279,7 @@ class OnlineLearner:
     def _publish(self) -> None:
         """Publish the master; it now matches what serves, so a later failure in this update returns to it."""
         self.version = self.publish(self.master).version
+        self._restore_point = None  # (never two restore points in memory at once)
         self._restore_point = RestorePoint(self.params, self.optimizer)
 
     def _accumulate_gradients(self, batch: list) -> float | None:
