@@ -27,7 +27,9 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, skip=()) -> None:
             group.add_argument(flag, dest=f.name, action="append", default=None, help=f"(repeatable) default {default}")
         else:
             kind = type(default) if default is not None else int
-            group.add_argument(flag, dest=f.name, type=kind, default=default, help=f"default {default}")
+            about = f.metadata.get("help")  # a field may explain itself (dataclasses.field(metadata={"help": ...}))
+            group.add_argument(flag, dest=f.name, type=kind, default=default,
+                               help=f"{about} (default {default})" if about else f"default {default}")
 
 
 def config_from(args, cls):

@@ -9,6 +9,8 @@ from helpers import plain_greedy
 from serve_testing import MODEL, FakeLearner, tiny_server
 
 from osd.data import chat_ids
+from osd.models import kernels
+from osd.serve.prom import kernel_path
 
 N = 20
 
@@ -136,6 +138,9 @@ def test_metrics_count_per_draft_version(served):
     assert samples[("osd_learner_buffer_positions", ())] == 7 and samples[("osd_learner_training", ())] == 1
     assert samples[("osd_learner_version", ())] == 2 and samples[("osd_learner_updates_published_total", ())] == 2
     assert not any(name.startswith("osd_learner_note") for name, _ in samples)
+    # the kernels' path (serve/prom.py kernel_path), as kernels.status() says now
+    kernel = [labels for name, labels in samples if name == "osd_kernel_info"]
+    assert len(kernel) == 1 and dict(kernel[0])["path"] == kernel_path(kernels.status())
 
 
 def metric_samples(text: str) -> dict:

@@ -9,7 +9,7 @@ from serve_testing import MODEL, tiny_server
 from osd.errors import ContextTooLong, InvalidArgument
 from osd.serve import errors
 from osd.bench.serve_load import percentile, run_load
-from osd.serve.prom import ServeMetrics, learner_families
+from osd.serve.prom import ServeMetrics, kernel_families, learner_families
 from osd.bench.serve_report import load_table
 from osd.serve.schemas import ChatCompletionRequest, CompletionRequest
 from osd.serve.settings import ServeSettings
@@ -117,6 +117,30 @@ def test_two_apps_keep_their_own_registries_and_a_learner_fault_spares_the_rest(
     assert one[("osd_spec_accepted_at_total", labels + (("position", "1"),))] == 0
     assert one[("osd_spec_target_seconds_total", labels)] == pytest.approx(0.02)
     assert not any(name.startswith("osd_learner") for name, _ in one)  # the fault is logged, the rest still served
+
+
+@pytest.mark.parametrize("compiled,fallback,path", [
+    (True, [], "compiled"), (False, ["draft int8 linears: torch dynamic int8"], "torch_fallback"),
+    (False, [], "unavailable"), (None, [], "not_loaded"),
+])
+def test_kernel_status_is_exposed_as_info_with_its_path_and_fallbacks(compiled, fallback, path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status = {"compiled": compiled, "error": None if compiled else "disabled by OSD_NO_KERNELS\nmore", "fallback": fallback,
+              "avx512_vnni": False}
+    metrics = ServeMetrics()
+    metrics.attach(_Counters(), kernel_status=lambda: status)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    (info,) = families["osd_kernel_info"].samples  # an Info: in the text format, a gauge of value 1
+    assert info.name == "osd_kernel_info" and info.value == 1
+    assert info.labels == {"path": path, "fallback": ",".join(fallback), "avx512_vnni": "false",
+                           "error": "" if compiled else "disabled by OSD_NO_KERNELS"}
+    uses = {s.labels["use"]: s.value for s in families["osd_kernel_fallback"].samples}
+    assert uses == {use: 1 for use in fallback}
+    status["fallback"] = ["target fp32 linears: oneDNN"]  # read at each scrape, not copied once
+    assert [f for f in kernel_families(status) if f.name == "osd_kernel"][0].samples[0].labels["fallback"] == \
+        "target fp32 linears: oneDNN"
+    assert 'use="target fp32 linears: oneDNN"' in metrics.render().decode()
 
 
 class _FailingEngine:

@@ -6,24 +6,27 @@ callable. Training runs on its own fp32 master copy of the draft; serving uses p
 
 Schedules: "sync" trains inside `after_request` (deterministic; stream replay, tests); "background"
 trains in its own thread, taking optimizer steps only while the engine is idle ("idle windows") so
-that serving latency suffers least on a 2-core CPU.
-A rejected update restores the weights and the optimizer's state (its Adam moments) as they were.
+that serving latency suffers least on a 2-core CPU; under constant load it trains anyway, for about
+`busy_share` of the time (learn/idle.py), so that updates still publish on a saturated server.
+A rejected update restores the weights and the optimizer's state (its Adam moments) as they were
+(learn/restore.py RestorePoint); so does an update that an exception cuts short: the master is never left
+half-updated (it returns to its state when the update began, or when this update last published).
 Drift guard (drift_guard): after each update the draft that serves is also compared with the never-trained
 base (and the best version so far) on the same held-out requests; significantly below the base (paired
 z < -drift_z), it is rolled back to the best version or reset to the base (counters "rollbacks", "resets";
 learn/guard.py drift_action, learn/drift.py). Held-out requests are ones no optimizer step has seen.
-An exception inside a background update is logged and counted apart (`update_errors`, not `updates_rejected`:
-those are the guard's verdicts); serving goes on with the last published draft.
+An exception inside an update is counted apart (`update_errors`, not `updates_rejected`: those are the guard's
+verdicts) and re-raised; the background thread logs it and goes on with the next update, and serving goes on with
+the last published draft. (In sync mode the exception reaches the caller of after_request.)
 """
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import random
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -33,7 +36,9 @@ from osd.learn.buffer import MODES, ReplayBuffer, item_from_step
 from osd.learn.checkpoint import load_checkpoint, save_checkpoint
 from osd.learn.drift import VersionStore
 from osd.learn.guard import drift_action, is_worse, paired_flips, paired_z
+from osd.learn.idle import IdleWindows
 from osd.learn.losses import LOSSES
+from osd.learn.restore import RestorePoint
 from osd.learn.trainable import configure_trainable, split_index
 from osd.learn.triggers import UpdateTrigger
 
@@ -68,6 +73,11 @@ class LearnConfig:
     #   held-out requests; significantly below it -> roll back to the best version so far or reset to the base
     drift_z: float = 1.64  # "significantly below": paired z < -drift_z
     schedule: str = "sync"  # sync | background
+    busy_share: float = field(default=0.2, metadata={"help": (
+        "background schedule: the learner waits for idle windows (no request decoding) before each micro-batch, "
+        "but under constant load it waits at most (1 - share) / share x the seconds it has worked in the update, "
+        "then trains beside the requests: saturated, it takes about this share of the time and an update about "
+        "its working time / share. In (0, 1]; 1 = never wait")})
     checkpoint_dir: str = ""  # "" = no checkpoints
     seed: int = 0
 
@@ -86,13 +96,15 @@ class LearnConfig:
             raise InvalidArgument("lr, batch_size, steps_per_update, capacity, top_k and guard_capacity must be > 0")
         if not 0.0 <= self.guard_holdout < 1.0:
             raise InvalidArgument(f"guard_holdout must be in [0, 1), got {self.guard_holdout}")
+        if not 0.0 < self.busy_share <= 1.0:
+            raise InvalidArgument(f"busy_share must be in (0, 1], got {self.busy_share}")
         if self.schedule not in ("sync", "background"):
             raise InvalidArgument(f"schedule must be sync or background, got {self.schedule!r}")
 
 
 class OnlineLearner:
     def __init__(self, master, publish, config: LearnConfig | None = None, engine_busy=lambda: False,
-                 clock=time.monotonic):
+                 clock=time.monotonic, sleep=time.sleep):
         self.config = config or LearnConfig()
         self.master, self.publish, self.engine_busy, self.clock = master, publish, engine_busy, clock
         self.buffer = ReplayBuffer(self.config.capacity, clock)  # the training signal (mismatches, or all)
@@ -108,15 +120,18 @@ class OnlineLearner:
         self.rng = random.Random(self.config.seed)
         self.version = 0
         self.counters = {"requests": 0, "requests_since_update": 0, "updates_published": 0, "updates_rejected": 0,
-                         "update_errors": 0,  # exceptions inside background updates (not guard rejections)
+                         "update_errors": 0,  # exceptions inside updates (not guard rejections)
                          "steps_skipped_nonfinite": 0, "optimizer_steps": 0, "train_seconds": 0.0,
                          "rollbacks": 0, "resets": 0}  # drift guard: back to the best version / to the base
         self.last_update: dict = {}
         self.history: list[dict] = []  # one summary per update (bounded)
         self._lock = threading.RLock()  # one update (or checkpoint) at a time
+        self._restore_point: RestorePoint | None = None  # during an update: what a failure or a rejection returns to
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # background: before each chunk of work, wait for an idle engine (engine_busy, set by attach), within budget
+        self.idle = IdleWindows(self.config.busy_share, lambda: self.engine_busy(), clock, sleep, stop=self._stop)
         self.training = False
 
     # --- seam 1: observing the engine ---------------------------------------------------------
@@ -158,14 +173,27 @@ class OnlineLearner:
         return self.update(reason) if reason else None
 
     def update(self, reason: str = "manual") -> dict:
-        """Distill on the buffer; publish if the guard agrees. Never leaves a broken draft serving."""
+        """Distill on the buffer; publish if the guard agrees. Never leaves a broken draft serving.
+
+        An exception midway (after some optimizer steps changed the master, before it is published) restores the
+        master's trainable weights and the optimizer's state as they were, counts it in update_errors and re-raises;
+        the published draft keeps serving and the next update starts from the restored master."""
         with self._lock:
             self.training = True
             start = self.clock()
+            self._restore_point = RestorePoint(self.params, self.optimizer)
+            self.idle.begin()
             try:
                 report = self._update(reason)
+            except Exception as e:
+                self._restore_point.restore()
+                self.master.eval()
+                self.counters["update_errors"] += 1
+                self.last_update = {"reason": reason, "error": repr(e), "published": False}
+                raise
             finally:
                 self.training = False
+                self._restore_point = None
             self.counters["train_seconds"] += self.clock() - start
             self.counters["requests_since_update"] = 0
             self.last_update = report
@@ -184,8 +212,6 @@ class OnlineLearner:
             return {"reason": reason, "items": 0, "published": False, "rejected_because": "nothing to train on",
                     "losses": []}
         before = acceptance_on(self.master, holdout, split=self.split, pause=self._wait_idle) if holdout else None
-        backup = [p.detach().clone() for p in self.params]
-        optimizer_backup = copy.deepcopy(self.optimizer.state_dict())  # moments too: a rejected update leaves no trace
         self.master.train()
         losses = []
         for _ in range(cfg.steps_per_update):
@@ -210,17 +236,13 @@ class OnlineLearner:
         report = {"reason": reason, "items": len(train) + len(holdout), "train_items": len(train), "losses": losses,
                   "holdout_before": before, "holdout_after": after, "published": False}
         if not losses or not finite or worse:
-            with torch.no_grad():
-                for p, saved in zip(self.params, backup):
-                    p.copy_(saved)
-            self.optimizer.load_state_dict(optimizer_backup)
+            self._restore_point.restore()  # moments too: a rejected update leaves no trace
             self.counters["updates_rejected"] += 1
             report["rejected_because"] = "no finite step" if not losses else "non-finite weights" if not finite else "guard"
             if self._stop_drift(holdout, before_correct, report) and cfg.checkpoint_dir:
                 self.save()
             return report
-        snapshot = self.publish(self.master)
-        self.version = snapshot.version
+        self._publish()
         self.counters["updates_published"] += 1
         report.update(published=True, version=self.version)
         self._stop_drift(holdout, after_correct, report)
@@ -250,9 +272,15 @@ class OnlineLearner:
         self.versions.restore(action)
         self.optimizer.state.clear()  # the abandoned trajectory's Adam moments go with it
         self.counters["rollbacks" if action == "rollback" else "resets"] += 1
-        self.version = self.publish(self.master).version
+        self._publish()
         report["vs_base"]["published_version"] = self.version
         return True
+
+    def _publish(self) -> None:
+        """Publish the master; it now matches what serves, so a later failure in this update returns to it."""
+        self.version = self.publish(self.master).version
+        self._restore_point = None  # (never two restore points in memory at once)
+        self._restore_point = RestorePoint(self.params, self.optimizer)
 
     def _accumulate_gradients(self, batch: list) -> float | None:
         """Gradients of the batch's mean loss over positions, one micro-batch at a time (the idle wait before
@@ -287,13 +315,10 @@ class OnlineLearner:
         fresh = [i for i in ids if self.versions is None or i not in self.versions.trained_ids]
         return set(fresh[-n_hold:]) if n_hold else set()
 
-    def _wait_idle(self, max_wait: float = 30.0) -> None:
-        """In background mode, let in-flight decoding finish before taking a training step."""
-        if self.config.schedule != "background":
-            return
-        deadline = self.clock() + max_wait
-        while self.engine_busy() and self.clock() < deadline and not self._stop.is_set():
-            time.sleep(0.005)
+    def _wait_idle(self) -> None:
+        """In background mode, let in-flight decoding finish before a chunk of work (within the busy_share budget)."""
+        if self.config.schedule == "background":
+            self.idle.wait()
 
     # --- background thread --------------------------------------------------------------------
     def start(self) -> None:
@@ -308,11 +333,13 @@ class OnlineLearner:
             self._wake.clear()
             if self._stop.is_set():
                 break
+            errors = self.counters["update_errors"]
             try:
                 self.maybe_update()
             except Exception as e:  # a failed update never takes serving down, nor passes for a guard rejection
-                self.counters["update_errors"] += 1
-                self.last_update = {"error": repr(e)}
+                if self.counters["update_errors"] == errors:  # (update() counts its own, having restored the master)
+                    self.counters["update_errors"] += 1
+                    self.last_update = {"error": repr(e)}
                 log.exception("background draft update failed (%d so far); serving goes on with draft version %d",
                               self.counters["update_errors"], self.version)
 
@@ -342,4 +369,6 @@ class OnlineLearner:
 
     def stats(self) -> dict:
         return {"version": self.version, "buffer_positions": len(self.buffer), "buffer_added": self.buffer.added,
-                "buffer_evicted": self.buffer.evicted, "training": int(self.training), **self.counters}
+                "buffer_evicted": self.buffer.evicted, "training": int(self.training), **self.counters,
+                "idle_wait_seconds": self.idle.waited_total,  # background: waiting for idle windows
+                "chunks_under_load": self.idle.forced}  # ... and chunks run beside decoding once the wait budget was spent

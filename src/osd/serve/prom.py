@@ -15,11 +15,17 @@ scraper's to derive:
   osd_spec_{draft,target}_seconds_total
   osd_learner_<stat>                                the learner's stats: LEARNER_GAUGES are gauges, every other
                                                     numeric stat is a counter, osd_learner_<stat>_total
+  osd_kernel_info{path,fallback,avx512_vnni,error}  osd.models.kernels.status(): path is "compiled" (osd's
+                                                    rows_linear kernels), "torch_fallback" (unavailable, torch's
+                                                    kernels allowed and in use), "unavailable" (nothing fell back)
+                                                    or "not_loaded" (no model asked for them yet)
+  osd_kernel_fallback{use}                          gauge, 1 per use that runs on torch's kernels instead of ours
 
-The speculative counters (osd.metrics.SpecMetrics) and the learner's stats are read at scrape time by
-a custom collector, so they are never copied into a second set of counters that could drift.
-Limitation: a learner stat that is a level rather than a running count must be listed in LEARNER_GAUGES,
-or it is exposed as a counter (the learner's stats are counters first, so that is the default).
+The speculative counters (osd.metrics.SpecMetrics), the learner's stats and the kernels' status are read at
+scrape time by a custom collector, so they are never copied into a second set of counters that could drift.
+Limitations: a learner stat that is a level rather than a running count must be listed in LEARNER_GAUGES,
+or it is exposed as a counter (the learner's stats are counters first, so that is the default); the kernel
+series describe the rows_linear kernels (kernels.status()), not the Q4 target's own kernels.
 """
 from __future__ import annotations
 
@@ -27,7 +33,9 @@ import logging
 import math
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+from osd.models import kernels
 
 log = logging.getLogger("osd.serve")
 
@@ -63,10 +71,11 @@ class ServeMetrics:
         self.tpot = Histogram("osd_time_per_output_token_seconds", "Generation seconds per output token.",
                               buckets=TOKEN_BUCKETS, registry=r)
 
-    def attach(self, spec_metrics, learner=None, queue_depth=lambda: 0) -> None:
-        """Expose the engine's SpecMetrics, the learner's stats and the queue depth, read at each scrape."""
+    def attach(self, spec_metrics, learner=None, queue_depth=lambda: 0, kernel_status=kernels.status) -> None:
+        """Expose the engine's SpecMetrics, the learner's stats, the queue depth and the kernels' status
+        (kernels.status() or a stand-in), read at each scrape."""
         Gauge("osd_queue_depth", "Requests waiting for the model.", registry=self.registry).set_function(queue_depth)
-        self.registry.register(_LiveCollector(spec_metrics, learner))
+        self.registry.register(_LiveCollector(spec_metrics, learner, kernel_status))
 
     def count(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -87,11 +96,12 @@ class ServeMetrics:
 class _LiveCollector:
     """A prometheus_client custom collector over state that lives elsewhere (engine, learner)."""
 
-    def __init__(self, spec_metrics, learner=None):
-        self.spec_metrics, self.learner = spec_metrics, learner
+    def __init__(self, spec_metrics, learner=None, kernel_status=kernels.status):
+        self.spec_metrics, self.learner, self.kernel_status = spec_metrics, learner, kernel_status
 
     def collect(self):
         yield from spec_families(self.spec_metrics.counters())
+        yield from kernel_families(self.kernel_status())
         if self.learner is not None:
             try:
                 stats = self.learner.stats()
@@ -132,3 +142,26 @@ def learner_families(stats: dict) -> list:
         kind = GaugeMetricFamily if key in LEARNER_GAUGES else CounterMetricFamily
         families.append(kind(name, f"Learner stat {key}.", value=value))
     return families
+
+
+def kernel_path(status: dict) -> str:
+    """Which linears run, from kernels.status(): compiled | torch_fallback | unavailable | not_loaded."""
+    if status["compiled"] is None:
+        return "not_loaded"
+    if status["compiled"]:
+        return "compiled"
+    return "torch_fallback" if status["fallback"] else "unavailable"
+
+
+def kernel_families(status: dict) -> list:
+    """kernels.status() -> osd_kernel_info (one sample, the status as labels) and osd_kernel_fallback{use}."""
+    error = (status.get("error") or "").splitlines()
+    info = InfoMetricFamily("osd_kernel", "osd's compiled CPU kernels: the path in use and the fallbacks taken.",
+                            value={"path": kernel_path(status), "fallback": ",".join(status["fallback"]),
+                                   "avx512_vnni": str(bool(status.get("avx512_vnni"))).lower(),
+                                   "error": error[0][:200] if error else ""})
+    fallback = GaugeMetricFamily("osd_kernel_fallback", "1 for each use running on torch's kernels instead of osd's.",
+                                 labels=["use"])
+    for use in status["fallback"]:
+        fallback.add_metric([use], 1)
+    return [info, fallback]

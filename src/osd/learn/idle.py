@@ -1,0 +1,57 @@
+"""Idle windows for background training, with a bound under load.
+
+The background learner waits, before each chunk of work (one micro-batch's forward/backward, one chunk of a
+held-out evaluation), until no request is decoding, so that a request shares the cores with at most one chunk.
+Under constant load the engine is never idle: the wait is then bounded by a share of time. Within one update,
+the waits add up to at most (1 - share) / share times the seconds worked so far; once that budget is spent, the
+chunk runs while requests decode. Saturated, the learner so gets about `share` of the wall time and an update
+takes about its own working time / share; idle, it never waits.
+
+Limitations: the first chunk of an update has no budget (it may start beside a decoding request); "worked" is
+wall time between waits, so it includes the slowdown that decoding beside it causes; the busy signal is polled
+every `poll` seconds, so each wait may overrun its budget by one poll.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from osd.errors import InvalidArgument
+
+class IdleWindows:
+    def __init__(self, share: float, busy, clock=time.monotonic, sleep=time.sleep, poll: float = 0.005,
+                 stop: threading.Event | None = None):
+        if not 0.0 < share <= 1.0:
+            raise InvalidArgument(f"busy_share must be in (0, 1], got {share}")
+        self.share, self.busy, self.clock, self.sleep, self.poll = share, busy, clock, sleep, poll
+        self.stop = stop or threading.Event()
+        self.worked = self.waited = 0.0  # seconds in the current update
+        self.waited_total = 0.0  # seconds, all updates
+        self.forced = 0  # chunks that ran beside a decoding request because the budget was spent
+        self._since: float | None = None  # when the current chunk of work began
+
+    def begin(self) -> None:
+        """A new update starts: its budget starts from zero."""
+        self.worked = self.waited = 0.0
+        self._since = self.clock()
+
+    def budget(self) -> float:
+        """Seconds this update may still wait."""
+        return self.worked * (1.0 - self.share) / self.share - self.waited
+
+    def wait(self) -> None:
+        """Return when the engine is idle, the budget is spent, or `stop` is set."""
+        start = self.clock()
+        if self._since is None:
+            self._since = start
+        self.worked += start - self._since
+        budget = self.budget()
+        while self.busy() and not self.stop.is_set():
+            if self.clock() - start >= budget:
+                self.forced += 1
+                break
+            self.sleep(self.poll)
+        end = self.clock()
+        self.waited += end - start
+        self.waited_total += end - start
+        self._since = end

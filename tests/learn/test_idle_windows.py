@@ -1,0 +1,115 @@
+"""Background training under load (learn/idle.py): it prefers idle windows, but a server that is never idle still
+gets its draft updated, the learner taking about `busy_share` of the time.
+
+Clocks are injected: sleeping advances a virtual clock, so no test sleeps and none asserts on real durations.
+"""
+import copy
+import time
+
+import pytest
+from conftest import tiny_qwen2
+from helpers import make_engine
+
+from osd.config import SamplingConfig
+from osd.errors import InvalidArgument
+from osd.learn.idle import IdleWindows
+from osd.learn.online import LearnConfig, OnlineLearner
+
+POLL = 0.005
+
+
+class VirtualClock:
+    """Real time plus what the code under test has 'slept' (sleep advances it and returns at once)."""
+
+    def __init__(self, real=time.monotonic):
+        self.real, self.slept = real, 0.0
+
+    def __call__(self) -> float:
+        return self.real() + self.slept
+
+    def sleep(self, seconds: float) -> None:
+        self.slept += seconds
+
+
+def _saturated(share, chunks, work=1.0):
+    """`chunks` chunks of `work` seconds each under permanent load, on a purely virtual clock."""
+    now = [0.0]
+    clock = VirtualClock(real=lambda: now[0])
+    idle = IdleWindows(share, busy=lambda: True, clock=clock, sleep=clock.sleep, poll=POLL)
+    idle.begin()
+    waits = []
+    for _ in range(chunks):
+        before = idle.waited
+        idle.wait()
+        waits.append(idle.waited - before)
+        now[0] += work  # the chunk's work
+    return idle, waits, clock()
+
+
+def test_under_permanent_load_each_update_finishes_within_its_work_over_the_share():
+    idle, waits, wall = _saturated(share=0.2, chunks=10)
+    assert idle.forced == 10  # every chunk ran beside "decoding" in the end
+    assert waits[0] == 0.0  # nothing worked yet: no budget
+    assert all(abs(w - 4.0) <= POLL + 1e-9 for w in waits[1:])  # (1 - 0.2) / 0.2 = 4 s per second worked, one poll
+    assert idle.waited <= 4.0 * 9 + 10 * POLL  # 9 chunks' work (the 10th runs after the last wait)
+    assert wall <= 10 / 0.2 + 10 * POLL  # the bound: work / share
+    never, waits, wall = _saturated(share=1.0, chunks=5)
+    assert waits == [0.0] * 5 and never.forced == 5 and wall == 5.0
+
+
+def test_an_idle_engine_ends_the_wait_and_a_stop_ends_it_at_once():
+    now, busy_polls = [0.0], [3]
+    clock = VirtualClock(real=lambda: now[0])
+
+    def busy():
+        busy_polls[0] -= 1
+        return busy_polls[0] >= 0
+
+    idle = IdleWindows(0.2, busy=busy, clock=clock, sleep=clock.sleep, poll=POLL)
+    idle.begin()
+    now[0] += 10.0  # worked 10 s: budget 40 s
+    idle.wait()
+    assert idle.forced == 0 and idle.waited == pytest.approx(3 * POLL)  # returned as soon as the engine was idle
+    idle.stop.set()
+    busy_polls[0] = 10**6
+    idle.wait()
+    assert idle.forced == 0 and idle.waited == pytest.approx(3 * POLL)
+
+
+def test_busy_share_is_validated_and_a_cli_flag_with_its_help():
+    from osd.cli import build_parser, config_from
+
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(InvalidArgument, match="busy_share"):
+            LearnConfig(busy_share=bad)
+    parser = build_parser()
+    assert config_from(parser.parse_args(["serve", "--busy-share", "0.5"]), LearnConfig).busy_share == 0.5
+    serve = next(a for a in parser._subparsers._group_actions[0].choices["serve"]._actions if a.dest == "busy_share")
+    assert "constant load" in serve.help and "(default 0.2)" in serve.help
+
+
+def test_the_background_learner_publishes_on_a_server_that_is_never_idle(target_model, tokenizer):
+    draft = tiny_qwen2(seed=1, layers=1)
+    engine, registry = make_engine(target_model, copy.deepcopy(draft), tokenizer, k=3)
+    publish = lambda master, version=None: registry.publish("draft", copy.deepcopy(master).eval(), None, version)
+    clock, share = VirtualClock(), 0.25
+    config = LearnConfig(mode="all", every_requests=4, schedule="background", trainable="all", guard=False, lr=1e-2,
+                         steps_per_update=3, batch_size=4, busy_share=share)
+    learner = OnlineLearner(draft, publish, config, clock=clock, sleep=clock.sleep).attach(engine)
+    learner.engine_busy = lambda: True  # permanent load: the engine is never idle
+    learner.start()
+    try:
+        for i in range(4):
+            engine.generate([5 + i, 9 + i, 20 + i], SamplingConfig(max_new_tokens=12))
+        deadline = time.monotonic() + 120  # a guard against hanging, not a timing assertion
+        while learner.counters["updates_published"] < 1 and learner.counters["update_errors"] == 0:
+            assert time.monotonic() < deadline, "no update under permanent load"
+            time.sleep(0.01)
+    finally:
+        learner.stop()
+    stats = learner.stats()
+    assert stats["updates_published"] == 1 and stats["update_errors"] == 0 and registry.get("draft").version == 1
+    chunks = 3 * 4  # steps x micro-batches of one item
+    assert stats["chunks_under_load"] == chunks  # each ran once its wait budget was spent
+    assert stats["idle_wait_seconds"] > 0  # it did wait for idle windows first
+    assert stats["idle_wait_seconds"] <= (1 - share) * stats["train_seconds"] + chunks * POLL  # within the bound
