@@ -27,7 +27,9 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, skip=()) -> None:
             group.add_argument(flag, dest=f.name, action="append", default=None, help=f"(repeatable) default {default}")
         else:
             kind = type(default) if default is not None else int
-            group.add_argument(flag, dest=f.name, type=kind, default=default, help=f"default {default}")
+            extra = f.metadata.get("help", "")  # a field's own help / choices (config.py: field(metadata=...))
+            group.add_argument(flag, dest=f.name, type=kind, default=default, choices=f.metadata.get("choices"),
+                               help=(extra + "; " if extra else "") + f"default {default}")
 
 
 def config_from(args, cls):
@@ -251,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     from osd.bench.kernel import register as register_bench_kernel  # `osd bench kernel`
 
     register_bench_kernel(bench)
+    from osd.bench.target_quant import register as register_bench_target_quant  # `osd bench target-quant`
+
+    register_bench_target_quant(bench)
 
     p = bench.add_parser("soak", help="N concurrent clients for M minutes against a live `osd serve`: valid and invalid "
                          "requests, disconnects; every answer checked (greedy = target-only), RSS, threads, learner")
