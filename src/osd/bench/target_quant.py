@@ -136,12 +136,13 @@ def report_target_quant(result: dict, out: str, markdown: str) -> None:
 
     path = write_result(result, out)
     parts = {**result["per_dataset"], "all": result["overall"]}
-    rows = [[name, r["prompts"], r["positions"], r["argmax_agreement"], r["mean_kl"], r["answer_identity"],
+    kl = lambda v: None if v is None else f"{v:.2e}"  # small: scientific notation
+    rows = [[name, r["prompts"], r["positions"], r["argmax_agreement"], kl(r["mean_kl"]), r["answer_identity"],
              r["reference_ms_per_token"], r["quantized_ms_per_token"]] for name, r in parts.items()]
-    t = table(rows, ["dataset", "prompts", "positions", "argmax agreement", "mean KL(ref||int8)", "answers identical",
+    t = table(rows, ["dataset", "prompts", "positions", "argmax agreement", "mean KL ref -> int8", "answers identical",
                      "ref ms/token", "int8 ms/token"])
     w, cfg, m = result["weight_gib"], result["config"], machine()
-    notes = (f"weights GiB: reference ({cfg['dtype']}) {w['reference']:.3f}, int8 {w['quantized']:.3f}; agreement and "
+    notes = (f"KL(reference || int8) in nats per position; weights GiB: reference ({cfg['dtype']}) {w['reference']:.3f}, int8 {w['quantized']:.3f}; agreement and "
              "KL teacher-forced on the reference's greedy answers (answer positions + the one after); ms/token: "
              "decode only, osd's target-only path (k = 0), both targets back to back per prompt")
     emit_report("Target quantization (`osd bench target-quant`)",
