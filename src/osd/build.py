@@ -61,8 +61,21 @@ def target_backend(models: ModelConfig, target_model=None) -> str:
     return "llama.cpp" if is_gguf and target_model is None else "torch"
 
 
+def check_target_quantize(models: ModelConfig, target_model=None) -> None:
+    """InvalidArgument when target quantization is asked of a target served from a GGUF's own quantized weights."""
+    backend = target_backend(models, target_model)
+    if models.target_quantize != "none" and backend in ("llama.cpp", "osd"):
+        raise InvalidArgument(f"--target-quantize {models.target_quantize} quantizes a Hugging Face (torch) target at "
+                              f"load; {models.target!r} is a GGUF, served by {backend} from its own quantized weights "
+                              "already. Drop --target-quantize (or give --target-backend torch to quantize the GGUF's "
+                              "fp32 conversion instead)")
+
+
 def build_target(models: ModelConfig, target_model=None):
-    """The target runner (llama.cpp or osd's Q4 kernel: quantized weights) or torch model (maybe prepacked)."""
+    """The target runner (llama.cpp or osd's Q4 kernel: quantized weights) or torch model (int8-quantized at load
+    with models.target_quantize, else maybe prepacked). With prepack_copy, a given target_model stays as it is: the
+    served model is a copy sharing its weights (prepacked) or holding its own int8 ones (quantized)."""
+    check_target_quantize(models, target_model)
     backend = target_backend(models, target_model)
     if backend in ("llama.cpp", "osd"):
         gguf = gguf_file(models.target)
@@ -78,6 +91,11 @@ def build_target(models: ModelConfig, target_model=None):
         return LlamaCppRunner(gguf, models.n_ctx, models.threads)
     if target_model is None:
         target_model = load_model(models.target, models.dtype)
+    if models.target_quantize != "none":  # every linear int8, row-invariant; the float matrices are freed
+        from osd.models.quantized_target import quantize_target
+
+        target = shared_weights_copy(target_model) if models.prepack_copy else target_model
+        return quantize_target(target, models.target_quantize, models.allow_kernel_fallback)
     if models.prepack_target:
         target_model = shared_weights_copy(target_model) if models.prepack_copy else target_model
         prepack_linears(target_model, models.allow_kernel_fallback)
@@ -91,6 +109,7 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
     if routed and spec.lookup:
         raise InvalidArgument("--lookup with --drafts is not supported yet (the lookup's draft label hides the routed draft)")
     set_threads(models.threads)
+    check_target_quantize(models, target_model)  # before anything loads
     tokenizer = load_tokenizer(models.target)
     target = build_target(models, target_model)
     system = System(None, tokenizer, DraftRegistry(), target, None, models, spec)

@@ -27,8 +27,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, skip=()) -> None:
             group.add_argument(flag, dest=f.name, action="append", default=None, help=f"(repeatable) default {default}")
         else:
             kind = type(default) if default is not None else int
-            about = f.metadata.get("help")  # a field may explain itself (dataclasses.field(metadata={"help": ...}))
-            group.add_argument(flag, dest=f.name, type=kind, default=default,
+            about = f.metadata.get("help")  # a field may explain itself (config.py: field(metadata={"help", "choices"}))
+            group.add_argument(flag, dest=f.name, type=kind, default=default, choices=f.metadata.get("choices"),
                                help=f"{about} (default {default})" if about else f"default {default}")
 
 
@@ -288,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     from osd.bench.kernel import register as register_bench_kernel  # `osd bench kernel`
 
     register_bench_kernel(bench)
+    from osd.bench.target_quant import register as register_bench_target_quant  # `osd bench target-quant`
+
+    register_bench_target_quant(bench)
 
     p = bench.add_parser("soak", help="N concurrent clients for M minutes against a live `osd serve`: valid and invalid "
                          "requests, disconnects; every answer checked (greedy = target-only), RSS, threads, learner")

@@ -60,6 +60,7 @@ class SpeculationConfig:
 
 
 TARGET_BACKENDS = ("auto", "torch", "llama.cpp", "osd")  # osd: models/q4_runner.py (own Q4_K/Q6_K kernel)
+TARGET_QUANTIZE = ("none", "int8")  # weight-only quantisation of a torch target at load (models/quantized_target.py)
 
 
 @dataclass
@@ -75,6 +76,10 @@ class ModelConfig:
     threads: int = 0  # torch (and llama.cpp) threads; 0 = default (torch's; llama.cpp: the cores we may use)
     prepack_target: bool = True  # fast fp32 linears for the target (models/prepack.py; CPU speed trick)
     prepack_copy: bool = False  # prepack a copy (sharing its weights), keeping the given target model plain (benchmarks)
+    target_quantize: str = field(default="none", metadata={"choices": TARGET_QUANTIZE, "help": (
+        "quantize a Hugging Face (torch) target at load: int8 = weight-only int8 linears and embedding through osd's "
+        "row-invariant kernels, no fp32 matrix kept (models/quantized_target.py). No 4-bit for torch targets: serve a "
+        "Q4 GGUF instead (--target-backend osd or llama.cpp), which this option refuses (already quantized)")})
     allow_kernel_fallback: bool = False  # run on torch's kernels where osd's compiled ones cannot be built (else an error; models/kernels.py)
 
     def __post_init__(self):
@@ -86,6 +91,14 @@ class ModelConfig:
             raise InvalidArgument(f"draft_quantize must be none, int8 or int8_vnni, got {self.draft_quantize}")
         if self.target_backend not in TARGET_BACKENDS:
             raise InvalidArgument(f"target_backend must be one of {', '.join(TARGET_BACKENDS)}, got {self.target_backend}")
+        if self.target_quantize not in TARGET_QUANTIZE:
+            four_bit = " (4-bit is not offered for torch targets: serve a Q4 GGUF with --target-backend osd)" \
+                if str(self.target_quantize).lower() in ("int4", "4bit", "q4", "nf4") else ""
+            raise InvalidArgument(f"target_quantize must be none or int8, got {self.target_quantize!r}{four_bit}")
+        if self.target_quantize != "none" and self.target_backend in ("llama.cpp", "osd"):
+            raise InvalidArgument(f"target_quantize={self.target_quantize} quantizes a torch target at load; the "
+                                  f"{self.target_backend} backend serves a GGUF from its own quantized weights already "
+                                  "(drop --target-quantize, or use --target-backend torch)")
         if self.draft_vocab < 0:
             raise InvalidArgument(f"draft_vocab must be >= 0, got {self.draft_vocab}")
 

@@ -58,6 +58,11 @@ def dataset_samples(models, dataset: str, split: str | None, limit: int | None, 
     from osd.models.loading import load_model, load_tokenizer, resolve_model_dir
     from osd.models.prepack import prepack_linears
 
+    if models.target_quantize != "none":  # the cache is keyed by the target's files: it holds the float target's outputs
+        from osd.errors import InvalidArgument
+
+        raise InvalidArgument("the target-output cache (distill, eval, replay --fast, bench train-step) holds the "
+                              "unquantized target's outputs: drop --target-quantize here")
     tokenizer = tokenizer or load_tokenizer(models.target)
     records = load_records(dataset, split, limit, offset)
     prompts = [prompt_ids(tokenizer, r["prompt"]) for r in records]

@@ -96,18 +96,22 @@ def _quantize_embedding(model) -> None:
         model.set_input_embeddings(Int8Embedding.from_float(embedding))
 
 
-def quantize_int8(model, allow_fallback: bool = False, vnni: bool = False):
+def quantize_int8(model, allow_fallback: bool = False, vnni: bool = False,
+                  use: str = "draft int8 linears: torch dynamic int8"):
     """int8 weights for all nn.Linear layers (in place): weight-only with our kernel (plus row-invariant
     attention and SiLU); `vnni` (where kernels.vnni_available()): int8 activations too, on AVX-512 VNNI.
-    Without the kernels: KernelUnavailable, or with `allow_fallback` torch's dynamic int8."""
-    module = kernels.load(allow_fallback, use="draft int8 linears: torch dynamic int8")
+    Without the kernels: KernelUnavailable, or with `allow_fallback` torch's dynamic int8 (recorded as `use`).
+    Linears are replaced one at a time, by name: a float weight nothing else holds is freed as soon as its
+    int8 copy exists (a target quantized at load never holds a second whole copy)."""
+    module = kernels.load(allow_fallback, use=use)
     if module is not None and vnni and not module.has_vnni():
         raise KernelUnavailable("int8_vnni needs a CPU with AVX-512 VNNI; this one has none: use int8")
     if module is not None:
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(parent, name, Int8Linear(child, module.rows_linear_int8, vnni))
+        names = [name for name, child in model.named_modules(remove_duplicate=False) if type(child) is nn.Linear]
+        for name in names:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, attr, Int8Linear(getattr(parent, attr), module.rows_linear_int8, vnni))
         _quantize_embedding(model)
         model.config.tie_word_embeddings = False
         make_row_invariant(model, module)
