@@ -46,14 +46,32 @@ def serving_samples(cache: TargetCache, runner, prompts: list[list[int]], settin
     return [cache.get(p, settings) for p in prompts]
 
 
+def sampling_backend(models, settings: DecodeSettings) -> str | None:
+    """The serving backend whose runner fills the cache ("llama.cpp" / "osd": a GGUF target, greedy), or None for the
+    torch path (the fp32 model in batches: a Hugging Face target, --target-backend torch, or temperature > 0, which
+    the one-prompt runner path does not sample)."""
+    from osd.build import target_backend
+
+    backend = target_backend(models)
+    return backend if backend in ("llama.cpp", "osd") and settings.temperature == 0 else None
+
+
+def cache_fingerprint(spec: str, config, backend: str | None) -> str:
+    """The cache's fingerprint of a target: a serving backend's samples are tagged with its name, so they never mix
+    with the fp32 twin's (or another backend's) in one cache. Limitation: the tag names the backend, not its version."""
+    from osd.distill.cache import model_fingerprint
+
+    return model_fingerprint(spec + (f"@{backend}" if backend else ""), config)
+
+
 def dataset_samples(models, dataset: str, split: str | None, limit: int | None, settings: DecodeSettings,
                     offset: int = 0, batch_size: int = 8, cache_root=None, progress=None, tokenizer=None):
     """(samples, tokenizer) for a dataset's prompts (chat template); the target loads only if some are missing."""
     from transformers import AutoConfig
 
     from osd.data import load_records, prompt_ids
-    from osd.distill.cache import default_cache_root, model_fingerprint
-    from osd.build import build_target, target_backend
+    from osd.distill.cache import default_cache_root
+    from osd.build import build_target
     from osd.models.runner import eos_ids_of, eos_token_ids
     from osd.models.loading import load_model, load_tokenizer, resolve_model_dir
     from osd.models.prepack import prepack_linears
@@ -67,11 +85,9 @@ def dataset_samples(models, dataset: str, split: str | None, limit: int | None, 
     records = load_records(dataset, split, limit, offset)
     prompts = [prompt_ids(tokenizer, r["prompt"]) for r in records]
     config = AutoConfig.from_pretrained(resolve_model_dir(models.target))
-    backend = target_backend(models)
-    serving = backend in ("llama.cpp", "osd") and settings.temperature == 0
-    fingerprint = model_fingerprint(models.target + (f"@{backend}" if serving else ""), config)
-    cache = TargetCache(cache_root or default_cache_root(), fingerprint)
-    if serving:
+    backend = sampling_backend(models, settings)
+    cache = TargetCache(cache_root or default_cache_root(), cache_fingerprint(models.target, config, backend))
+    if backend is not None:
         runner = build_target(models) if any((p, settings) not in cache for p in prompts) else None
         samples = serving_samples(cache, runner, prompts, settings, eos_ids_of(config, tokenizer), progress)
         for s, r in zip(samples, records):
