@@ -2,7 +2,7 @@
 
 A tiny seeded Qwen2 written as a Q4_K_M GGUF (tests/models/tiny_gguf.py) is served by llama.cpp and osd's Q4
 kernel; references: the runner's own greedy target-only decode through the engine (k = 0), and the cache's files.
-dataset_samples is driven end to end on a small JSONL dataset, with the GGUF's fp32 conversion written under a
+dataset_samples is driven end to end on a small JSONL dataset, with the GGUF's fp32 conversion (the twin) under a
 temporary OSD_CACHE.
 """
 from __future__ import annotations
@@ -126,10 +126,12 @@ class ByteChatTokenizer:
 
 
 @pytest.fixture(scope="module")
-def osd_cache(tmp_path_factory):
-    """OSD_CACHE in a temporary folder for the module: the tiny GGUF's fp32 conversion is written there, once."""
+def osd_cache(tiny, tmp_path_factory):
+    """OSD_CACHE in a temporary folder for the module, holding the tiny GGUF's fp32 conversion: its dequantized
+    torch twin, saved where resolve_model_dir looks (transformers cannot convert the tiny GGUF's tokenizer)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OSD_CACHE", str(tmp_path_factory.mktemp("osd-cache")))
+        tiny[1].save_pretrained(osd.models.loading.converted_dir(str(tiny[0])))
         yield
 
 
@@ -207,7 +209,7 @@ def test_the_torch_path_and_sampling_never_read_the_served_samples(env, monkeypa
     assert all(s.target.ids[:, 0].tolist() == s.response_ids for s in torch_samples)
 
     sampled = DecodeSettings(max_new_tokens=N, top_k=8, temperature=1.0, seed=1)
-    out = _fill(ModelConfig(target=spec, n_ctx=256, threads=1), env, sampled)  # auto backend, temperature > 0
+    out = _fill(ModelConfig(target=spec, n_ctx=256, threads=1, prepack_target=False), env, sampled)  # auto backend, temperature > 0
     assert calls["load_model"] == 2 and len(out) == 3  # sampled by the torch model (build_target would raise)
     assert len(_dirs(root)) == 2  # into the torch fingerprint's cache, beside its greedy entries
     assert sorted(_dirs(root).values()) == [3, 6]
