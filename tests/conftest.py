@@ -76,6 +76,18 @@ def save_tiny_pair(root, draft_layers: int = 2) -> None:
         tiny_tokenizer().save_pretrained(root / name)
 
 
+@pytest.fixture(scope="module")
+def compiled():
+    """The compiled rows_linear kernels (models/kernels.py); the test is skipped only where they cannot be built."""
+    from osd.errors import KernelUnavailable
+    from osd.models import kernels
+
+    try:
+        return kernels.load()
+    except KernelUnavailable as e:
+        pytest.skip(f"the compiled kernels cannot be built here: {e}")
+
+
 @pytest.fixture
 def tokenizer():
     return ToyTokenizer()

@@ -18,14 +18,6 @@ from osd.models.serving_draft import Int8Linear, make_serving_draft
 KS = range(0, 9)  # proposal lengths: a verification step feeds k + 1 rows
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    try:
-        return kernels.load()
-    except KernelUnavailable as e:
-        pytest.skip(f"the compiled kernels cannot be built here: {e}")
-
-
 def windows(total: int):
     """(start, rows) for every k in KS and every start where k + 1 rows fit in `total`."""
     return [(start, k + 1) for k in KS for start in range(total - k)]

@@ -12,22 +12,13 @@ from helpers import make_engine
 from osd.build import build_system, build_target
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.engine import SpeculativeEngine
-from osd.errors import InvalidArgument, KernelUnavailable
-from osd.models import kernels
+from osd.errors import InvalidArgument
 from osd.models.cached import CachedModel
 from osd.models.quantized_target import float_matrices, quantize_target, weight_bytes
 from osd.models.serving_draft import Int8Embedding, Int8Linear
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15], [20]]
 INT8 = dict(target="tiny", target_backend="torch", target_quantize="int8")
-
-
-@pytest.fixture(scope="module")
-def compiled():
-    try:
-        return kernels.load()
-    except KernelUnavailable as e:
-        pytest.skip(f"the compiled kernels cannot be built here: {e}")
 
 
 def int8_target(seed=0, tied=False, **kw):

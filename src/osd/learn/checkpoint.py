@@ -26,6 +26,22 @@ from osd.errors import CheckpointMismatch, OptimizerStateError
 PAUSE_ENV = "OSD_TEST_CHECKPOINT_PAUSE"  # test hook (tests/serve/test_real_learner.py): see _pause_if_asked
 
 
+def swap_in(tmp: Path, final: Path, old: Path, between_renames=lambda: None) -> None:
+    """Fsync every file of the complete directory `tmp` and `tmp` itself, then make it `final` by renames (the
+    previous `final` goes to `old` in between, removed at the end) and fsync the parent: a crash leaves either the
+    previous or the new directory whole (checkpoint_dir also finds `old`)."""
+    for f in tmp.iterdir():
+        _fsync(f)
+    _fsync(tmp)
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        between_renames()
+    tmp.rename(final)
+    _fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(directory: str, master, optimizer, state: dict) -> Path:
     """Atomic: write every file into <dir>.partial and fsync it, then swap the directory in by renames (and fsync
     the parent). A crash at any point (kill -9, power loss) leaves the last complete checkpoint loadable: <dir>,
@@ -44,16 +60,7 @@ def save_checkpoint(directory: str, master, optimizer, state: dict) -> Path:
     state = {**state, "base_fingerprint": base_fingerprint(master, _names_in(tmp)), "git_revision": git_revision()}
     (tmp / "state.json").write_text(json.dumps(state, indent=2, default=str))
     master.config.save_pretrained(tmp)
-    for f in tmp.iterdir():
-        _fsync(f)
-    _fsync(tmp)
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-        _pause_if_asked("renames")
-    tmp.rename(final)
-    _fsync(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    swap_in(tmp, final, old, lambda: _pause_if_asked("renames"))
     return final
 
 

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from osd.errors import CheckpointMismatch
-from osd.learn.checkpoint import _fsync, base_fingerprint, load_optimizer_state
+from osd.learn.checkpoint import base_fingerprint, load_optimizer_state, swap_in
 from osd.learn.online import LearnConfig, OnlineLearner
 
 
@@ -64,15 +64,7 @@ class AdapterLearner(OnlineLearner):
                      "config": asdict(self.config), "adapter": asdict(self.drafts.config),
                      "base_fingerprint": self._base_fingerprint()}
             (tmp / "state.json").write_text(json.dumps(state, indent=2, default=str))
-            for f in tmp.iterdir():
-                _fsync(f)
-            _fsync(tmp)
-            if final.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                final.rename(old)
-            tmp.rename(final)
-            _fsync(final.parent)
-            shutil.rmtree(old, ignore_errors=True)
+            swap_in(tmp, final, old)
 
     def resume(self) -> bool:
         """Load this draft's last checkpoint (if any) and publish it at its saved version."""
