@@ -12,13 +12,12 @@ import torch
 pytest.importorskip("llama_cpp")
 
 from osd.config import SamplingConfig, SpeculationConfig  # noqa: E402
-from osd.drafts import DraftRegistry  # noqa: E402
 from osd.engine import SpeculativeEngine  # noqa: E402
 from osd.errors import BackendUnavailable  # noqa: E402
 from osd.models.llama_cpp_runner import LlamaCppRunner  # noqa: E402
-from osd.propose import DraftModelProposer  # noqa: E402
 from osd.propose.ngram import NgramProposer  # noqa: E402
-from tests.models.tiny_gguf import PROMPT, VOCAB, ByteTokenizer, target_only, tiny, tiny_torch_model  # noqa: E402,F401 (tiny: a fixture)
+from tests.models.tiny_gguf import (PROMPT, VOCAB, ByteTokenizer, assert_rows_match_one_at_a_time,  # noqa: E402,F401
+                                    logits_one_at_a_time, speculative_runs, target_only, tiny, tiny_torch_model)
 
 @pytest.fixture(scope="module", params=[True, False], ids=["repack", "no-repack"])
 def runner(tiny, request):
@@ -47,15 +46,9 @@ def test_a_positions_logits_do_not_depend_on_how_many_rows_were_verified_with_it
     """Greedy identity by construction: bitwise-equal logits for every k the engine may verify, rollback included."""
     tokens = PROMPT + [101, 32, 97, 32, 116, 101, 115, 116, 46, 10]
     start = len(PROMPT)
-    runner.reset()
-    runner.feed(tokens[: start - 1])
-    one_at_a_time = [runner.feed([t])[0] for t in tokens[start - 1 :]]  # logits after each token, k = 0 style
+    one_at_a_time = logits_one_at_a_time(runner, tokens, start)
     assert runner.max_rows in (3, 7)
-    for k in range(0, runner.max_rows):
-        runner.rollback(start - 1)
-        rows = runner.feed(tokens[start - 1 : start + k], n_logits=k + 1)  # pending token + k proposals
-        for i in range(k + 1):
-            assert torch.equal(rows[i], one_at_a_time[i]), (k, i)
+    assert_rows_match_one_at_a_time(runner, tokens, start, one_at_a_time)
     runner.reset()
     runner.feed(tokens[: start + 3])
     runner.rollback(start - 1)  # a rejected tail removed from llama.cpp's KV cache
@@ -64,17 +57,7 @@ def test_a_positions_logits_do_not_depend_on_how_many_rows_were_verified_with_it
 
 @pytest.mark.parametrize("draft_seed", [0, 7])  # seed 0: the target's own twin (long accepted chains); 7: a stranger
 def test_speculative_output_equals_target_only_at_every_k(tiny, runner, draft_seed):
-    tokenizer = ByteTokenizer()
-    plain = target_only(runner, PROMPT, 24)
-    assert len(plain) >= 8
-    registry = DraftRegistry()
-    registry.publish("d", tiny[1] if draft_seed == 0 else tiny_torch_model(draft_seed))
-    for k in range(1, 9):
-        engine = SpeculativeEngine(runner, tokenizer, DraftModelProposer(registry, "d", VOCAB),
-                                   SpeculationConfig(k=k, adaptive=False))
-        result = engine.generate(PROMPT, SamplingConfig(max_new_tokens=24))
-        assert result.token_ids == plain, k
-        assert max(step_k for step_k, _ in result.steps) == min(k, runner.max_rows - 1)  # never more rows than invariant
+    for k, result in speculative_runs(runner, tiny[1] if draft_seed == 0 else tiny_torch_model(draft_seed)):
         if draft_seed == 0:
             assert result.counters.accepted > 0  # chains of accepted tokens were exercised
 

@@ -15,13 +15,14 @@ pytest.importorskip("llama_cpp")  # the tiny GGUF is quantized by llama.cpp, as 
 from osd.build import DEFAULT_DRAFT, System, build_target, speculative_engine  # noqa: E402
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig  # noqa: E402
 from osd.drafts import DraftRegistry  # noqa: E402
-from osd.engine import SpeculativeEngine  # noqa: E402
 from osd.errors import InvalidArgument  # noqa: E402
 from osd.models import q4  # noqa: E402
 from osd.models.q4_runner import Q4Runner, cache_path, fused_groups, glue  # noqa: E402
 from osd.propose import DraftModelProposer  # noqa: E402
 from osd.propose.ngram import LookupThenDraft  # noqa: E402
-from tests.models.tiny_gguf import EOS, PROMPT, VOCAB, ByteTokenizer, target_only, tiny, tiny_torch_model, write_tiny_gguf  # noqa: E402,F401 (tiny: a fixture)
+from tests.models.tiny_gguf import (EOS, PROMPT, VOCAB, ByteTokenizer, assert_rows_match_one_at_a_time,  # noqa: E402,F401
+                                    logits_one_at_a_time, speculative_runs, target_only, tiny, tiny_torch_model,
+                                    write_tiny_gguf)  # (tiny: a fixture)
 
 pytestmark = pytest.mark.skipif(not q4.available(), reason="Q4 kernel unavailable on this machine")
 
@@ -84,15 +85,9 @@ def test_a_positions_logits_do_not_depend_on_how_many_rows_were_fed_with_it(runn
     """Greedy identity by construction: bitwise-equal logits for every k = 0..8, rollback included."""
     tokens = PROMPT + [101, 32, 97, 32, 116, 101, 115, 116, 46, 10]
     start = len(PROMPT)
-    runner.reset()
-    runner.feed(tokens[: start - 1])
-    one_at_a_time = [runner.feed([t])[0] for t in tokens[start - 1 :]]  # logits after each token, k = 0 style
+    one_at_a_time = logits_one_at_a_time(runner, tokens, start)
     assert runner.max_rows == 9
-    for k in range(0, runner.max_rows):
-        runner.rollback(start - 1)
-        rows = runner.feed(tokens[start - 1 : start + k], n_logits=k + 1)  # pending token + k proposals
-        for i in range(k + 1):
-            assert torch.equal(rows[i], one_at_a_time[i]), (k, i)
+    assert_rows_match_one_at_a_time(runner, tokens, start, one_at_a_time)
     runner.reset()
     runner.feed(tokens[: start + 5])
     runner.rollback(start - 1)  # a rejected tail: its cache rows are overwritten by the next feed
@@ -108,16 +103,8 @@ def test_a_positions_logits_do_not_depend_on_how_many_rows_were_fed_with_it(runn
 
 @pytest.mark.parametrize("draft_seed", [0, 7])  # seed 0: the target's own twin (long accepted chains); 7: a stranger
 def test_speculative_output_equals_target_only_at_every_k(tiny, runner, draft_seed):
-    plain = target_only(runner, PROMPT, 24)
-    assert len(plain) >= 8
-    registry = DraftRegistry()
-    registry.publish("d", tiny[1] if draft_seed == 0 else tiny_torch_model(draft_seed))
-    for k in range(1, 9):
-        engine = SpeculativeEngine(runner, ByteTokenizer(), DraftModelProposer(registry, "d", VOCAB),
-                                   SpeculationConfig(k=k, adaptive=False))
-        result = engine.generate(PROMPT, SamplingConfig(max_new_tokens=24))
-        assert result.token_ids == plain, k
-        assert max(step_k for step_k, _ in result.steps) == k  # every k up to 8 is verified in one feed
+    assert runner.max_rows == 9  # so every k up to 8 is verified in one feed (speculative_runs checks it)
+    for k, result in speculative_runs(runner, tiny[1] if draft_seed == 0 else tiny_torch_model(draft_seed)):
         if draft_seed == 0:
             assert result.counters.accepted > 0  # chains of accepted tokens were exercised
         else:

@@ -135,6 +135,44 @@ def target_only(runner, prompt, n):
     return engine.generate(prompt, SamplingConfig(max_new_tokens=n)).token_ids
 
 
+def logits_one_at_a_time(runner, tokens: list[int], start: int) -> list[torch.Tensor]:
+    """Feed tokens[: start - 1], then one token per feed: each position's logits computed alone (k = 0 style)."""
+    runner.reset()
+    runner.feed(tokens[: start - 1])
+    return [runner.feed([t])[0] for t in tokens[start - 1 :]]
+
+
+def assert_rows_match_one_at_a_time(runner, tokens: list[int], start: int, one_at_a_time: list[torch.Tensor]) -> None:
+    """For every k the runner may verify (k + 1 <= max_rows), after a rollback to the pending token: the k + 1 rows
+    fed together give bitwise the logits each position gives alone."""
+    for k in range(0, runner.max_rows):
+        runner.rollback(start - 1)
+        rows = runner.feed(tokens[start - 1 : start + k], n_logits=k + 1)  # pending token + k proposals
+        for i in range(k + 1):
+            assert torch.equal(rows[i], one_at_a_time[i]), (k, i)
+
+
+def speculative_runs(runner, draft, n: int = 24):
+    """(k, result) for k = 1..8 of a fixed-k engine drafting with `draft`, each already checked to give the runner's
+    target-only tokens and to verify up to min(k, max_rows - 1) proposals in one feed."""
+    from osd.config import SamplingConfig, SpeculationConfig
+    from osd.drafts import DraftRegistry
+    from osd.engine import SpeculativeEngine
+    from osd.propose.draft_model import DraftModelProposer
+
+    plain = target_only(runner, PROMPT, n)
+    assert len(plain) >= 8
+    registry = DraftRegistry()
+    registry.publish("d", draft)
+    for k in range(1, 9):
+        engine = SpeculativeEngine(runner, ByteTokenizer(), DraftModelProposer(registry, "d", VOCAB),
+                                   SpeculationConfig(k=k, adaptive=False))
+        result = engine.generate(PROMPT, SamplingConfig(max_new_tokens=n))
+        assert result.token_ids == plain, k
+        assert max(step_k for step_k, _ in result.steps) == min(k, runner.max_rows - 1)  # never more rows than invariant
+        yield k, result
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(path, reference): a tiny Qwen2 GGUF quantized to Q4_K_M by llama.cpp, and its dequantized torch twin."""
