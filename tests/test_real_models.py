@@ -106,27 +106,37 @@ def test_missing_model_files_name_the_problem(tmp_path):
         load_model("bundled:llama-70b")
 
 
-def test_bundled_gguf_target_on_llama_cpp_speculative_equals_target_only():
-    """The quantized path: the bundled Q4_K_M target on llama.cpp, the bundled 0.5B GGUF drafting on llama.cpp,
-    fixed k (adaptive k would pick k = 0 on a loaded machine): output identical to osd's target-only output."""
-    pytest.importorskip("llama_cpp")
+def _gguf_draft_speculation_equals_target_only(target, tokenizer, k: int):
+    """On 2 spider test prompts, the bundled 0.5B GGUF drafting on llama.cpp at fixed k: the target's speculative
+    output equals its own target-only output and some proposals were accepted. Yields (prompt ids, target-only ids)."""
     from osd.engine import SpeculativeEngine
     from osd.models.llama_cpp_runner import LlamaCppRunner
     from osd.models.loading import gguf_file
     from osd.propose import RunnerProposer
 
-    models = ModelConfig()
-    tokenizer = load_tokenizer(models.target)
-    target = LlamaCppRunner(gguf_file(models.target), n_ctx=1024)
-    draft = RunnerProposer(LlamaCppRunner(gguf_file(models.draft), n_ctx=1024), "gguf-draft", target.vocab_size)
+    draft = RunnerProposer(LlamaCppRunner(gguf_file(ModelConfig().draft), n_ctx=1024), "gguf-draft", target.vocab_size)
     plain = SpeculativeEngine(target, tokenizer, None, SpeculationConfig(k=0, adaptive=False))
-    spec = SpeculativeEngine(target, tokenizer, draft, SpeculationConfig(k=2, adaptive=False))
+    spec = SpeculativeEngine(target, tokenizer, draft, SpeculationConfig(k=k, adaptive=False))
     for record in load_records("spider", split="test", limit=2):
         ids = prompt_ids(tokenizer, record["prompt"])
         want = plain.generate(ids, SamplingConfig(max_new_tokens=24)).token_ids
         got = spec.generate(ids, SamplingConfig(max_new_tokens=24))
         assert got.token_ids == want
         assert got.counters.accepted > 0
+        yield ids, want
+
+
+def test_bundled_gguf_target_on_llama_cpp_speculative_equals_target_only():
+    """The quantized path: the bundled Q4_K_M target on llama.cpp, the bundled 0.5B GGUF drafting on llama.cpp,
+    fixed k (adaptive k would pick k = 0 on a loaded machine): output identical to osd's target-only output."""
+    pytest.importorskip("llama_cpp")
+    from osd.models.llama_cpp_runner import LlamaCppRunner
+    from osd.models.loading import gguf_file
+
+    models = ModelConfig()
+    target = LlamaCppRunner(gguf_file(models.target), n_ctx=1024)
+    checked = list(_gguf_draft_speculation_equals_target_only(target, load_tokenizer(models.target), k=2))
+    assert len(checked) == 2
 
 
 def test_bundled_gguf_target_on_osds_own_q4_kernel_speculative_equals_target_only():
@@ -138,20 +148,14 @@ def test_bundled_gguf_target_on_osds_own_q4_kernel_speculative_equals_target_onl
     from osd.models.llama_cpp_runner import LlamaCppRunner
     from osd.models.loading import gguf_file
     from osd.models.q4_runner import Q4Runner
-    from osd.propose import RunnerProposer
 
     models = ModelConfig()
     tokenizer = load_tokenizer(models.target)
-    target = Q4Runner(gguf_file(models.target), n_ctx=1024)
-    draft = RunnerProposer(LlamaCppRunner(gguf_file(models.draft), n_ctx=1024), "gguf-draft", target.vocab_size)
     llama = SpeculativeEngine(LlamaCppRunner(gguf_file(models.target), n_ctx=1024), tokenizer, None,
                               SpeculationConfig(k=0, adaptive=False))
-    plain = SpeculativeEngine(target, tokenizer, None, SpeculationConfig(k=0, adaptive=False))
-    spec = SpeculativeEngine(target, tokenizer, draft, SpeculationConfig(k=8, adaptive=False))
-    for record in load_records("spider", split="test", limit=2):
-        ids = prompt_ids(tokenizer, record["prompt"])
-        want = plain.generate(ids, SamplingConfig(max_new_tokens=24)).token_ids
-        got = spec.generate(ids, SamplingConfig(max_new_tokens=24))
-        assert got.token_ids == want
-        assert got.counters.accepted > 0
+    target = Q4Runner(gguf_file(models.target), n_ctx=1024)
+    checked = 0
+    for ids, want in _gguf_draft_speculation_equals_target_only(target, tokenizer, k=8):
         assert want[:3] == llama.generate(ids, SamplingConfig(max_new_tokens=3)).token_ids
+        checked += 1
+    assert checked == 2
