@@ -7,7 +7,7 @@ from conftest import EOS, tiny_qwen2
 from helpers import make_engine
 
 from osd.bench.replay_fast import drift_order, fast_replay, frozen_trunk_copy, learn_item
-from osd.bench.replay_fast_report import (LABELS, forgetting_rows, heldout_rows, recovery, recovery_notes,
+from osd.bench.replay_fast_report import (LABELS, baselines_note, forgetting_rows, heldout_rows, recovery, recovery_notes,
                                           recovery_verdict, report_fast_replay, summary)
 from osd.config import SamplingConfig
 from osd.distill.cache import DecodeSettings, TargetCache
@@ -191,3 +191,10 @@ def test_paired_difference_counts_gained_and_lost_positions():
     base, other = [True, True, False, False, True], [True, False, True, True, True]
     assert paired_difference(base, other) == {"gained": 2, "lost": 1, "z": 1 / 3 ** 0.5}
     assert paired_difference(base, base)["z"] == 0.0
+
+
+def test_the_report_header_names_offline_baselines_only_when_the_run_measured_them(replayed):
+    result = replayed[0]
+    assert "optimizer steps" in baselines_note(result)
+    assert baselines_note({**result, "baselines": {}}) == "none in this run (--no-baseline)"
+    assert "offline baselines: the online draft's optimizer steps" in (replayed[4] / "BENCH.md").read_text()

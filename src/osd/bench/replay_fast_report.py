@@ -164,10 +164,17 @@ def report_fast_replay(result: dict, out: str, markdown: str, window: int = 20) 
                 f"loss={learn['loss']}, mode={learn['mode']}, every_requests={learn['every_requests']}, "
                 f"steps_per_update={learn['steps_per_update']}, lr={learn['lr']}, trainable={learn['trainable']}, "
                 f"train_layers={learn['train_layers']}, guard={learn['guard']} drift_guard={learn.get('drift_guard')}; "
-                f"offline baselines: the online draft's optimizer steps, same lr / trainable set"
+                f"offline baselines: {baselines_note(result)}"
                 + (f"; epochs recipe {cfg['baseline_epochs']} epochs lr {cfg['baseline_lr']}" if cfg.get("baseline_epochs") else "")
                 + f"; machine: {m['cpu']}, {m['cores']} cores",
                 blocks, path, markdown, plot=png)
+
+
+def baselines_note(result: dict) -> str:
+    """What the header says of the offline baselines: only what the run measured."""
+    if not result.get("baselines"):
+        return "none in this run (--no-baseline)"
+    return "the online draft's optimizer steps, same lr / trainable set"
 
 
 def _notes(result: dict) -> str:
