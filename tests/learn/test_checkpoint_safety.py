@@ -136,12 +136,13 @@ def test_background_update_exceptions_are_counted_apart_and_serving_goes_on(targ
     publish = lambda master, version=None: registry.publish("draft", copy.deepcopy(master).eval(), None, version)
     learner = OnlineLearner(draft, publish, LearnConfig(mode="all", every_requests=1, schedule="background",
                                                         trainable="all", guard=False, lr=1e-2)).attach(engine)
-    real_update, failures = learner._update, []
+    real_update, failures, checked = learner._update, [], threading.Event()
 
     def failing_update(reason):
         if not failures:
             failures.append(reason)
             raise RuntimeError("simulated failure inside an update")
+        checked.wait(60)  # the retry (due again a second later) waits until the failure's effects were checked
         return real_update(reason)
 
     learner._update = failing_update
@@ -149,15 +150,17 @@ def test_background_update_exceptions_are_counted_apart_and_serving_goes_on(targ
     try:
         with caplog.at_level(logging.ERROR, logger="osd.learn"):
             engine.generate(STREAM[0], SamplingConfig(max_new_tokens=12))
-            wait_for(lambda: learner.counters["update_errors"] == 1)
+            logged = lambda: any("background draft update failed" in r.getMessage() and r.exc_info for r in caplog.records)
+            wait_for(lambda: learner.counters["update_errors"] == 1 and logged())  # counted in update(), logged after
         stats = learner.stats()
         assert stats["update_errors"] == 1 and stats["updates_rejected"] == 0 and stats["updates_published"] == 0
         assert "simulated failure" in learner.last_update["error"]
-        assert any("background draft update failed" in r.getMessage() and r.exc_info for r in caplog.records)
+        checked.set()
         for prompt in STREAM[1:4]:  # the engine serves on, and the learner's next update publishes
             result = engine.generate(prompt, SamplingConfig(max_new_tokens=12))
             assert result.token_ids == plain_greedy(target_model, prompt, 12, eos=EOS)
         wait_for(lambda: learner.counters["updates_published"] >= 1)
         assert registry.get("draft").version >= 1 and learner.counters["update_errors"] == 1
     finally:
+        checked.set()
         learner.stop()
