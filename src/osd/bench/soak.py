@@ -293,7 +293,7 @@ async def run_soak_async(url: str, cases: list[Case], config: SoakConfig, refere
             "wall_seconds": wall, "warmup_ok": all(o.ok for o in warmup), **summary,
             "metrics_match_responses": counted == got if before and after else None,
             "metrics_counted": {f"{e} {s}": n for (e, s), n in sorted(counted.items())},
-            "server": _server_figures(stats_start, stats_end, [r for r in rss if r], pid),
+            "server": _server_figures(stats_start, stats_end, [r for r in rss if r], pid, config.sample_every),
             "learner": _learner_figures(before, after)}
 
 
@@ -346,7 +346,7 @@ def summarise(outcomes: list[Outcome], references: dict[GreedyKey, str]) -> dict
             "kinds": {name: k | {"got": dict(k["got"])} for name, k in sorted(kinds.items())}}
 
 
-def _server_figures(start: dict, end: dict, rss: list[int], pid: int | None) -> dict:
+def _server_figures(start: dict, end: dict, rss: list[int], pid: int | None, every: float = 5.0) -> dict:
     """RSS after the warm-up, at mid-soak (the middle sample) and at the end: growth over the whole soak includes
     buffers filling up (the learner's replay buffer); growth over the second half tells a plateau from a leak."""
     r0, r1 = start.get("rss_bytes"), end.get("rss_bytes")
@@ -355,7 +355,8 @@ def _server_figures(start: dict, end: dict, rss: list[int], pid: int | None) -> 
     return {"pid": pid, "rss_start_bytes": r0, "rss_mid_bytes": mid, "rss_end_bytes": r1,
             "rss_peak_bytes": max(rss + [r1 or 0]) or None, "rss_growth_pct": growth(r0, r1),
             "rss_growth_second_half_pct": growth(mid, r1),
-            "threads_start": start.get("threads"), "threads_end": end.get("threads")}
+            "threads_start": start.get("threads"), "threads_end": end.get("threads"),
+            "rss_series_mib": {"every_seconds": every, "mib": [round(r / 2**20, 1) for r in rss]}}  # plateau or leak
 
 
 def _learner_figures(before: dict, after: dict) -> dict:
