@@ -166,7 +166,7 @@ def cmd_replay_routed(args) -> None:
                                                                                 top_k=learn.top_k), args.k,
                                    args.heldout, args.heldout_split, args.batch_size_generate, args.cache_dir, tqdm,
                                    seed=learn.seed, on_row=on_row)
-    report_routed_replay(result, args.out, args.markdown)
+    report_routed_replay(result, args.out, args.markdown, args.window)
 
 
 def cmd_bench_soak(args) -> None:

@@ -6,7 +6,7 @@ import pytest
 from conftest import EOS, ToyTokenizer, tiny_qwen2
 
 from osd.bench.replay_routed import label_map, mixed_order, router_accuracy, routed_replay
-from osd.bench.replay_routed_report import report_routed_replay
+from osd.bench.replay_routed_report import label_curves, report_routed_replay
 from osd.distill.cache import DecodeSettings, TargetCache
 from osd.distill.target_outputs import target_samples
 from osd.learn.online import LearnConfig
@@ -90,3 +90,8 @@ def test_report_writes_json_and_markdown_with_the_targets(replayed, tmp_path):
     assert set(saved["heldout"]["pooled"]) == {"control", "shared", "oracle", "routed"}
     text = md.read_text()
     assert "routed minus shared" in text and "router accuracy" in text and "per-mode drafts, router" in text
+    curves = label_curves(result)  # the per-label figure: every arm on exactly its label's requests, in order
+    for d in result["labels"]:
+        mine = [r for r in result["requests"] if r["domain"] == d]
+        assert curves[d]["per-mode drafts, router"] == [r["routed_alpha"] for r in mine] and len(curves[d]) == 4
+    assert (tmp_path / "routed.png").stat().st_size > 1000 and "plot: `" in text

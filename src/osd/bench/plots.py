@@ -37,5 +37,31 @@ def plot_alpha_curves(curves: dict[str, list[float]], boundaries: list[int], tit
     return path
 
 
+def plot_alpha_panels(panels: dict[str, dict[str, list[float]]], title: str, ylabel: str, path: str,
+                      window: int) -> str | None:
+    """One panel per title (e.g. per topic), one line per curve (moving average over that panel's own requests);
+    None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), sharey=True, squeeze=False)
+    for ax, (name, curves) in zip(axes[0], panels.items()):
+        for label, values in curves.items():
+            ax.plot(moving_average(values, window), label=label)
+        ax.set_title(name)
+        ax.set_xlabel(f"request of {name}")
+    axes[0][0].set_ylabel(f"{ylabel} (moving average, {window})")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def domain_boundaries(rows: list[dict]) -> list[int]:
     return [i for i in range(1, len(rows)) if rows[i]["domain"] != rows[i - 1]["domain"]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from osd.bench.plots import plot_alpha_panels
 from osd.bench.record import emit_report, machine, redacted_command, write_result
 from osd.bench.report import table
 from osd.bench.replay_routed import ARMS
@@ -52,8 +53,17 @@ def target_lines(result: dict) -> list[str]:
     return lines
 
 
-def report_routed_replay(result: dict, out: str, markdown: str | None) -> None:
+def label_curves(result: dict) -> dict[str, dict[str, list[float]]]:
+    """Per label (the paper's per-topic figures): each arm's alpha on that label's requests, in stream order."""
+    rows = result["requests"]
+    return {d: {LABELS[arm]: [r[f"{arm}_alpha"] for r in rows if r["domain"] == d] for arm in ARMS}
+            for d in result["labels"]}
+
+
+def report_routed_replay(result: dict, out: str, markdown: str | None, window: int = 20) -> None:
     path = write_result(result, out)
+    png = plot_alpha_panels(label_curves(result), "Greedy alpha per label on an interleaved stream", "alpha",
+                            str(Path(path).with_suffix(".png")), window)
     labels = result["labels"]
     blocks = ["Greedy alpha over the interleaved stream, each arm measured on a request before it learns from it "
               "(position-weighted; per label):", table(stream_rows(result), ["arm", "stream alpha", "second half", *labels])]
@@ -70,4 +80,4 @@ def report_routed_replay(result: dict, out: str, markdown: str | None) -> None:
                 f"`{redacted_command(sys.argv[1:])}`; draft={c['models']['draft']}, k={c['k']}, drafts {result['drafts']}, "
                 f"score_share={route['score_share']}, explore={route['explore']}, trainable={learn['trainable']}, "
                 f"train_layers={learn['train_layers']}, lr={learn['lr']}, every_requests={learn['every_requests']}; "
-                f"machine: {m['cpu']}, {m['cores']} cores", blocks, Path(path), markdown)
+                f"machine: {m['cpu']}, {m['cores']} cores", blocks, Path(path), markdown, plot=png)
