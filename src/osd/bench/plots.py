@@ -12,15 +12,30 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot_alpha_curves(curves: dict[str, list[float]], boundaries: list[int], title: str, ylabel: str, path: str,
-                      window: int) -> str | None:
-    """One line per curve (moving average), dotted lines at segment boundaries; None without matplotlib."""
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None where matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def _save(plt, fig, path: str, dpi: int) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def plot_alpha_curves(curves: dict[str, list[float]], boundaries: list[int], title: str, ylabel: str, path: str,
+                      window: int) -> str | None:
+    """One line per curve (moving average), dotted lines at segment boundaries; None without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for label, values in curves.items():
@@ -31,22 +46,15 @@ def plot_alpha_curves(curves: dict[str, list[float]], boundaries: list[int], tit
     ax.set_ylabel(f"{ylabel} (moving average, {window})")
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, dpi=120)
 
 
 def plot_alpha_panels(panels: dict[str, dict[str, list[float]]], title: str, ylabel: str, path: str,
                       window: int) -> str | None:
     """One panel per title (e.g. per topic), one line per curve (moving average over that panel's own requests);
     None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), sharey=True, squeeze=False)
     for ax, (name, curves) in zip(axes[0], panels.items()):
@@ -57,10 +65,7 @@ def plot_alpha_panels(panels: dict[str, dict[str, list[float]]], title: str, yla
     axes[0][0].set_ylabel(f"{ylabel} (moving average, {window})")
     axes[0][0].legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, dpi=110)
 
 
 def domain_boundaries(rows: list[dict]) -> list[int]:

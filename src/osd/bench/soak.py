@@ -346,7 +346,7 @@ def summarise(outcomes: list[Outcome], references: dict[GreedyKey, str]) -> dict
             "kinds": {name: k | {"got": dict(k["got"])} for name, k in sorted(kinds.items())}}
 
 
-def _server_figures(start: dict, end: dict, rss: list[int], pid: int | None, every: float = 5.0) -> dict:
+def _server_figures(start: dict, end: dict, rss: list[int], pid: int | None, every: float) -> dict:
     """RSS after the warm-up, at mid-soak (the middle sample) and at the end: growth over the whole soak includes
     buffers filling up (the learner's replay buffer); growth over the second half tells a plateau from a leak."""
     r0, r1 = start.get("rss_bytes"), end.get("rss_bytes")
