@@ -67,8 +67,9 @@ def item_from_step(record, mode: str = "mismatch", top_k: int = 64, max_context:
 class ReplayBuffer:
     """Thread-safe FIFO of ReplayItems bounded by the number of supervised positions."""
 
-    def __init__(self, capacity: int = 4096, clock=time.monotonic):
+    def __init__(self, capacity: int = 4096, clock=time.monotonic, on_evict=None):
         self.capacity, self.clock = capacity, clock
+        self.on_evict = on_evict  # called with each evicted item (learn/rehearsal.py keeps a sample of them)
         self._items: deque[ReplayItem] = deque()
         self._positions = 0
         self._lock = threading.Lock()
@@ -89,6 +90,8 @@ class ReplayBuffer:
                 old = self._items.popleft()
                 self._positions -= len(old.positions)
                 self.evicted += len(old.positions)
+                if self.on_evict is not None:
+                    self.on_evict(old)
 
     def __len__(self) -> int:
         """Supervised positions held."""

@@ -36,6 +36,7 @@ from osd.learn.buffer import MODES, ReplayBuffer, item_from_step
 from osd.learn.checkpoint import load_checkpoint, save_checkpoint
 from osd.learn.drift import VersionStore
 from osd.learn.guard import drift_action, is_worse, paired_flips, paired_z
+from osd.learn.rehearsal import Reservoir, mixed_batch
 from osd.learn.idle import IdleWindows
 from osd.learn.losses import LOSSES
 from osd.learn.restore import RestorePoint
@@ -60,6 +61,10 @@ class LearnConfig:
     micro_batch: int = 0  # items per forward/backward, gradients summed into the same step; 0 = the whole batch
     #   in sync mode, 1 in background mode (a decode then waits for at most one item's forward/backward)
     steps_per_update: int = 8  # optimizer steps per update (sampled from the buffer)
+    rehearsal: float = field(default=0.0, metadata={"help": (
+        "share of each training batch drawn from a uniform sample of older traffic (what the buffer evicted; "
+        "learn/rehearsal.py), against forgetting after a shift; 0 = the buffer alone")})
+    rehearsal_capacity: int = 256  # items (about one request each) kept in that sample
     max_context: int = 384  # tokens of context kept per item
     trainable: str = "no_embeddings"  # all | no_embeddings | lora (learn/trainable.py)
     train_layers: int = 4  # 0 = all decoder layers train; N = only the top N (the rest frozen, outputs cached)
@@ -94,6 +99,9 @@ class LearnConfig:
             raise InvalidArgument(f"micro_batch must be >= 0 (0 = automatic), got {self.micro_batch}")
         if min(self.lr, self.batch_size, self.steps_per_update, self.capacity, self.top_k, self.guard_capacity) <= 0:
             raise InvalidArgument("lr, batch_size, steps_per_update, capacity, top_k and guard_capacity must be > 0")
+        if not 0.0 <= self.rehearsal <= 1.0 or self.rehearsal_capacity <= 0:
+            raise InvalidArgument(f"rehearsal must be in [0, 1] and rehearsal_capacity > 0, got {self.rehearsal}, "
+                                  f"{self.rehearsal_capacity}")
         if not 0.0 <= self.guard_holdout < 1.0:
             raise InvalidArgument(f"guard_holdout must be in [0, 1), got {self.guard_holdout}")
         if not 0.0 < self.busy_share <= 1.0:
@@ -107,7 +115,9 @@ class OnlineLearner:
                  clock=time.monotonic, sleep=time.sleep):
         self.config = config or LearnConfig()
         self.master, self.publish, self.engine_busy, self.clock = master, publish, engine_busy, clock
-        self.buffer = ReplayBuffer(self.config.capacity, clock)  # the training signal (mismatches, or all)
+        # older traffic the buffer evicts, sampled uniformly and mixed into batches (None: rehearsal off)
+        self.reservoir = Reservoir(self.config.rehearsal_capacity, self.config.seed) if self.config.rehearsal else None
+        self.buffer = ReplayBuffer(self.config.capacity, clock, self.reservoir.offer if self.reservoir is not None else None)
         # The guard judges acceptance, so it needs every proposed position (accepted ones too), not only
         # the mismatches: on those alone agreement is ~0 before any update and can only look better after.
         self.guard_buffer = ReplayBuffer(self.config.guard_capacity, clock)
@@ -207,6 +217,7 @@ class OnlineLearner:
         cfg = self.config
         held = self._holdout_requests()
         train = [it for it in self.buffer.snapshot() if it.request_id not in held]
+        older = [it for it in self.reservoir.snapshot() if it.request_id not in held] if self.reservoir is not None else []
         holdout = [it for it in self.guard_buffer.snapshot() if it.request_id in held]
         if not train:
             return {"reason": reason, "items": 0, "published": False, "rejected_because": "nothing to train on",
@@ -215,7 +226,7 @@ class OnlineLearner:
         self.master.train()
         losses = []
         for _ in range(cfg.steps_per_update):
-            batch = self.rng.sample(train, min(cfg.batch_size, len(train)))
+            batch = mixed_batch(self.rng, train, older, cfg.batch_size, cfg.rehearsal)
             loss = self._accumulate_gradients(batch)
             if loss is None:
                 self.counters["steps_skipped_nonfinite"] += 1
@@ -226,8 +237,8 @@ class OnlineLearner:
             losses.append(loss)
         self.master.eval()
         if self.versions is not None:  # a request some step has seen is never held out again
-            self.versions.mark_trained({it.request_id for it in train},
-                                       {it.request_id for it in self.buffer.snapshot() + self.guard_buffer.snapshot()})
+            self.versions.mark_trained({it.request_id for it in train + older},
+                                       {it.request_id for it in self.buffer.snapshot() + self.guard_buffer.snapshot() + older})
         after = acceptance_on(self.master, holdout, split=self.split, pause=self._wait_idle) if holdout else None
         finite = all(torch.isfinite(p).all() for p in self.params)
         before_correct = before.pop("correct") if before is not None else None
@@ -369,6 +380,8 @@ class OnlineLearner:
 
     def stats(self) -> dict:
         return {"version": self.version, "buffer_positions": len(self.buffer), "buffer_added": self.buffer.added,
-                "buffer_evicted": self.buffer.evicted, "training": int(self.training), **self.counters,
+                "buffer_evicted": self.buffer.evicted,
+                "rehearsal_items": len(self.reservoir) if self.reservoir is not None else 0,
+                "training": int(self.training), **self.counters,
                 "idle_wait_seconds": self.idle.waited_total,  # background: waiting for idle windows
                 "chunks_under_load": self.idle.forced}  # ... and chunks run beside decoding once the wait budget was spent
