@@ -1,0 +1,82 @@
+"""Rehearsal against forgetting (learn/rehearsal.py): a uniform sample of evicted traffic, mixed into batches."""
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import tiny_qwen2
+
+from osd.engine import StepRecord
+from osd.errors import InvalidArgument
+from osd.learn.buffer import item_from_step
+from osd.learn.online import LearnConfig, OnlineLearner
+from osd.learn.rehearsal import Reservoir, mixed_batch
+
+
+def test_reservoir_keeps_a_uniform_sample_of_everything_offered():
+    """Each of 400 offered items is kept with probability 40 / 400, early ones as often as late ones (a reservoir
+    that kept the first or the last items, or replaced too often, fails): 2,000 seeded runs, binomial bounds."""
+    kept_first, kept_last, runs = 0, 0, 2000
+    for seed in range(runs):
+        reservoir = Reservoir(40, seed)
+        for i in range(400):
+            reservoir.offer(i)
+        held = reservoir.snapshot()
+        assert len(held) == len(reservoir) == 40 and len(set(held)) == 40 and reservoir.offered == 400
+        kept_first += sum(1 for i in held if i < 100)
+        kept_last += sum(1 for i in held if i >= 300)
+    expected, sd = runs * 10, (runs * 100 * 0.1 * 0.9) ** 0.5  # 100 items per quarter, each kept w.p. 0.1
+    assert abs(kept_first - expected) < 5 * sd and abs(kept_last - expected) < 5 * sd
+
+
+def test_reservoir_holds_everything_until_full():
+    reservoir = Reservoir(5, 0)
+    for i in range(3):
+        reservoir.offer(i)
+    assert reservoir.snapshot() == [0, 1, 2]
+
+
+def test_mixed_batch_draws_its_share_from_older_items():
+    rng, recent, older = random.Random(0), [("new", i) for i in range(20)], [("old", i) for i in range(20)]
+    batch = mixed_batch(rng, recent, older, 8, 0.25)
+    assert len(batch) == len(set(batch)) == 8 and sum(kind == "old" for kind, _ in batch) == 2
+    assert all(kind == "new" for kind, _ in mixed_batch(rng, recent, older, 8, 0.0))
+    assert sum(kind == "old" for kind, _ in mixed_batch(rng, recent, older[:1], 8, 0.5)) == 1  # as many as there are
+    assert sum(kind == "old" for kind, _ in mixed_batch(rng, recent[:3], older, 8, 0.25)) == 5  # too few recent: filled
+    assert len(mixed_batch(rng, recent, [], 8, 0.5)) == 8
+
+
+def _item(request: int, logits):
+    context = [1 + request % 50, 2 + request % 40]  # distinct contexts: one item per request, none merged
+    step = StepRecord(f"r{request}", ("draft", 0), context, [9, 9], 0, 0, logits, None, [], 0.0, 0.0, 0.0)
+    return item_from_step(step, "all", top_k=8)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_learner_trains_on_evicted_traffic_only_with_rehearsal(share):
+    """A FIFO of 4 positions keeps the last 4 requests; with rehearsal the batches also draw from the earlier ones
+    it evicted (half of each batch), without it never."""
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    config = LearnConfig(capacity=4, batch_size=4, steps_per_update=6, guard=False, every_requests=0,
+                         rehearsal=share, rehearsal_capacity=16, train_layers=0)
+    learner = OnlineLearner(tiny_qwen2(seed=1, layers=1), lambda master, version=None: SimpleNamespace(version=1),
+                            config)
+    batches = []
+    learner._accumulate_gradients = lambda batch: batches.append([it.request_id for it in batch]) or 0.0
+    for r in range(12):
+        learner.observe_item(_item(r, logits))
+    recent = {f"r{r}" for r in range(8, 12)}
+    assert {it.request_id for it in learner.buffer.snapshot()} == recent
+    learner.update("test")
+    assert len(batches) == 6
+    evicted = [[rid for rid in b if rid not in recent] for b in batches]
+    if share:
+        assert learner.stats()["rehearsal_items"] == 8 and all(len(e) == 2 for e in evicted)
+        assert set().union(*evicted) <= {f"r{r}" for r in range(8)}
+    else:
+        assert learner.reservoir is None and learner.stats()["rehearsal_items"] == 0 and not any(evicted)
+
+
+def test_rehearsal_share_is_checked():
+    with pytest.raises(InvalidArgument):
+        LearnConfig(rehearsal=1.5)
