@@ -128,16 +128,16 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
     return system
 
 
-def speculative_engine(system: System, target, spec: SpeculationConfig) -> SpeculativeEngine:
-    """An engine over `target` with a new proposer of the system's kind: its published draft (if any), behind
-    an n-gram lookup with its own traffic index when spec.lookup (benchmarks build one per target backend);
-    with several drafts, the system's one routed proposer (route/system.py), its feedback attached."""
+def speculative_engine(system: System, target, spec: SpeculationConfig, draft: str = DEFAULT_DRAFT) -> SpeculativeEngine:
+    """An engine over `target` with a new proposer of the system's kind: its published draft (if any; `draft`
+    names it), behind an n-gram lookup with its own traffic index when spec.lookup (benchmarks build one per
+    target backend); with several drafts, the system's one routed proposer (route/system.py), its feedback attached."""
     vocab_size = as_runner(target).vocab_size
     if system.routing is not None:
         engine = SpeculativeEngine(target, system.tokenizer, system.routing.proposer, spec)
         system.routing.attach(engine)
         return engine
-    proposer = DraftModelProposer(system.registry, DEFAULT_DRAFT, vocab_size) if system.draft_master is not None else None
+    proposer = DraftModelProposer(system.registry, draft, vocab_size) if system.draft_master is not None else None
     if spec.lookup and spec.k > 0:
         proposer = LookupThenDraft(NgramProposer(vocab_size), proposer)
     engine = SpeculativeEngine(target, system.tokenizer, proposer, spec)

@@ -67,7 +67,8 @@ def cmd_bench_speed(args) -> None:
 
     result = run_speed(config_from(args, ModelConfig), config_from(args, SpeculationConfig), args.per_domain,
                        args.max_new_tokens, llama_cpp=not args.no_llama_cpp, hf_baseline=args.hf_baseline,
-                       spec_k=args.llama_cpp_spec_k, osd_q4=not args.no_osd_q4)
+                       spec_k=args.llama_cpp_spec_k, osd_q4=not args.no_osd_q4, learned_draft=args.learned_draft,
+                       domains=tuple(d for d in args.domains.split(",") if d), offset=args.offset)
     report_speed(result, args.out, args.markdown)
 
 
@@ -255,6 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "converts the GGUF to fp32 once)")
     p.add_argument("--llama-cpp-spec-k", type=int, default=4, help="k of the llama.cpp-drafted arm")
     p.add_argument("--no-osd-q4", action="store_true", help="skip the arms on osd's own Q4_K kernel (osd_q4*)")
+    p.add_argument("--learned-draft", default="", help="a learner's checkpoint directory (osd serve / osd replay "
+                   "--checkpoint-dir) on the same --draft: adds osd_q4_learned, the learned draft beside the original")
+    p.add_argument("--domains", default="code,gsm8k,spider,chat", help="comma list of the prompt datasets")
+    p.add_argument("--offset", type=int, default=0, help="first record of each dataset's test split (skip the "
+                   "requests a --learned-draft trained on)")
     p.add_argument("--out", default="benchmarks/bench-speed.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
     for cls in (ModelConfig, SpeculationConfig):

@@ -32,11 +32,17 @@ def report_speed(result: dict, out: str, markdown: str) -> None:
         q, qc = result["osd_q4_spec_stats"], result["osd_q4_calibration"]
         notes += (f"\nosd_q4 (own Q4_K kernel): alpha {q['alpha']:.3f}, tokens/step {q['tokens_per_step']:.2f}, "
                   f"measured c = {qc['c']:.3f}, verify cost = " + ", ".join(f"{v:.2f}" for v in qc["verify_cost"]))
+    if result.get("osd_q4_learned"):
+        learned = result["osd_q4_learned"]
+        q, qc = learned["spec_stats"], learned["calibration"]
+        notes += (f"\nosd_q4_learned (draft version {learned['draft_version']} from {result['config']['learned_draft']}): "
+                  f"alpha {q['alpha']:.3f}, tokens/step {q['tokens_per_step']:.2f}, measured c = {qc['c']:.3f}")
     cfg, m = result["config"], machine()
     emit_report("Speed (`osd bench speed`)",
                 f"`{redacted_command(sys.argv[1:])}` per_domain={cfg['per_domain']} max_new_tokens={cfg['max_new_tokens']} "
                 f"k={cfg['spec']['k']} adaptive={cfg['spec']['adaptive']} lookup={cfg['spec'].get('lookup')} "
-                f"draft={cfg['models']['draft']!r} llama_cpp_spec_k={cfg['llama_cpp_spec_k']}; "
+                f"draft={cfg['models']['draft']!r} llama_cpp_spec_k={cfg['llama_cpp_spec_k']} "
+                f"domains={','.join(cfg.get('domains') or [])} offset={cfg.get('offset', 0)}; "
                 f"machine: {m['cpu']} ({m.get('cpu_flags')}), {m['cores']} cores, threads {cfg['models']['threads'] or 'default'}",
                 [t, notes], path, markdown)
 

@@ -11,8 +11,11 @@ of them alike. Arms (same GGUF files, same prompts, same token counts, greedy):
   osd_lookup        osd with the n-gram lookup proposer alone (drafting costs ~0), adaptive k
   osd_q4_target     osd with k = 0 on its own Q4_K kernel (models/q4_runner.py, same GGUF; --no-osd-q4 drops it)
   osd_q4            osd speculative on its own Q4_K kernel, a proposer of the osd arm's kind (same draft), adaptive k
+  osd_q4_learned    osd_q4 with the draft an online learner published (--learned-draft: its checkpoint directory, on
+                    the same base draft), so never-trained and learned draft run side by side; give --domains and
+                    --offset so the prompts are requests the learner never saw
 Decode tokens/s leaves out the prompt (time to the first token for llama.cpp's loop, the prefill for osd's);
-end-to-end tokens/s includes it. Outputs of every arm are compared token by token with their reference: osd_q4
+end-to-end tokens/s includes it. Outputs of every arm are compared token by token with their reference: osd_q4*
 with osd_q4_target (greedy identity on that backend), every other arm with osd_target.
 """
 from __future__ import annotations
@@ -27,15 +30,19 @@ from osd.build import build_system
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.data import load_records, prompt_ids
 from osd.engine import SpeculativeEngine
+from osd.errors import InvalidArgument
 
 DOMAINS = ("code", "gsm8k", "spider", "chat")
-REFERENCE = {"osd_q4": "osd_q4_target", "osd_q4_target": "osd_q4_target"}  # arm -> the arm its outputs must equal
+REFERENCE = {"osd_q4": "osd_q4_target", "osd_q4_target": "osd_q4_target", "osd_q4_learned": "osd_q4_target"}  # arm -> the arm its outputs must equal
 
 
-def bench_prompts(per_domain: int, split: str = "test") -> list[dict]:
+def bench_prompts(per_domain: int, split: str = "test", domains=DOMAINS, offset: int = 0) -> list[dict]:
+    """per_domain records of each domain, from `offset` on (past the requests a learned draft trained on)."""
     out = []
-    for name in DOMAINS:
-        out += load_records(name, split=split, limit=per_domain)
+    for name in domains:
+        out += load_records(name, split=split, limit=per_domain, offset=offset)
+    if not out:
+        raise InvalidArgument(f"no benchmark prompts in {list(domains)} (split {split}, from record {offset})")
     return out
 
 
@@ -99,8 +106,25 @@ def _hf_arm(dense_target, max_new: int, eos: set[int]):
     return run
 
 
+def _learned_arm(system, q4_target, spec: SpeculationConfig, checkpoint: str, max_new: int):
+    """osd_q4 with the draft's learned weights (a learner's checkpoint directory, on the same base draft)."""
+    from osd.build import speculative_engine
+    from osd.learn.checkpoint import load_checkpoint
+    from osd.models.loading import load_model
+
+    learned = load_model(system.models.draft, system.models.draft_dtype)
+    state = load_checkpoint(checkpoint, learned)  # weights only; CheckpointMismatch on another base
+    if state is None:
+        raise InvalidArgument(f"no draft checkpoint in {checkpoint!r}")
+    system.publish_draft(learned, name="learned", version=state["version"])
+    engine = speculative_engine(system, q4_target, spec, draft="learned")
+    run = _engine_arm(engine, max_new)
+    run.calibration, run.version = engine.calibrate(), state["version"]
+    return run
+
+
 def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama_cpp: bool, hf: bool, spec_k: int,
-               osd_q4: bool = True):
+               osd_q4: bool = True, learned_draft: str = ""):
     """name -> (run(prompt_ids) -> Timed), plus the osd system and what each arm added to peak RSS."""
     from osd.models.loading import gguf_file
 
@@ -130,6 +154,8 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
         arms["osd_q4"] = _engine_arm(q4_engine, max_new)
         arms["osd_q4"].calibration = q4_engine.calibrate()
         rss["osd Q4 kernel target"] = rss_gib() - before
+        if learned_draft:
+            arms["osd_q4_learned"] = _learned_arm(system, q4_target, spec, learned_draft, max_new)
     if llama_cpp and target_gguf is not None:
         from osd.models.llama_cpp_runner import LlamaCppRunner
         from osd.propose import RunnerProposer
@@ -154,21 +180,23 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
 
 
 def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2, max_new_tokens: int = 64,
-              llama_cpp: bool = True, hf_baseline: bool = False, spec_k: int = 4, osd_q4: bool = True) -> dict:
-    arms, system, rss = build_arms(models, spec, max_new_tokens, llama_cpp, hf_baseline, spec_k, osd_q4)
+              llama_cpp: bool = True, hf_baseline: bool = False, spec_k: int = 4, osd_q4: bool = True,
+              learned_draft: str = "", domains=DOMAINS, offset: int = 0) -> dict:
+    records = bench_prompts(per_domain, domains=domains, offset=offset)  # (checked before anything loads)
+    arms, system, rss = build_arms(models, spec, max_new_tokens, llama_cpp, hf_baseline, spec_k, osd_q4, learned_draft)
     engine = system.engine
     calibration = engine.calibrate()
     warm = prompt_ids(system.tokenizer, "Write a haiku about the sea.")
     for run in arms.values():  # warm-up, not counted
         run(warm)
 
-    records = bench_prompts(per_domain)
     totals = {name: {"tokens": 0, "seconds": 0.0, "decode_seconds": 0.0} for name in arms}
     per_prompt, mismatches = [], {name: 0 for name in arms}
     engine.metrics.reset()
     q4_engine = arms["osd_q4"].engine if "osd_q4" in arms else None
-    if q4_engine is not None:
-        q4_engine.metrics.reset()
+    for name in ("osd_q4", "osd_q4_learned"):
+        if name in arms:
+            arms[name].engine.metrics.reset()
     for record in tqdm(records, desc="bench speed", unit="prompt"):
         ids = prompt_ids(system.tokenizer, record["prompt"])
         row, outputs = {"id": record["id"], "prompt_tokens": len(ids)}, {}
@@ -191,7 +219,8 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
     base = "llama_cpp_target" if "llama_cpp_target" in arms else "osd_target"
     return {
         "config": {"models": vars(models), "spec": vars(spec), "per_domain": per_domain, "max_new_tokens": max_new_tokens,
-                   "llama_cpp_spec_k": spec_k, "prompts": [r["id"] for r in records]},
+                   "llama_cpp_spec_k": spec_k, "prompts": [r["id"] for r in records], "domains": list(domains),
+                   "offset": offset, "learned_draft": learned_draft or None},
         "target_backend": type(engine.target).__name__,
         "target_max_rows": getattr(engine.target, "max_rows", None),
         "llama_cpp_build": _llama_cpp_build() if llama_cpp or "LlamaCpp" in type(engine.target).__name__ else None,
@@ -206,6 +235,9 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
         "osd_spec_stats": engine.metrics.total().summary(),
         "osd_q4_spec_stats": q4_engine.metrics.total().summary() if q4_engine is not None else None,
         "osd_q4_calibration": arms["osd_q4"].calibration if q4_engine is not None else None,
+        "osd_q4_learned": {"draft_version": arms["osd_q4_learned"].version,
+                           "spec_stats": arms["osd_q4_learned"].engine.metrics.total().summary(),
+                           "calibration": arms["osd_q4_learned"].calibration} if "osd_q4_learned" in arms else None,
         "peak_rss_gib": {"after_all_arms": rss_gib(), **{f"added by {k}": v for k, v in rss.items()}},
         "warmup_excluded": True,
         "per_prompt": per_prompt,
