@@ -369,6 +369,9 @@ def _learner_figures(before: dict, after: dict) -> dict:
         out |= {f"{stat}_start": start, f"{stat}_end": end}
         if stat != "version":
             out[stat] = end - start if None not in (start, end) else None
+    for part in ("optimizer", "versions", "buffers"):  # what the learner holds (learn/memory.py), start vs end
+        name = f"osd_learner_memory_{part}_bytes"
+        out |= {f"memory_{part}_bytes_start": value(before, name), f"memory_{part}_bytes_end": value(after, name)}
     return out
 
 

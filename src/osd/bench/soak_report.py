@@ -44,6 +44,10 @@ def summary_lines(result: dict) -> str:
         f"-> {learner['version_end']}); every response counted in osd_http_requests_total: "
         f"{result['metrics_match_responses']}",
     ]
+    if learner.get("memory_buffers_bytes_end") is not None:
+        held = lambda when: ", ".join(f"{part} {_mib(learner.get(f'memory_{part}_bytes_{when}'))}"
+                                      for part in ("optimizer", "versions", "buffers"))
+        lines.append(f"learner memory (osd_learner_memory_*_bytes): after warm-up {held('start')}; at the end {held('end')}")
     if result.get("shutdown"):
         sd = result["shutdown"]
         lines.append(f"SIGTERM shutdown: {'graceful' if sd['graceful'] else 'NOT graceful'} (exit code "

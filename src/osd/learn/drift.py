@@ -21,6 +21,7 @@ class VersionStore:
     def __init__(self, params: list[torch.Tensor]):
         self.params = params
         self.base = _copy(params)
+        self._best_slot = _copy(params)  # allocated now (learn/memory.py): remember_best copies into it
         self.best: dict | None = None  # {"version": v, "weights": [...]}; None: the base is the best so far
         self.trained_ids: set[str] = set()  # requests some optimizer step has seen: never held out again
         self._correct: dict[tuple[str, str, int], list[bool]] = {}  # (version name, request, positions) -> correct
@@ -54,7 +55,8 @@ class VersionStore:
     # --- versions -------------------------------------------------------------------------------------
     def remember_best(self, version: int) -> None:
         """The master's current weights become the best version so far."""
-        self.best = {"version": version, "weights": _copy(self.params)}
+        _load(self._best_slot, self.params)
+        self.best = {"version": version, "weights": self._best_slot}
 
     def restore(self, name: str) -> None:
         """Copy the best version's ("rollback") or the base's ("reset") weights into the master."""
@@ -76,8 +78,16 @@ class VersionStore:
     def state_dict(self) -> dict:
         return {"best": self.best, "trained_ids": sorted(self.trained_ids), "correct": dict(self._correct)}
 
+    def bytes(self) -> int:
+        """Memory of the kept weight copies (base and the best-version slot)."""
+        return sum(w.numel() * w.element_size() for w in self.base + self._best_slot)
+
     def load_state_dict(self, state: dict) -> None:
-        self.best = state["best"]
+        best = state["best"]
+        if best is not None:
+            _load(self._best_slot, best["weights"])
+            best = {"version": best["version"], "weights": self._best_slot}
+        self.best = best
         self.trained_ids = set(state["trained_ids"])
         self._correct = dict(state["correct"])
 
