@@ -48,7 +48,7 @@ def test_reserved_optimizer_state_trains_bit_identically_to_torchs_lazy_one():
 
 
 def test_memory_is_reported_fixed_part_at_start_and_buffers_bounded():
-    learner = _learner(capacity=12, guard_capacity=8)
+    learner = _learner(capacity=12, guard_capacity=8, rehearsal_capacity=4)
     start = learner.stats()
     trainable = tensor_bytes(learner.params)
     assert start["memory_trainable_bytes"] == trainable > 0
@@ -59,7 +59,7 @@ def test_memory_is_reported_fixed_part_at_start_and_buffers_bounded():
     assert full > 0 and len(learner.buffer) <= 12
     for it in _items(40, seed=1):
         learner.observe_item(it, copy.deepcopy(it))
-    assert learner.stats()["memory_buffers_bytes"] <= full * 1.1  # bounded by the capacities, not the traffic
+    assert learner.stats()["memory_buffers_bytes"] <= full * 1.1  # bounded by the capacities (buffer, guard, rehearsal), not the traffic
 
 
 def test_version_store_keeps_the_best_version_in_one_preallocated_slot():
