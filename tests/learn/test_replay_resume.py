@@ -15,7 +15,9 @@ rng = random.Random(2)
 PROMPTS = [[rng.randrange(2, 20) for _ in range(rng.randrange(2, 5))] for _ in range(16)]
 PROMPTS += [[rng.randrange(20, 40) for _ in range(rng.randrange(2, 5))] for _ in range(19)]
 LEARN = LearnConfig(every_requests=4, steps_per_update=3, batch_size=4, lr=1e-2, train_layers=1, mode="mismatch",
-                    guard=True, guard_holdout=0.3, guard_z=0.5)
+                    guard=True, guard_holdout=0.3, guard_z=0.5, capacity=40, guard_capacity=40, rehearsal=0.5,
+                    rehearsal_capacity=6)
+#   (a small buffer: it evicts, so the rehearsal sample, its generator included, must survive the cut too)
 
 
 class Cut(Exception):
@@ -47,6 +49,7 @@ def comparable(result: dict) -> dict:
 def test_a_cut_replay_resumes_to_the_rows_of_an_uncut_one(stream, tmp_path, monkeypatch):
     uncut = replay(stream)
     assert uncut["learner"]["updates_published"] + uncut["learner"]["updates_rejected"] == 8
+    assert uncut["learner"]["buffer_evicted"] > 0 and uncut["learner"]["rehearsal_items"] == 6  # it rehearsed
     state = tmp_path / "replay.state.pt"
 
     def cut_at(n):

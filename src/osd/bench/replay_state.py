@@ -3,8 +3,8 @@
 Saved (atomically: written beside, then renamed over) every `save_every` requests, at the stream's end and
 after each offline baseline is trained: the rows measured so far, the online learner whole (trainable weights,
 AdamW moments, counters, version, its random generator, both replay buffers with their cached features, the
-update history, the drift guard's best version and the requests it has trained on), the torch random state,
-and the trained baselines' weights. A resumed run gives the same rows as an uncut one
+rehearsal sample with its generator, the update history, the drift guard's best version and the requests it has
+trained on), the torch random state, and the trained baselines' weights. A resumed run gives the same rows as an uncut one
 (tests/learn/test_replay_resume.py). The file is a pickle (torch.save) of our own making, read with
 weights_only=False: load only state files this program wrote. It refuses a state written for other settings or
 other requests (a fingerprint of both).
@@ -54,7 +54,8 @@ def learner_state(learner) -> dict:
             "version": learner.version, "counters": dict(learner.counters), "rng": learner.rng.getstate(),
             "buffer": _buffer_state(learner.buffer), "guard_buffer": _buffer_state(learner.guard_buffer),
             "history": list(learner.history), "last_update": learner.last_update,
-            "versions": learner.versions.state_dict() if learner.versions is not None else None}
+            "versions": learner.versions.state_dict() if learner.versions is not None else None,
+            "reservoir": learner.reservoir.state_dict() if learner.reservoir is not None else None}
 
 
 @torch.no_grad()
@@ -70,6 +71,8 @@ def restore_learner(learner, state: dict) -> None:
     learner.history, learner.last_update = list(state["history"]), state["last_update"]
     if learner.versions is not None and state["versions"] is not None:
         learner.versions.load_state_dict(state["versions"])
+    if learner.reservoir is not None and state.get("reservoir") is not None:  # after the buffers: nothing evicts later
+        learner.reservoir.load_state_dict(state["reservoir"])
 
 
 def _buffer_state(buffer: ReplayBuffer) -> dict:

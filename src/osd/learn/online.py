@@ -11,6 +11,9 @@ that serving latency suffers least on a 2-core CPU; under constant load it train
 A rejected update restores the weights and the optimizer's state (its Adam moments) as they were
 (learn/restore.py RestorePoint); so does an update that an exception cuts short: the master is never left
 half-updated (it returns to its state when the update began, or when this update last published).
+Rehearsal (rehearsal > 0): a share of each batch comes from a uniform sample of the older traffic the buffer
+evicted (learn/rehearsal.py), so that learning a new domain does not erase an old one. The learner's fixed memory
+(Adam moments, the drift guard's weight copies) is taken when it is built (learn/memory.py).
 Drift guard (drift_guard): after each update the draft that serves is also compared with the never-trained
 base (and the best version so far) on the same held-out requests; significantly below the base (paired
 z < -drift_z), it is rolled back to the best version or reset to the base (counters "rollbacks", "resets";
@@ -36,10 +39,10 @@ from osd.learn.buffer import MODES, ReplayBuffer, item_from_step
 from osd.learn.checkpoint import load_checkpoint, save_checkpoint
 from osd.learn.drift import VersionStore
 from osd.learn.guard import drift_action, is_worse, paired_flips, paired_z
-from osd.learn.rehearsal import Reservoir, mixed_batch
 from osd.learn.idle import IdleWindows
 from osd.learn.losses import LOSSES
 from osd.learn.memory import items_bytes, optimizer_state_bytes, reserve_optimizer_state, tensor_bytes
+from osd.learn.rehearsal import Reservoir, mixed_batch
 from osd.learn.restore import RestorePoint
 from osd.learn.trainable import configure_trainable, split_index
 from osd.learn.triggers import UpdateTrigger
@@ -119,7 +122,8 @@ class OnlineLearner:
         self.master, self.publish, self.engine_busy, self.clock = master, publish, engine_busy, clock
         # older traffic the buffer evicts, sampled uniformly and mixed into batches (None: rehearsal off)
         self.reservoir = Reservoir(self.config.rehearsal_capacity, self.config.seed) if self.config.rehearsal else None
-        self.buffer = ReplayBuffer(self.config.capacity, clock, self.reservoir.offer if self.reservoir is not None else None)
+        self.buffer = ReplayBuffer(self.config.capacity, clock,  # the training signal (mismatches, or all)
+                                   self.reservoir.offer if self.reservoir is not None else None)
         # The guard judges acceptance, so it needs every proposed position (accepted ones too), not only
         # the mismatches: on those alone agreement is ~0 before any update and can only look better after.
         self.guard_buffer = ReplayBuffer(self.config.guard_capacity, clock)
@@ -220,7 +224,7 @@ class OnlineLearner:
         cfg = self.config
         held = self._holdout_requests()
         train = [it for it in self.buffer.snapshot() if it.request_id not in held]
-        older = [it for it in self.reservoir.snapshot() if it.request_id not in held] if self.reservoir is not None else []
+        older = [] if self.reservoir is None else [it for it in self.reservoir.snapshot() if it.request_id not in held]
         holdout = [it for it in self.guard_buffer.snapshot() if it.request_id in held]
         if not train:
             return {"reason": reason, "items": 0, "published": False, "rejected_because": "nothing to train on",
@@ -392,8 +396,8 @@ class OnlineLearner:
                 "memory_buffers_bytes": items_bytes(self.buffer.snapshot() + self.guard_buffer.snapshot() + older)}
 
     def stats(self) -> dict:
-        return {**self.memory(), "version": self.version, "buffer_positions": len(self.buffer), "buffer_added": self.buffer.added,
-                "buffer_evicted": self.buffer.evicted,
+        return {**self.memory(), "version": self.version, "buffer_positions": len(self.buffer),
+                "buffer_added": self.buffer.added, "buffer_evicted": self.buffer.evicted,
                 "rehearsal_items": len(self.reservoir) if self.reservoir is not None else 0,
                 "training": int(self.training), **self.counters,
                 "idle_wait_seconds": self.idle.waited_total,  # background: waiting for idle windows

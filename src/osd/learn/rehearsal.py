@@ -48,6 +48,16 @@ class Reservoir:
     def __len__(self) -> int:
         return len(self._items)
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue as if never cut (bench/replay_state.py)."""
+        with self._lock:
+            return {"items": list(self._items), "offered": self.offered, "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._lock:
+            self._items, self.offered = list(state["items"]), state["offered"]
+            self.rng.setstate(state["rng"])
+
 
 def mixed_batch(rng: random.Random, recent: list, older: list, size: int, share: float) -> list:
     """A training batch of up to `size` items: round(size * share) drawn from `older` (as many as it holds), the
