@@ -54,7 +54,12 @@ def test_server_counted_every_response_and_reported_the_learner(soaked):
     assert server["rss_start_bytes"] > 0 and server["threads_end"] > 0 and server["rss_growth_pct"] is not None
     assert server["rss_peak_bytes"] >= server["rss_mid_bytes"] > 0
     series = server["rss_series_mib"]["mib"]  # every sample, first = after the warm-up: a plateau tells from a leak
-    assert series[0] == round(server["rss_start_bytes"] / 2**20, 1) and max(series) <= round(server["rss_peak_bytes"] / 2**20, 1)  # both rounded to 0.1 MiB
+    assert series[0] == round(server["rss_start_bytes"] / 2**20, 1)
+    assert max(series) <= round(server["rss_peak_bytes"] / 2**20, 1)  # both rounded to 0.1 MiB
+    assert server["rss_after_serial_warmup_bytes"] > 0 and server["rss_growth_from_serial_warmup_pct"] is not None
+    halves = sorted(series[: len(series) // 2]), sorted(series[len(series) // 2 :])
+    assert [round(server[f"rss_median_{h}_half_bytes"] / 2**20, 1) for h in ("first", "second")] == \
+        [h[len(h) // 2] for h in halves]
     assert all(result["targets"][t] for t in ("all_valid_answered", "all_invalid_rejected_right",
                                               "disconnects_survived", "every_status_counted"))
 

@@ -248,6 +248,8 @@ class SoakConfig:
     timeout: float = 900.0  # per request
     sample_every: float = 5.0  # seconds between RSS samples
     pause: float = 0.0  # seconds each client waits between its requests (0 = saturate the server)
+    warmup_rounds: int = 1  # then each client sends every valid kind this many times at once, not counted either:
+    #   the server's working set at this concurrency (connections, threads, first learner update) before RSS start
 
 
 @dataclass
@@ -275,6 +277,11 @@ async def run_soak_async(url: str, cases: list[Case], config: SoakConfig, refere
     make = lambda: httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=config.timeout)
     async with make() as control:
         warmup = [await send(control, c) for c in _one_per_kind(cases) if c.valid]  # lazy allocations, not counted
+        serial = process_stats(pid) if pid else {}
+        valid = [c for c in _one_per_kind(cases) if c.valid] * config.warmup_rounds
+        warm = _Shared(valid, 0.0, len(valid) * config.clients)
+        await asyncio.gather(*(_client_loop(make, warm) for _ in range(config.clients)))
+        warmup += warm.outcomes
         before, stats_start = await scrape(control), process_stats(pid) if pid else {}
         shared = _Shared(order, time.monotonic() + config.seconds, config.min_requests or len(cases), config.pause)
         rss = [stats_start.get("rss_bytes")]
@@ -293,7 +300,8 @@ async def run_soak_async(url: str, cases: list[Case], config: SoakConfig, refere
             "wall_seconds": wall, "warmup_ok": all(o.ok for o in warmup), **summary,
             "metrics_match_responses": counted == got if before and after else None,
             "metrics_counted": {f"{e} {s}": n for (e, s), n in sorted(counted.items())},
-            "server": _server_figures(stats_start, stats_end, [r for r in rss if r], pid, config.sample_every),
+            "server": _server_figures(stats_start, stats_end, [r for r in rss if r], pid, config.sample_every,
+                                      serial.get("rss_bytes")),
             "learner": _learner_figures(before, after)}
 
 
@@ -346,13 +354,24 @@ def summarise(outcomes: list[Outcome], references: dict[GreedyKey, str]) -> dict
             "kinds": {name: k | {"got": dict(k["got"])} for name, k in sorted(kinds.items())}}
 
 
-def _server_figures(start: dict, end: dict, rss: list[int], pid: int | None, every: float) -> dict:
+def _server_figures(start: dict, end: dict, rss: list[int], pid: int | None, every: float,
+                    serial_warmup: int | None = None) -> dict:
     """RSS after the warm-up, at mid-soak (the middle sample) and at the end: growth over the whole soak includes
-    buffers filling up (the learner's replay buffer); growth over the second half tells a plateau from a leak."""
+    buffers filling up (the learner's replay buffer); growth over the second half tells a plateau from a leak.
+    serial_warmup: RSS after the one-request-at-a-time part of the warm-up (before the concurrent round), with the
+    growth from there too, so what the concurrent warm-up took is in the record."""
     r0, r1 = start.get("rss_bytes"), end.get("rss_bytes")
     mid = rss[len(rss) // 2] if rss else None
     growth = lambda a, b: 100 * (b - a) / a if a and b else None
-    return {"pid": pid, "rss_start_bytes": r0, "rss_mid_bytes": mid, "rss_end_bytes": r1,
+    half = len(rss) // 2
+    median = lambda xs: sorted(xs)[len(xs) // 2] if xs else None
+    first, second = median(rss[:half]), median(rss[half:])  # a leak raises the level; a learner update in flight
+    #   at one end (its restore point, gradients: transient) does not move the median of a half
+    return {"pid": pid, "rss_after_serial_warmup_bytes": serial_warmup,
+            "rss_median_first_half_bytes": first, "rss_median_second_half_bytes": second,
+            "rss_median_growth_pct": growth(first, second),
+            "rss_growth_from_serial_warmup_pct": growth(serial_warmup, r1),
+            "rss_start_bytes": r0, "rss_mid_bytes": mid, "rss_end_bytes": r1,
             "rss_peak_bytes": max(rss + [r1 or 0]) or None, "rss_growth_pct": growth(r0, r1),
             "rss_growth_second_half_pct": growth(mid, r1),
             "threads_start": start.get("threads"), "threads_end": end.get("threads"),

@@ -35,9 +35,13 @@ def summary_lines(result: dict) -> str:
         f"{i['ok']}/{i['sent']}, mid-stream disconnects {d['ok']}/{d['sent']}",
         f"greedy answers identical to target-only: {g['identical']}/{g['checked']}; "
         f"latency of valid requests p50 {_secs(v['latency_p50'])}, p95 {_secs(v['latency_p95'])}",
-        f"server RSS {_mib(s['rss_start_bytes'])} after warm-up -> {_mib(s['rss_mid_bytes'])} mid-soak -> "
+        f"server RSS {_mib(s.get('rss_after_serial_warmup_bytes'))} after one request of each kind, "
+        f"{_mib(s['rss_start_bytes'])} after the concurrent warm-up round -> {_mib(s['rss_mid_bytes'])} mid-soak -> "
         f"{_mib(s['rss_end_bytes'])} at the end ({_pct(s['rss_growth_pct'])}; second half "
-        f"{_pct(s['rss_growth_second_half_pct'])}), peak {_mib(s['rss_peak_bytes'])}; threads {s['threads_start']} -> "
+        f"{_pct(s['rss_growth_second_half_pct'])}; from one request of each kind "
+        f"{_pct(s.get('rss_growth_from_serial_warmup_pct'))}), median of the first / second half "
+        f"{_mib(s.get('rss_median_first_half_bytes'))} / {_mib(s.get('rss_median_second_half_bytes'))} "
+        f"({_pct(s.get('rss_median_growth_pct'))}), peak {_mib(s['rss_peak_bytes'])}; threads {s['threads_start']} -> "
         f"{s['threads_end']}",
         f"learner during the soak: updates published {learner['updates_published']}, rejected "
         f"{learner['updates_rejected']}, optimizer steps {learner['optimizer_steps']} (version {learner['version_start']} "
