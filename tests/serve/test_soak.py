@@ -125,3 +125,11 @@ def test_tiny_pair_on_disk_loads_as_osd_serve_would(tmp_path):
     command = ServerProcess(target_dir, draft_dir, 1000).command()
     assert ["--target", target_dir, "--draft", draft_dir] == command[command.index("--target"):command.index("--target") + 4]
     assert "--api-key" not in command  # the key goes by environment, not argv
+
+
+def test_rss_plot_is_drawn_from_the_series(soaked, tmp_path):
+    from osd.bench.soak_report import plot_rss
+
+    _, _, result = soaked
+    path = plot_rss(result, str(tmp_path / "rss.png"))
+    assert path is not None and (tmp_path / "rss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,5 @@
-"""Moving-average alpha curves vs requests (the paper's figures), shared by both replay modes."""
+"""Moving-average alpha curves vs requests (the paper's figures), shared by both replay modes; a resource series
+over time (the soak's server RSS)."""
 from __future__ import annotations
 
 
@@ -70,3 +71,21 @@ def plot_alpha_panels(panels: dict[str, dict[str, list[float]]], title: str, yla
 
 def domain_boundaries(rows: list[dict]) -> list[int]:
     return [i for i in range(1, len(rows)) if rows[i]["domain"] != rows[i - 1]["domain"]]
+
+
+def plot_series(values: list[float], every: float, title: str, ylabel: str, path: str,
+                marks: dict[str, float] | None = None) -> str | None:
+    """One sampled series against time (sample i at i * every seconds); `marks` draws labelled horizontal lines
+    (e.g. the medians of each half); None without matplotlib."""
+    plt = _pyplot()
+    if plt is None or not values:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.plot([i * every for i in range(len(values))], values, label=ylabel)
+    for (label, y), style in zip((marks or {}).items(), ("--", ":", "-.")):
+        ax.axhline(y, color="grey", linestyle=style, label=label)
+    ax.set_xlabel("seconds since the warm-up")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    return _save(plt, fig, path, dpi=120)

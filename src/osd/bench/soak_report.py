@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from osd.bench.record import emit_report, machine, redacted_command, write_result
 
@@ -61,12 +62,26 @@ def summary_lines(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_rss(result: dict, path: str) -> str | None:
+    """The server's RSS over the soak, with the median of each half (a leak shows as a rising level)."""
+    from osd.bench.plots import plot_series
+
+    s, cfg = result["server"], result["config"]
+    marks = {f"median, {h} half": s[f"rss_median_{h}_half_bytes"] / 2**20 for h in ("first", "second")
+             if s.get(f"rss_median_{h}_half_bytes")}
+    return plot_series(s["rss_series_mib"]["mib"], s["rss_series_mib"]["every_seconds"],
+                       f"osd serve RSS under osd bench soak ({cfg.get('models', '?')} pair, {cfg['clients']} clients)",
+                       "RSS (MiB)", path, marks)
+
+
 def report_soak(result: dict, out: str, markdown: str) -> None:
     path = write_result(result, out)
+    png = plot_rss(result, str(Path(out).with_suffix(".png"))) if result["server"].get("rss_series_mib") else None
     cfg, m = result["config"], machine()
     emit_report("Soak (`osd bench soak`)",
                 f"`{redacted_command(sys.argv[1:])}`: {cfg['clients']} concurrent clients for {cfg['seconds']:.0f} s "
                 f"(pause between requests {cfg.get('pause', 0)} s) "
                 f"against `osd serve` on the {cfg.get('models', '?')} pair ({cfg.get('target', '?')} / "
                 f"{cfg.get('draft', '?')}), {cfg['cases']} request cases, max_tokens={cfg.get('max_tokens')}; "
-                f"machine: {m['cpu']}, {m['cores']} cores", [kinds_table(result), summary_lines(result)], path, markdown)
+                f"machine: {m['cpu']}, {m['cores']} cores" + (f"; RSS plot: `{png}`" if png else ""),
+                [kinds_table(result), summary_lines(result)], path, markdown)
