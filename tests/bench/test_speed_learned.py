@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from osd.bench.speed import _learned_arm, bench_prompts
+from osd.bench.speed import _learned_arm, bench_prompts, build_arms
 from osd.bench.tiny_pair import write_tiny_pair
 from osd.build import build_system
 from osd.config import ModelConfig, SpeculationConfig
@@ -71,3 +71,10 @@ def test_bench_prompts_skip_the_trained_requests_and_refuse_none():
     assert len(first) == len(later) == 2 and not {r["id"] for r in first} & {r["id"] for r in later}
     with pytest.raises(InvalidArgument, match="no benchmark prompts"):
         bench_prompts(2, domains=("code",), offset=10**7)
+
+
+def test_learned_draft_without_the_q4_arms_is_refused(tmp_path):
+    target, draft = write_tiny_pair(tmp_path)
+    models = ModelConfig(target=target, draft=draft, target_backend="torch", draft_quantize="none")
+    with pytest.raises(InvalidArgument, match="GGUF target"):  # a torch target has no Q4 arms: never silently dropped
+        build_arms(models, SpeculationConfig(k=3, adaptive=False), 8, False, False, 2, learned_draft=str(tmp_path))

@@ -33,7 +33,8 @@ from osd.engine import SpeculativeEngine
 from osd.errors import InvalidArgument
 
 DOMAINS = ("code", "gsm8k", "spider", "chat")
-REFERENCE = {"osd_q4": "osd_q4_target", "osd_q4_target": "osd_q4_target", "osd_q4_learned": "osd_q4_target"}  # arm -> the arm its outputs must equal
+REFERENCE = {"osd_q4": "osd_q4_target", "osd_q4_target": "osd_q4_target",  # arm -> the arm its outputs must equal
+             "osd_q4_learned": "osd_q4_target"}
 
 
 def bench_prompts(per_domain: int, split: str = "test", domains=DOMAINS, offset: int = 0) -> list[dict]:
@@ -156,6 +157,8 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
         rss["osd Q4 kernel target"] = rss_gib() - before
         if learned_draft:
             arms["osd_q4_learned"] = _learned_arm(system, q4_target, spec, learned_draft, max_new)
+    if learned_draft and "osd_q4_learned" not in arms:
+        raise InvalidArgument("--learned-draft runs on osd's own Q4 kernel: it needs a GGUF target (not --no-osd-q4)")
     if llama_cpp and target_gguf is not None:
         from osd.models.llama_cpp_runner import LlamaCppRunner
         from osd.propose import RunnerProposer
