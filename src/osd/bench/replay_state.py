@@ -4,8 +4,8 @@ Saved (atomically: written beside, then renamed over) every `save_every` request
 after each offline baseline is trained: the rows measured so far, the online learner whole (trainable weights,
 AdamW moments, counters, version, its random generator, both replay buffers with their cached features, the
 rehearsal sample with its generator, the update history, the drift guard's best version and the requests it has
-trained on), the torch random state, and the trained baselines' weights. A resumed run gives the same rows as an uncut one
-(tests/learn/test_replay_resume.py). The file is a pickle (torch.save) of our own making, read with
+trained on), the torch random state, and the trained baselines' weights. A resumed run gives the same rows as an
+uncut one (tests/learn/test_replay_resume.py). The file is a pickle (torch.save) of our own making, read with
 weights_only=False: load only state files this program wrote. It refuses a state written for other settings or
 other requests (a fingerprint of both).
 """

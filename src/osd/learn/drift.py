@@ -16,6 +16,8 @@ from contextlib import contextmanager
 
 import torch
 
+from osd.learn.memory import tensor_bytes
+
 
 class VersionStore:
     def __init__(self, params: list[torch.Tensor]):
@@ -80,7 +82,7 @@ class VersionStore:
 
     def bytes(self) -> int:
         """Memory of the kept weight copies (base and the best-version slot)."""
-        return sum(w.numel() * w.element_size() for w in self.base + self._best_slot)
+        return tensor_bytes(self.base + self._best_slot)
 
     def load_state_dict(self, state: dict) -> None:
         best = state["best"]

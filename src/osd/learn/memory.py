@@ -9,7 +9,7 @@ and an out-of-memory would come then, mid-serving. `reserve_optimizer_state` all
 (zeros, exactly what AdamW's first step would allocate, so training is unchanged), and VersionStore keeps one
 preallocated slot for the best version: what the learner needs is taken, or refused, at start.
 The rest grows with traffic up to bounds set by the config: the buffers' items (contexts, the target's top-K
-distributions and the cached trunk features of the items trained on, bf16), see `learner_memory`.
+distributions and the cached trunk features of the items trained on, bf16), see `OnlineLearner.memory`.
 """
 from __future__ import annotations
 

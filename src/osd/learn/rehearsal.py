@@ -62,7 +62,7 @@ class Reservoir:
 def mixed_batch(rng: random.Random, recent: list, older: list, size: int, share: float) -> list:
     """A training batch of up to `size` items: round(size * share) drawn from `older` (as many as it holds), the
     rest from `recent`; without replacement within each. share = 0 or no older items: `recent` alone."""
-    n_old = min(len(older), round(size * share)) if older else 0
+    n_old = min(len(older), round(size * share))
     n_new = min(len(recent), size - n_old)
     if n_new < size - n_old:  # too few recent items: fill from the older ones
         n_old = min(len(older), size - n_new)
