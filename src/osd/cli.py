@@ -184,7 +184,7 @@ def cmd_bench_soak(args) -> None:
     if not prompts:
         raise InvalidArgument(f"no prompts in {args.prompts!r}")
     config = SoakConfig(clients=args.clients, seconds=60 * args.minutes, seed=args.seed, pause=args.pause,
-                        warmup_rounds=args.warmup_rounds)
+                        warmup_rounds=args.warmup_rounds, warmup_updates=args.warmup_updates)
     result = run_soak_command(args.models, prompts, args.max_tokens, config, url=args.url, api_key=args.api_key,
                               pid=args.pid, max_body_bytes=args.max_body_bytes, serve_args=args.serve_arg or [],
                               log_path=str(Path(args.out).with_suffix(".server.log")))
@@ -320,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pause", type=float, default=0.0, help="seconds each client waits between requests (0 = saturate)")
     p.add_argument("--warmup-rounds", type=int, default=1, help="before RSS is first taken, each client sends every "
                    "valid kind this many times at once (not counted; 0 = one request of each kind, one at a time)")
+    p.add_argument("--warmup-updates", type=int, default=1, help="... and more such rounds until the server's learner "
+                   "has published this many updates, so RSS start holds its training working set (0 = do not wait)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/bench-soak.json", help="result JSON (the server's log beside it)")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")

@@ -133,3 +133,37 @@ def test_rss_plot_is_drawn_from_the_series(soaked, tmp_path):
     _, _, result = soaked
     path = plot_rss(result, str(tmp_path / "rss.png"))
     assert path is not None and (tmp_path / "rss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class WarmingLearner(FakeLearner):
+    """Publishes its first update only after /metrics has read it a few times (a learner still warming up)."""
+
+    def __init__(self, first_after: int):
+        super().__init__()
+        self.reads, self.first_after = 0, first_after
+
+    def stats(self) -> dict:
+        self.reads += 1
+        return super().stats() | {"updates_published": int(self.reads > self.first_after)}
+
+
+@pytest.mark.parametrize("first_after, max_rounds, rounds", [(3, 50, 3), (100, 2, 2)])
+def test_warm_up_waits_for_the_learners_first_update(first_after, max_rounds, rounds):
+    learner = WarmingLearner(first_after)
+    with tiny_server(learner=learner) as served:
+        cases = [c for c in build_cases(MODEL, PROMPTS[:1], max_tokens=4, context=served.engine.context_window,
+                                        max_body_bytes=1_000_000, api_key=None) if c.valid][:2]
+        config = SoakConfig(clients=2, seconds=0.0, min_requests=len(cases), warmup_rounds=1, warmup_max_rounds=max_rounds)
+        result = run_soak(served.url, cases, config, {}, pid=os.getpid())
+    assert result["warmup_rounds"] == rounds  # one scrape before the rounds, one after each
+    assert result["learner"]["updates_published_start"] == (1 if rounds < max_rounds else 0)
+    assert result["warmup_requests"] == len(cases) + rounds * len(cases) * config.clients
+
+
+def test_warm_up_without_a_learner_sends_the_asked_rounds_only():
+    with tiny_server(learner=None) as served:
+        cases = [c for c in build_cases(MODEL, PROMPTS[:1], max_tokens=4, context=served.engine.context_window,
+                                        max_body_bytes=1_000_000, api_key=None) if c.valid][:2]
+        config = SoakConfig(clients=2, seconds=0.0, min_requests=len(cases), warmup_rounds=2)
+        result = run_soak(served.url, cases, config, {}, pid=os.getpid())
+    assert result["warmup_rounds"] == 2 and result["learner"]["updates_published_start"] is None

@@ -249,7 +249,10 @@ class SoakConfig:
     sample_every: float = 5.0  # seconds between RSS samples
     pause: float = 0.0  # seconds each client waits between its requests (0 = saturate the server)
     warmup_rounds: int = 1  # then each client sends every valid kind this many times at once, not counted either:
-    #   the server's working set at this concurrency (connections, threads, first learner update) before RSS start
+    #   the server's working set at this concurrency (connections, threads) before RSS start
+    warmup_updates: int = 1  # ... and more such rounds until the learner has published this many updates (its
+    #   autograd working set is then in RSS start; a server without a learner stops after warmup_rounds)
+    warmup_max_rounds: int = 50  # give up waiting for the learner after this many rounds (reported, not fatal)
 
 
 @dataclass
@@ -278,11 +281,8 @@ async def run_soak_async(url: str, cases: list[Case], config: SoakConfig, refere
     async with make() as control:
         warmup = [await send(control, c) for c in _one_per_kind(cases) if c.valid]  # lazy allocations, not counted
         serial = process_stats(pid) if pid else {}
-        valid = [c for c in _one_per_kind(cases) if c.valid] * config.warmup_rounds
-        warm = _Shared(valid, 0.0, len(valid) * config.clients)
-        await asyncio.gather(*(_client_loop(make, warm) for _ in range(config.clients)))
-        warmup += warm.outcomes
-        before, stats_start = await scrape(control), process_stats(pid) if pid else {}
+        rounds, before = await _warm_up(make, control, [c for c in _one_per_kind(cases) if c.valid], config, warmup)
+        stats_start = process_stats(pid) if pid else {}
         shared = _Shared(order, time.monotonic() + config.seconds, config.min_requests or len(cases), config.pause)
         rss = [stats_start.get("rss_bytes")]
         start = time.perf_counter()
@@ -297,12 +297,28 @@ async def run_soak_async(url: str, cases: list[Case], config: SoakConfig, refere
     return {"config": {"url": url, "clients": config.clients, "seconds": config.seconds, "seed": config.seed,
                        "pause": config.pause,
                        "cases": len(cases), "kinds": sorted({c.kind for c in cases})},
-            "wall_seconds": wall, "warmup_ok": all(o.ok for o in warmup), **summary,
+            "wall_seconds": wall, "warmup_ok": all(o.ok for o in warmup), "warmup_rounds": rounds,
+            "warmup_requests": len(warmup), **summary,
             "metrics_match_responses": counted == got if before and after else None,
             "metrics_counted": {f"{e} {s}": n for (e, s), n in sorted(counted.items())},
             "server": _server_figures(stats_start, stats_end, [r for r in rss if r], pid, config.sample_every,
                                       serial.get("rss_bytes")),
             "learner": _learner_figures(before, after)}
+
+
+async def _warm_up(make, control: httpx.AsyncClient, valid: list[Case], config: SoakConfig,
+                   outcomes: list) -> tuple[int, dict]:
+    """Concurrent rounds of every valid kind: config.warmup_rounds, then on until the learner has published
+    config.warmup_updates updates (at most config.warmup_max_rounds). -> (rounds sent, /metrics after them)."""
+    rounds, samples = 0, await scrape(control)
+    published = lambda: samples.get(("osd_learner_updates_published_total", ()))  # None: no learner
+    while rounds < config.warmup_rounds or (published() is not None and published() < config.warmup_updates
+                                            and rounds < config.warmup_max_rounds):
+        warm = _Shared(valid, 0.0, len(valid) * config.clients)
+        await asyncio.gather(*(_client_loop(make, warm) for _ in range(config.clients)))
+        outcomes += warm.outcomes
+        rounds, samples = rounds + 1, await scrape(control)
+    return rounds, samples
 
 
 def _one_per_kind(cases: list[Case]) -> list[Case]:

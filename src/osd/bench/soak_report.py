@@ -37,7 +37,8 @@ def summary_lines(result: dict) -> str:
         f"greedy answers identical to target-only: {g['identical']}/{g['checked']}; "
         f"latency of valid requests p50 {_secs(v['latency_p50'])}, p95 {_secs(v['latency_p95'])}",
         f"server RSS {_mib(s.get('rss_after_serial_warmup_bytes'))} after one request of each kind, "
-        f"{_mib(s['rss_start_bytes'])} after the concurrent warm-up round -> {_mib(s['rss_mid_bytes'])} mid-soak -> "
+        f"{_mib(s['rss_start_bytes'])} after {result.get('warmup_rounds', 1)} concurrent warm-up round(s) (learner "
+        f"updates published by then: {result['learner']['updates_published_start']}) -> {_mib(s['rss_mid_bytes'])} mid-soak -> "
         f"{_mib(s['rss_end_bytes'])} at the end ({_pct(s['rss_growth_pct'])}; second half "
         f"{_pct(s['rss_growth_second_half_pct'])}; from one request of each kind "
         f"{_pct(s.get('rss_growth_from_serial_warmup_pct'))}), median of the first / second half "
