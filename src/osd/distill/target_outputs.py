@@ -16,7 +16,7 @@ def target_samples(cache: TargetCache, target, prompts: list[list[int]], setting
                     eos_ids: set[int], pad_id: int = 0, batch_size: int = 8, progress=None) -> list[TargetSample]:
     """Samples for `prompts` in their order; generates (and stores) only the missing ones."""
     missing = sorted({i for i, p in enumerate(prompts) if (p, settings) not in cache}, key=lambda i: len(prompts[i]))
-    bar = progress(total=len(missing)) if progress and missing else None
+    bar = progress(total=len(missing), desc="target cache: filling", unit="req") if progress and missing else None
     for start in range(0, len(missing), batch_size):
         chunk = missing[start : start + batch_size]
         outputs = decode_batch(target, [prompts[i] for i in chunk], settings, eos_ids, pad_id)
@@ -35,7 +35,7 @@ def serving_samples(cache: TargetCache, runner, prompts: list[list[int]], settin
     from osd.distill.heal import greedy_answer
 
     missing = [i for i, p in enumerate(prompts) if (p, settings) not in cache]
-    bar = progress(total=len(missing)) if progress and missing else None
+    bar = progress(total=len(missing), desc="target cache: filling", unit="req") if progress and missing else None
     for i in missing:
         response, dist = greedy_answer(runner, prompts[i], settings.max_new_tokens, eos_ids, settings.top_k)
         cache.put(TargetSample(prompts[i], response, dist, {"source": "teacher"}), settings)
