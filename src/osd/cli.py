@@ -107,7 +107,7 @@ def cmd_replay(args) -> None:
     result = run_replay(config_from(args, ModelConfig), config_from(args, SpeculationConfig), config_from(args, LearnConfig),
                         args.stream, args.split, args.per_segment, args.max_new_tokens, not args.no_baseline,
                         progress=lambda it: tqdm(it, desc="replay", unit="req"), target_only=args.target_only,
-                        heldout=args.heldout, heldout_split=args.heldout_split)
+                        heldout=args.heldout, heldout_split=args.heldout_split, llama_cpp_target=args.llama_cpp_target)
     report_replay(result, args.out, args.markdown, args.window)
     report_live_comparison(result, args.out, args.markdown, args.window)
 
@@ -219,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip the offline baselines (10%%/100%% of the stream, "
                    "equal optimizer steps); the never-trained control is always measured")
     p.add_argument("--target-only", action="store_true", help="live: also decode each request with the target alone")
+    p.add_argument("--llama-cpp-target", action="store_true", help="live: also decode each request with llama.cpp alone "
+                   "on the target's GGUF (tokens/s side by side)")
     p.add_argument("--fast", action="store_true", help="greedy fast path from the target-output cache (exact; hundreds of requests)")
     p.add_argument("--route", action="store_true", help="--fast on an interleaved stream: one shared online draft, per-mode "
                    "drafts with the router, per-label drafts (oracle split) and the control, in one run (RouteConfig flags; "
@@ -246,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for cls in (ModelConfig, SpeculationConfig, LearnConfig, RouteConfig):
         add_config_flags(p, cls)
-    p.set_defaults(func=cmd_replay)
+    p.set_defaults(func=cmd_replay, adaptive=False)  # replay: a fixed k unless --adaptive (live alpha at one k)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("speed", help="tokens/s: llama.cpp vs osd (vs transformers), same prompts, one run")

@@ -2,7 +2,8 @@
 
 Per request it records alpha, tokens per step, tokens/s and the draft version; in the same run the
 never-trained draft (the control) serves the same stream side by side, so both curves come from one
-machine state, and optionally the target alone (--target-only).
+machine state, and optionally the target alone: osd's own target-only engine (--target-only) and llama.cpp on
+the same GGUF (--llama-cpp-target), each request decoded by every arm back to back.
 
 Fair comparison, on the same positions (bench/baselines.py): every request's target distributions at the
 positions the online draft proposed are kept (they come with verification, no extra target forward);
@@ -21,6 +22,7 @@ from pathlib import Path
 from osd.bench.baselines import SHARES, draft_copy, offline_trainer, train_equal_steps
 from osd.bench.plots import domain_boundaries, plot_alpha_curves
 from osd.bench.replay_fast import TEACHER_FORCED, paired_difference, stream_parts
+from osd.bench.speed import llama_cpp_target_arm
 from osd.build import attach_learner, build_system
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.data import load_records, prompt_ids
@@ -67,18 +69,28 @@ class RequestPositions:
 
 def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig, stream: str, split: str,
                per_segment: int, max_new_tokens: int, baseline: bool = True, progress=None,
-               target_only: bool = False, heldout: int = 0, heldout_split: str = "test") -> dict:
-    """baseline: also the offline drafts (10% / 100% of the stream, equal optimizer steps); the control always serves."""
+               target_only: bool = False, heldout: int = 0, heldout_split: str = "test",
+               llama_cpp_target: bool = False) -> dict:
+    """baseline: also the offline drafts (10% / 100% of the stream, equal optimizer steps); the control always serves.
+    llama_cpp_target: also decode each request with llama.cpp alone on the target's GGUF (refused for other targets).
+    spec.adaptive: the online draft and the control serve with the adaptive k policy, as `osd serve` does (tokens/s as
+    served); else at the fixed spec.k (the live alpha columns compare at one k). The teacher-forced columns are fair
+    either way."""
+    gguf = llama_cpp_gguf(models) if llama_cpp_target else None  # refused before anything loads
     system = build_system(models, spec)
     system.engine.calibrate()
     control = draft_copy(system.draft_master, learn)  # never trained (taken before a checkpoint is resumed)
     system.publish_draft(control, name="static")
     static = SpeculativeEngine(system.target_model, system.tokenizer,
                                DraftModelProposer(system.registry, "static", system.engine.vocab_size), spec)
-    static.set_adaptive(False)  # fixed k: alpha comparable to online
+    static.set_adaptive(spec.adaptive)  # as the online engine
+    if spec.adaptive:
+        static.calibrate()
     plain = SpeculativeEngine(system.target_model, system.tokenizer, None, SpeculationConfig(k=0, adaptive=False)) \
         if target_only else None
-    system.engine.set_adaptive(False)  # the replay measures acceptance at fixed k
+    system.engine.set_adaptive(spec.adaptive)
+    llama_cpp = llama_cpp_target_arm(gguf, models.threads, models.n_ctx, max_new_tokens, system.engine.eos_ids) \
+        if gguf is not None else None
     positions = RequestPositions(learn.top_k, learn.max_context)
     system.engine.observers.append(positions.observe)
     learner = attach_learner(system, learn)
@@ -103,6 +115,9 @@ def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig,
                "alpha": s["alpha"], "tokens_per_step": s["tokens_per_step"], "tokens_per_second": s["wall_tokens_per_second"]}
         if plain is not None:  # the target alone, same request, same machine state
             row["target_only_tokens_per_second"] = plain.generate(ids, sampling).stats["wall_tokens_per_second"]
+        if llama_cpp is not None:  # llama.cpp alone, same request, same eos
+            timed = llama_cpp(ids)
+            row["llama_cpp_target_tokens_per_second"] = len(timed.tokens) / timed.seconds if timed.seconds else None
         b = static.generate(ids, sampling).stats
         row.update(static_alpha=b["alpha"], static_tokens_per_step=b["tokens_per_step"],
                    static_tokens_per_second=b["wall_tokens_per_second"])
@@ -131,12 +146,24 @@ def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig,
                                           heldout_split, sampling, learn, split_at)
     return {"config": {"models": vars(models), "spec": vars(spec), "learn": vars(learn), "stream": stream, "split": split,
                        "per_segment": per_segment, "max_new_tokens": max_new_tokens, "target_only": target_only,
-                       "k": spec.k, "overlap": 0.0, "heldout": heldout, "heldout_split": heldout_split,
+                       "llama_cpp_target": llama_cpp_target, "k": spec.k, "overlap": 0.0, "heldout": heldout, "heldout_split": heldout_split,
                        "baseline_steps": "equal to the online draft's optimizer steps", "exactness": TEACHER_FORCED},
             "requests": rows, "variants": list(variants), "baselines": reports,
             "end_of_stream_alpha_on_heldout": on_heldout, "heldout_vs_control": vs_control,
             "learner": learner.stats(), "updates": learner.history,
             "metrics_by_draft_version": system.engine.metrics.snapshot()}
+
+
+def llama_cpp_gguf(models: ModelConfig):
+    """The target's GGUF for --llama-cpp-target; refused unless the target is one (the comparison is only fair on the
+    same quantized weights)."""
+    from osd.models.loading import gguf_file
+
+    gguf = gguf_file(models.target)
+    if gguf is None:
+        raise InvalidArgument(f"--llama-cpp-target needs a GGUF target (a .gguf file or bundled:<name>); "
+                              f"{models.target!r} is not one")
+    return gguf
 
 
 def _add_teacher_forced_columns(rows, request_items, variants, split_at) -> None:

@@ -59,25 +59,41 @@ def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> No
     mean = lambda key, part: (sum(r[key] or 0 for r in part) / len(part)) if part else None
     has_static = rows and "static_alpha" in rows[0]
     has_plain = rows and "target_only_tokens_per_second" in rows[0]
+    has_llama = rows and "llama_cpp_target_tokens_per_second" in rows[0]
     table_rows = []
     for name, part in (("first quarter", rows[:q]), ("last quarter", rows[-q:]), ("all", rows)):
         table_rows.append([name, mean("alpha", part), mean("static_alpha", part) if has_static else None,
                            mean("tokens_per_step", part), mean("tokens_per_second", part),
                            mean("static_tokens_per_second", part) if has_static else None,
-                           mean("target_only_tokens_per_second", part) if has_plain else None])
+                           mean("target_only_tokens_per_second", part) if has_plain else None,
+                           mean("llama_cpp_target_tokens_per_second", part) if has_llama else None])
     t = table(table_rows, ["requests", "alpha online", "alpha static", "tokens/step online", "tok/s online", "tok/s static",
-                           "tok/s target-only"])
+                           "tok/s osd target-only", "tok/s llama.cpp target-only"])
     learner = result["learner"]
     first_version = rows[0]["draft_version"] if rows else None
     notes = (f"updates published {learner['updates_published']}, rejected {learner['updates_rejected']}, "
              f"draft version at the first request {first_version} (> 0: resumed from a checkpoint), "
              f"final draft version {learner['version']}, train seconds {learner['train_seconds']:.0f}")
+    notes += "; " + start_vs_end(table_rows[0], table_rows[1], has_static, has_plain, has_llama)
     cfg = result["config"]
     emit_report("Online replay (`osd replay`)",
                 f"`{redacted_command(sys.argv[1:])}` k={cfg['spec']['k']} loss={cfg['learn']['loss']} "
                 f"mode={cfg['learn']['mode']} every_requests={cfg['learn']['every_requests']} lr={cfg['learn']['lr']}; "
                 f"machine: {machine()['cpu']}",
                 [t, notes], path, markdown, plot=png)
+
+
+def start_vs_end(first: list, last: list, has_static: bool, has_plain: bool, has_llama: bool) -> str:
+    """The live replay's headline: online tokens/s in the last quarter of the stream over the first, and over each
+    other arm in the last quarter (rows as report_replay's table: tok/s online, static, osd and llama.cpp target-only
+    in columns 4..7)."""
+    ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "n/a"
+    parts = [f"online tok/s, last quarter / first quarter: {ratio(last[4], first[4])}"]
+    for has, col, name in ((has_static, 5, "the control"), (has_plain, 6, "osd target-only"),
+                           (has_llama, 7, "llama.cpp target-only")):
+        if has:
+            parts.append(f"last quarter online / {name}: {ratio(last[4], last[col])}")
+    return "; ".join(parts)
 
 
 def report_train_step(result: dict, out: str, markdown: str) -> None:

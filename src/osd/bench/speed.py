@@ -69,7 +69,7 @@ def _engine_arm(engine: SpeculativeEngine, max_new: int):
     return run
 
 
-def _llama_cpp_arm(gguf, threads: int, n_ctx: int, max_new: int, eos: set[int]):
+def llama_cpp_target_arm(gguf, threads: int, n_ctx: int, max_new: int, eos: set[int]):
     from llama_cpp import Llama
 
     from osd.models.llama_cpp_runner import default_threads, llama_cpp_lib
@@ -164,7 +164,7 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
         from osd.propose import RunnerProposer
 
         before = rss_gib()
-        arms["llama_cpp_target"] = _llama_cpp_arm(target_gguf, models.threads, models.n_ctx, max_new, engine.eos_ids)
+        arms["llama_cpp_target"] = llama_cpp_target_arm(target_gguf, models.threads, models.n_ctx, max_new, engine.eos_ids)
         draft_gguf = gguf_file(models.draft) if models.draft else None
         if draft_gguf is not None:
             target = LlamaCppRunner(target_gguf, models.n_ctx, models.threads)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 from osd.errors import KernelUnavailable
@@ -98,6 +99,25 @@ def _ensure_built() -> None:
         _state["module"], _state["error"] = _build()
 
 
+STALE_LOCK_SECONDS = 900.0  # a build takes ~1 min; a lock this old belongs to a build that was killed
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_SECONDS) -> bool:
+    """torch's build lock is a bare file with no owner: a build killed midway leaves it, and every later load of that
+    extension waits on it forever. Remove a lock older than any build takes, and say so. -> whether one was removed."""
+    lock = Path(build_dir) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    lock.unlink(missing_ok=True)
+    print(f"[osd] removed a stale build lock ({age / 60:.0f} min old, left by a killed build): {lock}", file=sys.stderr,
+          flush=True)
+    return True
+
+
 def compile_extension(name: str, source: str, what: str, minutes: str, cflags: list[str]):
     """Build (once per machine, cached by torch) one of osd's C++ files next to this module, with OpenMP.
 
@@ -109,8 +129,12 @@ def compile_extension(name: str, source: str, what: str, minutes: str, cflags: l
     if not cpu_has_avx2():
         return None, "this CPU has no AVX2"
     try:
+        from torch.utils import cpp_extension
         from torch.utils.cpp_extension import load as load_extension
 
+        build_directory = getattr(cpp_extension, "_get_build_directory", None)  # where torch keeps `name`'s lock
+        if build_directory is not None:
+            clear_stale_lock(Path(build_directory(name, False)))
         print(f"[osd] loading {what} (compiled once per machine, {minutes}) ...", file=sys.stderr, flush=True)
         # -fopenmp: at::parallel_for splits work across threads only when compiled with OpenMP
         module = load_extension(name, [str(Path(__file__).with_name(source))], verbose=False,

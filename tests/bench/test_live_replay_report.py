@@ -1,0 +1,58 @@
+"""The live replay's side-by-side speed report: llama.cpp target-only refused off a GGUF, and the start-vs-end line."""
+import pytest
+
+from osd.bench.replay import llama_cpp_gguf
+from osd.bench.report import report_replay, start_vs_end
+from osd.config import ModelConfig
+from osd.errors import InvalidArgument
+
+
+def _rows(n: int, online: float, online_end: float) -> list[dict]:
+    """n requests: online tok/s `online` in the first half, `online_end` in the second; the other arms constant."""
+    return [{"i": i, "id": f"x-{i}", "domain": "code", "draft_version": i // 4, "alpha": 0.3, "tokens_per_step": 1.5,
+             "tokens_per_second": online if i < n // 2 else online_end, "static_alpha": 0.3,
+             "static_tokens_per_step": 1.4, "static_tokens_per_second": 20.0, "target_only_tokens_per_second": 25.0,
+             "llama_cpp_target_tokens_per_second": 30.0} for i in range(n)]
+
+
+def test_llama_cpp_target_refused_without_a_gguf(tmp_path):
+    with pytest.raises(InvalidArgument, match="needs a GGUF target"):
+        llama_cpp_gguf(ModelConfig(target=str(tmp_path)))
+
+
+def test_llama_cpp_target_takes_the_gguf_file(tmp_path):
+    gguf = tmp_path / "t.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert llama_cpp_gguf(ModelConfig(target=str(gguf))) == gguf
+
+
+def test_start_vs_end_ratios():
+    first = ["first quarter", 0.3, 0.3, 1.5, 20.0, 20.0, 25.0, 30.0]
+    last = ["last quarter", 0.5, 0.3, 2.0, 33.0, 22.0, 25.0, 30.0]
+    line = start_vs_end(first, last, True, True, True)
+    assert "last quarter / first quarter: 1.65x" in line
+    assert "online / the control: 1.50x" in line
+    assert "online / osd target-only: 1.32x" in line
+    assert "online / llama.cpp target-only: 1.10x" in line
+    assert "llama.cpp" not in start_vs_end(first, last, True, True, False)
+
+
+def test_report_has_the_llama_cpp_column_and_the_ratio(tmp_path):
+    result = {"config": {"spec": {"k": 6}, "learn": {"loss": "forward_kl", "mode": "all", "every_requests": 8,
+                                                     "lr": 2e-4}, "stream": "code"},
+              "requests": _rows(8, 20.0, 40.0),
+              "learner": {"updates_published": 1, "updates_rejected": 0, "version": 1, "train_seconds": 3.0}}
+    markdown = tmp_path / "B.md"
+    report_replay(result, str(tmp_path / "r.json"), str(markdown), window=2)
+    text = markdown.read_text()
+    assert "tok/s llama.cpp target-only" in text
+    assert "last quarter / first quarter: 2.00x" in text  # 2 of 8 rows per quarter: 20 at the start, 40 at the end
+    assert "online / llama.cpp target-only: 1.33x" in text
+
+
+def test_replay_serves_at_a_fixed_k_unless_asked():
+    from osd.cli import build_parser
+
+    assert build_parser().parse_args(["replay"]).adaptive is False
+    assert build_parser().parse_args(["replay", "--adaptive"]).adaptive is True
+    assert build_parser().parse_args(["replay", "--llama-cpp-target"]).llama_cpp_target is True
