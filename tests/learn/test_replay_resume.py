@@ -5,7 +5,7 @@ import pytest
 from conftest import EOS, tiny_qwen2
 
 import osd.bench.replay_fast as replay_fast
-from osd.bench.replay_fast import fast_replay
+from osd.bench.replay_fast import EPOCHS_RECIPE, fast_replay
 from osd.distill.cache import DecodeSettings, TargetCache
 from osd.distill.target_outputs import target_samples
 from osd.errors import InvalidArgument
@@ -89,3 +89,27 @@ def test_a_state_of_other_settings_is_refused(stream, tmp_path):
     with pytest.raises(InvalidArgument, match="other settings or requests"):
         fast_replay(samples, domains, tiny_qwen2(seed=1, layers=2), LEARN, k=4, probe=4, max_new_tokens=10,
                     state_path=state)
+
+
+def test_baseline_settings_change_only_the_baselines_of_a_resumed_replay(stream, tmp_path, monkeypatch):
+    state = tmp_path / "s.pt"
+    without = replay(stream, state_path=state, baselines=False)
+    assert without["baselines"] == {} and without["variants"] == ["original", "online"]
+    resumed = replay(stream, state_path=state)  # the same stream, now with baselines: rows and learner from the state
+    assert comparable(resumed) == comparable(replay(stream))
+
+    def must_not_train(*args, **kw):
+        raise AssertionError("an equal-step baseline whose recipe did not change was trained again")
+
+    monkeypatch.setattr(replay_fast, "train_equal_steps", must_not_train)
+    one = replay(stream, state_path=state, baseline_epochs=1, baseline_lr=1e-3)  # adds the epochs recipe only
+    assert one["baselines"][EPOCHS_RECIPE]["epochs"] == 1
+    assert all(a[c] == b[c] for a, b in zip(one["requests"], resumed["requests"]) for c in b)  # kept, a column added
+    assert any(f"{EPOCHS_RECIPE}_alpha" in r for r in one["requests"])
+    two = replay(stream, state_path=state, baseline_epochs=2, baseline_lr=1e-3)  # its recipe changed: trained again
+    assert two["baselines"][EPOCHS_RECIPE]["epochs"] == 2
+    assert two["baselines"][EPOCHS_RECIPE]["optimizer_steps"] == 2 * one["baselines"][EPOCHS_RECIPE]["optimizer_steps"]
+    dropped = replay(stream, state_path=state)  # without the epochs recipe, the report does not carry a stale one
+    assert set(dropped["baselines"]) == set(resumed["baselines"]) and EPOCHS_RECIPE not in dropped["variants"]
+    assert not any(c.startswith(EPOCHS_RECIPE) for r in dropped["requests"] for c in r)
+    assert comparable(dropped) == comparable(resumed)

@@ -153,9 +153,9 @@ def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: 
     baseline_epochs > 0 adds the epochs recipe (at baseline_lr) as its own, labelled draft."""
     items = [sample_item(s) for s in samples]  # frozen-trunk features are cached on these
     split = split_index(base, learn.train_layers)
-    key = fingerprint(samples, domains, {"learn": asdict(learn), "k": k, "max_new_tokens": max_new_tokens,
-                                         "baselines": baselines, "baseline_epochs": baseline_epochs,
-                                         "baseline_lr": baseline_lr})
+    # the stream's settings only: a run resumed with other baseline settings keeps its rows and online learner, and
+    # trains again only the baselines whose recipe changed (_baselines)
+    key = fingerprint(samples, domains, {"learn": asdict(learn), "k": k, "max_new_tokens": max_new_tokens})
     state = load_state(state_path, key) or {"fingerprint": key, "rows": [], "baselines": {}}
     learner = _online_learner(base, learn)
     if state["rows"]:
@@ -190,17 +190,21 @@ def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: 
                                    state, save, progress))
         _add_baseline_columns(rows, variants, samples, items, k, split, max_new_tokens)
     variants["online"] = learner.master
+    for name in set(state["baselines"]) - set(variants):  # a baseline of an earlier run on this state, not this one's
+        for row in rows:
+            for column in [c for c in row if c.startswith(f"{name}_")]:
+                del row[column]
     end_of_stream = {d: {name: _mean_alpha(m, [items[j] for j in idx], [samples[j] for j in idx], split)
                          for name, m in variants.items()}  # is an earlier domain forgotten?
                      for d, idx in segment_probes(domains, probe).items()}
     on_heldout, vs_control, online_vs_100 = _heldout(variants, unseen, split)
+    trained = {n: r for n, r in (state.get("baselines_report") or {}).items() if n in variants}  # this run's recipes
     return {"requests": rows, "variants": list(variants), "end_of_stream_alpha_on_segment_probes": end_of_stream,
             "end_of_stream_alpha_on_heldout": on_heldout, "heldout_vs_control": vs_control,
             "heldout_after_each_segment": forgetting,
-            "heldout_online_vs_offline_100pct": online_vs_100, "baselines": state["baselines_report"] if baselines else {},
+            "heldout_online_vs_offline_100pct": online_vs_100, "baselines": trained,
             "learner": learner.stats(), "updates": learner.history,
-            "timings": {**timings, **{f"{n}_train_seconds": r["seconds"]
-                                      for n, r in (state.get("baselines_report") or {}).items()}}}
+            "timings": {**timings, **{f"{n}_train_seconds": r["seconds"] for n, r in trained.items()}}}
 
 
 def _online_learner(base, learn: LearnConfig) -> OnlineLearner:
@@ -238,14 +242,16 @@ def _alpha_columns(name: str, matches: list[bool], k: int, max_new_tokens, contr
 
 def _baselines(base, learn, items, steps, epochs, epochs_lr, state, save, progress) -> dict:
     """offline_10pct / offline_100pct with `steps` optimizer steps (and the epochs recipe when epochs > 0); each one
-    saved in the state once trained, so a resumed run does not train it again."""
-    report = state.setdefault("baselines_report", {})
+    saved in the state once trained with its recipe, so a resumed run does not train it again unless its recipe
+    (steps, or epochs and learning rate) changed."""
+    report, trained = state.setdefault("baselines_report", {}), state.setdefault("baseline_recipes", {})
     drafts = {}
     recipes = [(name, share, None) for name, share in SHARES] + ([(EPOCHS_RECIPE, 1.0, epochs)] if epochs else [])
     for j, (name, share, n_epochs) in enumerate(recipes):
         trainer = offline_trainer(base, learn, seed=learn.seed + j, epochs=n_epochs or 1,
                                   lr=epochs_lr if n_epochs else None)
-        if name in state["baselines"]:
+        recipe = {"epochs": n_epochs, "lr": epochs_lr} if n_epochs else {"steps": steps}
+        if name in state["baselines"] and trained.get(name) == recipe:
             load_trainable_weights(trainer, state["baselines"][name])
         else:
             part = items[: max(1, int(len(items) * share))]
@@ -257,7 +263,7 @@ def _baselines(base, learn, items, steps, epochs, epochs_lr, state, save, progre
             else:
                 report[name] = {**train_equal_steps(trainer, part, steps, progress), "lr": learn.lr,
                                 "recipe": "equal steps"}
-            state["baselines"][name] = trainable_weights(trainer)
+            state["baselines"][name], trained[name] = trainable_weights(trainer), recipe
             save()
         drafts[name] = trainer.draft
     return drafts

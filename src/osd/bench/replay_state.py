@@ -6,8 +6,9 @@ AdamW moments, counters, version, its random generator, both replay buffers with
 rehearsal sample with its generator, the update history, the drift guard's best version and the requests it has
 trained on), the torch random state, and the trained baselines' weights. A resumed run gives the same rows as an
 uncut one (tests/learn/test_replay_resume.py). The file is a pickle (torch.save) of our own making, read with
-weights_only=False: load only state files this program wrote. It refuses a state written for other settings or
-other requests (a fingerprint of both).
+weights_only=False: load only state files this program wrote. It refuses a state written for other stream settings
+or other requests (a fingerprint of both). Baseline settings are not part of it: each trained baseline is kept with
+its recipe and trained again only when the recipe changes.
 """
 from __future__ import annotations
 
