@@ -81,33 +81,49 @@ def test_lookup_speculation_keeps_greedy_output_identical():
 
 
 def test_k_zero_when_the_draft_is_artificially_slow_and_probes_back_off():
-    """With drafting dearer than what acceptance can repay, the policy does not speculate; its probes (k = 1,
+    """With drafting dearer than what acceptance can repay, the policy does not speculate; its probes (k = 2,
     each of which makes a model draft catch up on the whole context) come ever more rarely."""
     policy = KPolicy(k_max=6, adaptive=True, alpha_prior=0.3, probe_every=16, max_probe_every=512)
     policy.calibrate(t_draft=0.005, t_target=[0.030, 0.040, 0.050, 0.060, 0.070, 0.080, 0.090])  # pays only if alpha is high
     ks = [policy.choose_k(remaining=64) for _ in range(1000)]
-    assert set(ks) == {0, 1}
+    assert set(ks) == {0, 2}
     assert [i for i, k in enumerate(ks) if k] == [15, 47, 111, 239, 495]  # intervals 16, 32, 64, 128, 256 (then 512)
     cheap = KPolicy(k_max=6, adaptive=True, alpha_prior=0.8)
     cheap.calibrate(t_draft=0.001, t_target=[0.030, 0.031, 0.032, 0.033, 0.034, 0.035, 0.036])  # ~free verification
     assert cheap.choose_k(remaining=64) == 6
 
 
-def test_no_probes_where_even_a_perfect_draft_would_not_pay():
-    policy = KPolicy(k_max=3, adaptive=True, alpha_prior=0.8, probe_every=4)
+def test_only_rare_probes_where_even_a_perfect_draft_would_not_pay():
+    policy = KPolicy(k_max=3, adaptive=True, alpha_prior=0.8, probe_every=4, max_probe_every=512)
     policy.calibrate(t_draft=0.024, t_target=[0.030, 0.052, 0.080, 0.086])  # c = 0.8, 2 rows = 1.72x (measured)
-    assert [policy.choose_k(64) for _ in range(100)] == [0] * 100
+    ks = [policy.choose_k(64) for _ in range(1100)]
+    assert [i for i, k in enumerate(ks) if k] == [511, 1023] and ks[511] == 2  # every max_probe_every steps only
+
+
+def test_a_draft_cost_measured_cold_does_not_switch_speculation_off_for_good():
+    """A first request on cold caches times the draft 100x too slow: speculation stops, the next probe re-times
+    the draft (its second, single-token forward) and speculation resumes."""
+    policy = KPolicy(k_max=4, adaptive=True, alpha_prior=0.8, probe_every=4, max_probe_every=64)
+    policy.calibrate(t_draft=0.001, t_target=[0.030, 0.031, 0.032, 0.033, 0.034])  # ~free verification
+    assert policy.choose_k(64) == 4
+    policy.observe(4, 4, [0.1, 0.1, 0.1, 0.1])  # cold: the estimate is now far above the true cost
+    ks = [policy.choose_k(64) for _ in range(64)]
+    assert ks[:63] == [0] * 63 and ks[63] == 2  # no speculation, then one probe
+    policy.observe(2, 2, [0.001])  # the probe's timed forward, warm
+    assert policy.t_draft == 0.001 and policy.choose_k(64) == 4
+    policy.observe(4, 4, [0.002])  # a slower timing moves the estimate through the EMA only
+    assert abs(policy.t_draft - 0.0012) < 1e-12
 
 
 def test_probe_interval_resets_once_speculation_pays_again():
     policy = KPolicy(k_max=4, adaptive=True, alpha_prior=0.3, probe_every=4)
     policy.calibrate(t_draft=0.001, t_target=[0.030, 0.054, 0.075, 0.09, 0.10])
-    assert [policy.choose_k(64) for _ in range(12)] == [0, 0, 0, 1] + [0] * 7 + [1]  # backed off to 8
+    assert [policy.choose_k(64) for _ in range(12)] == [0, 0, 0, 2] + [0] * 7 + [2]  # backed off to 8
     for _ in range(20):  # the draft turned out right every time
         policy.observe(4, 4, [0.001])
     assert policy.choose_k(64) == 4
     policy.accepted, policy.rejected = 3.0, 7.0  # and wrong again
-    assert [policy.choose_k(64) for _ in range(4)] == [0, 0, 0, 1]  # back to the base interval
+    assert [policy.choose_k(64) for _ in range(4)] == [0, 0, 0, 2]  # back to the base interval
 
 
 class SlowRightDraft:

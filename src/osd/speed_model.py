@@ -59,12 +59,15 @@ class KPolicy:
     alpha is estimated by the truncated-geometric MLE accepted / (accepted + rejections), smoothed
     with an EMA; the draft cost is an EMA of single-token draft forwards; target costs are shared
     (`TargetCosts`). With adaptive=False it always returns k_max.
-    Where speculation could not pay even with every token accepted (draft + verification dearer than the
-    tokens they could yield), k = 0 and no probing. Otherwise steps at k = 0 teach nothing about alpha, so
-    after `probe_every` such steps it tries k = 1. A probe
-    costs more than a draft token (a model draft first catches up on every token committed without it),
-    so the interval doubles after each probe that does not change the decision (up to `max_probe_every`)
+    Steps at k = 0 teach nothing about alpha or the draft's cost, so after `probe_every` such steps it tries
+    k = 2 (its first draft forward catches up on every token committed without the draft; the second is a
+    single-token forward, timed: the probe measures the cost again too). A probe costs more than a draft
+    token, so the interval doubles after each probe that does not change the decision (up to `max_probe_every`)
     and returns to `probe_every` once speculation pays again: probing costs a bounded share of steps.
+    Where speculation could not pay even with every token accepted (draft + verification dearer than the
+    tokens they could yield), it probes only every `max_probe_every` steps: rarely, but a draft cost measured
+    on a cold start or a busy machine cannot switch speculation off for good. A timing faster than the
+    estimate is taken at once (noise only ever slows a forward), a slower one through the EMA.
     """
 
     def __init__(self, k_max: int, adaptive: bool = True, alpha_prior: float = 0.7, ema: float = 0.9, probe_every: int = 16,
@@ -105,13 +108,14 @@ class KPolicy:
         if k > 0:
             self._zero_steps, self._interval = 0, self.probe_every
             return k
-        if self._best(cap, alpha=1.0) == 0:  # would not pay even if every token were accepted: nothing to learn
-            return 0
+        never_pays = self._best(cap, alpha=1.0) == 0  # not even if every token were accepted: probe rarely
         self._zero_steps += 1
-        if self._zero_steps >= self._interval:
-            self._zero_steps, self._interval = 0, min(2 * self._interval, self.max_probe_every)
+        if self._zero_steps >= (self.max_probe_every if never_pays else self._interval):
+            self._zero_steps = 0
+            if not never_pays:
+                self._interval = min(2 * self._interval, self.max_probe_every)
             self.probes += 1
-            return 1
+            return min(2, cap)
         return 0
 
     def observe(self, k: int, n_accepted: int, draft_forward_seconds: list[float], t_target: float | None = None) -> None:
@@ -120,7 +124,7 @@ class KPolicy:
             rejected = 1 if n_accepted < k else 0
             self.accepted = self.ema * self.accepted + n_accepted
             self.rejected = self.ema * self.rejected + rejected
-        for t in draft_forward_seconds:
-            self.t_draft = t if self.t_draft is None else 0.8 * self.t_draft + 0.2 * t
+        for t in draft_forward_seconds:  # faster: taken at once; slower: through the EMA (class docstring)
+            self.t_draft = t if self.t_draft is None or t < self.t_draft else 0.8 * self.t_draft + 0.2 * t
         if t_target is not None:
             self.costs.observe(k, t_target)

@@ -56,3 +56,23 @@ def test_replay_serves_at_a_fixed_k_unless_asked():
     assert build_parser().parse_args(["replay"]).adaptive is False
     assert build_parser().parse_args(["replay", "--adaptive"]).adaptive is True
     assert build_parser().parse_args(["replay", "--llama-cpp-target"]).llama_cpp_target is True
+
+
+def test_warm_up_runs_every_arm_once_unseen_by_the_learner():
+    from types import SimpleNamespace
+
+    from osd.bench.replay import _warm_up
+    from osd.config import SamplingConfig
+    calls = []
+    learner_observer = lambda *a: calls.append("learner saw it")
+
+    def online_generate(ids, sampling):
+        calls.append(("online", list(ids), bool(online.observers or online.request_observers)))
+
+    online = SimpleNamespace(observers=[learner_observer], request_observers=[learner_observer],
+                             metrics=SimpleNamespace(reset=lambda: calls.append("metrics reset")), generate=online_generate)
+    static = lambda ids, sampling: calls.append(("static", list(ids)))
+    llama_cpp = lambda ids: calls.append(("llama.cpp", list(ids)))
+    _warm_up(online, [static], llama_cpp, [1, 2, 3], SamplingConfig(max_new_tokens=4))
+    assert calls == [("online", [1, 2, 3], False), "metrics reset", ("static", [1, 2, 3]), ("llama.cpp", [1, 2, 3])]
+    assert online.observers == [learner_observer] and online.request_observers == [learner_observer]  # restored

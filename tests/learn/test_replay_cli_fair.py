@@ -42,6 +42,9 @@ def test_live_replay_reports_every_draft_against_the_control(workspace):
     assert measured and all({"original_alpha", "online_alpha", "offline_100pct_alpha", "online_gained"} <= r.keys()
                             for r in measured)
     assert all(r["static_alpha"] is not None for r in rows)  # the control also served every request, live
+    # the warm-up request before the stream is neither learned from nor counted
+    assert result["learner"]["requests"] == 12
+    assert sum(m["requests"] for m in result["metrics_by_draft_version"].values()) == 12
     (domain, alphas), = result["end_of_stream_alpha_on_heldout"].items()
     assert set(result["heldout_vs_control"][domain]) == {"offline_10pct", "offline_100pct", "online"}
     paired = result["heldout_vs_control"][domain]["online"]

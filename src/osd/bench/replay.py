@@ -91,6 +91,9 @@ def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig,
     system.engine.set_adaptive(spec.adaptive)
     llama_cpp = llama_cpp_target_arm(gguf, models.threads, models.n_ctx, max_new_tokens, system.engine.eos_ids) \
         if gguf is not None else None
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens)
+    _warm_up(system.engine, [static.generate] + ([plain.generate] if plain else []), llama_cpp,
+             prompt_ids(system.tokenizer, WARM_UP_PROMPT), sampling)
     positions = RequestPositions(learn.top_k, learn.max_context)
     system.engine.observers.append(positions.observe)
     learner = attach_learner(system, learn)
@@ -103,7 +106,6 @@ def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig,
         measured[result.request_id] = (items, online)
 
     system.engine.request_observers.insert(0, measure_online)  # before the learner's own after_request
-    sampling = SamplingConfig(max_new_tokens=max_new_tokens)
     records = parse_stream(stream, split, per_segment)
     rows, request_items = [], []
     iterator = progress(records) if progress else records
@@ -152,6 +154,26 @@ def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig,
             "end_of_stream_alpha_on_heldout": on_heldout, "heldout_vs_control": vs_control,
             "learner": learner.stats(), "updates": learner.history,
             "metrics_by_draft_version": system.engine.metrics.snapshot()}
+
+
+WARM_UP_PROMPT = "Write a haiku about the sea."  # not from any stream
+
+
+def _warm_up(online, others, llama_cpp, ids: list[int], sampling: SamplingConfig) -> None:
+    """One request on every arm before the stream, not counted: cold caches and first-call allocations would
+    otherwise fall on the first quarter's tokens/s. The online engine's observers (the learner among them) do
+    not see it and its metrics start after it."""
+    observers, request_observers = online.observers, online.request_observers
+    online.observers, online.request_observers = [], []
+    try:
+        online.generate(ids, sampling)
+    finally:
+        online.observers, online.request_observers = observers, request_observers
+    online.metrics.reset()
+    for generate in others:
+        generate(ids, sampling)
+    if llama_cpp is not None:
+        llama_cpp(ids)
 
 
 def llama_cpp_gguf(models: ModelConfig):
