@@ -49,7 +49,7 @@ def parse_stream(spec: str, split: str, per_segment: int) -> list[dict]:
 
 
 class RequestPositions:
-    """An engine observer keeping every proposed position of the current request (target distribution included), as
+    """An engine observer keeping every output position of the current request (target distribution included), as
     ReplayItems; `take()` hands them over and starts the next request."""
 
     def __init__(self, top_k: int, max_context: int):

@@ -72,14 +72,15 @@ def drift_order(lengths: list[int], overlap: float, seed: int = 0) -> list[int]:
 
 def learn_item(sample, eval_item, matches: list[bool], k: int, mode: str, request_id: str, version: int,
                max_new_tokens: int | None = None) -> ReplayItem | None:
-    """What the engine would have buffered for this request: target rows at rejected (or all proposed) positions."""
+    """What the engine would have buffered for this request (learn/buffer.py item_from_step): target rows at the
+    rejected positions, or at every position of the output (each accepted proposal, then the rejected or bonus one)."""
     rows = []
     for start, accepted, proposed in greedy_steps(matches, k, max_new_tokens):
         rejected = accepted < proposed and start + accepted < len(matches)
         if mode == "mismatch":
             rows += [start + accepted] if rejected else []
-        else:  # every proposal on the output trajectory: the accepted ones and the first rejected one
-            rows += list(range(start, start + accepted + int(rejected)))
+        else:
+            rows += list(range(start, min(start + accepted + 1, len(matches))))
     if not rows:
         return None
     n = len(sample.prompt_ids)

@@ -46,16 +46,18 @@ def item_from_step(record, mode: str = "mismatch", top_k: int = 64, max_context:
                    now: float | None = None) -> ReplayItem | None:
     """Turn a StepRecord into a ReplayItem, or None when it carries no signal.
 
-    mismatch: only the first rejected proposal (the paper's choice).
-    all: every proposal on the output trajectory (accepted ones and the first rejected one).
-    Bonus positions are never stored: nothing was proposed there.
+    mismatch: only the first rejected proposal (the paper's choice); nothing at a step without a rejection.
+    all: every position on the output trajectory whose target distribution verification computed: the accepted
+      proposals, then the first rejected one or, when none was rejected, the bonus position. A step at k = 0 (the
+      adaptive policy found speculation would not pay) still gives its one position, so a draft that starts too
+      far from the target to be used can learn its way into use.
     """
     if mode not in MODES:
         raise ValueError(f"replay mode must be one of {MODES}, got {mode!r}")
     k, n_acc = len(record.proposed), record.n_accepted
-    if k == 0 or (mode == "mismatch" and n_acc == k):
+    if mode == "mismatch" and n_acc == k:
         return None
-    rows = [n_acc] if mode == "mismatch" else list(range(min(n_acc + 1, k)))
+    rows = [n_acc] if mode == "mismatch" else list(range(n_acc + 1))
     base = len(record.context)
     tokens = record.context + record.proposed[: max(rows)]  # the draft saw proposals before each row
     cut = max(0, len(tokens) - max_context)

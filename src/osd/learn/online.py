@@ -52,7 +52,7 @@ log = logging.getLogger("osd.learn")
 
 @dataclass
 class LearnConfig:
-    mode: str = "mismatch"  # which positions feed the buffer: mismatch | all
+    mode: str = "mismatch"  # which positions feed the buffer: mismatch | all (every output position; buffer.py)
     top_k: int = 64  # target distribution kept per position (top-K + tail)
     capacity: int = 4096  # buffer capacity in positions (FIFO eviction)
     every_requests: int = 8  # I: update every I requests (0 = off)
@@ -76,7 +76,7 @@ class LearnConfig:
     lora_rank: int = 8
     guard: bool = True  # publish only if acceptance on held-out recent requests does not drop
     guard_holdout: float = 0.2  # newest fraction of the guard buffer's requests, held out of training
-    guard_capacity: int = 2048  # positions of the guard buffer (every proposed position of recent requests)
+    guard_capacity: int = 2048  # positions of the guard buffer (every output position of recent requests)
     guard_tolerance: float = 0.0  # allowed drop in held-out greedy agreement
     guard_z: float = 1.64  # ... and the drop must exceed z paired-noise deviations (learn/guard.py; 0 = any drop)
     drift_guard: bool = True  # (with guard) also compare the serving draft with the never-trained base on the
@@ -124,7 +124,7 @@ class OnlineLearner:
         self.reservoir = Reservoir(self.config.rehearsal_capacity, self.config.seed) if self.config.rehearsal else None
         self.buffer = ReplayBuffer(self.config.capacity, clock,  # the training signal (mismatches, or all)
                                    self.reservoir.offer if self.reservoir is not None else None)
-        # The guard judges acceptance, so it needs every proposed position (accepted ones too), not only
+        # The guard judges acceptance, so it needs every position (accepted ones too), not only
         # the mismatches: on those alone agreement is ~0 before any update and can only look better after.
         self.guard_buffer = ReplayBuffer(self.config.guard_capacity, clock)
         self.trigger = UpdateTrigger(self.config.every_requests, self.config.min_positions, self.config.max_age_seconds)
