@@ -1,7 +1,7 @@
 """The speculative decoding step loop: propose -> verify -> commit -> observe (PAPER.md section 1).
 
 One request at a time (batch size 1). Observers (metrics, the online learner) receive every
-StepRecord, which already holds the target's logits at the proposed positions: learning from
+StepRecord, which already holds the target's logits at every position it verified: learning from
 verification needs no extra target forward.
 """
 from __future__ import annotations

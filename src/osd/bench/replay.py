@@ -189,7 +189,7 @@ def llama_cpp_gguf(models: ModelConfig):
 
 
 def _add_teacher_forced_columns(rows, request_items, variants, split_at) -> None:
-    """<draft>_alpha: teacher-forced greedy agreement on the request's proposed positions; gained / lost: paired with
+    """<draft>_alpha: teacher-forced greedy agreement on the request's output positions; gained / lost: paired with
     the control there. The online draft's comes from the time the request ended."""
     for row, (items, online) in zip(rows, request_items):
         row["positions"] = sum(len(it.positions) for it in items)
@@ -246,7 +246,7 @@ def report_live_comparison(result: dict, out: str, markdown: str, window: int = 
     fair = {**result, "requests": rows}
     png = plot(fair, str(Path(out).with_suffix(".drafts.png")), window)
     t_rows, header = summary(fair, window)
-    blocks = ["Teacher-forced greedy agreement on each request's proposed positions, every draft on the same positions "
+    blocks = ["Teacher-forced greedy agreement on each request's output positions, every draft on the same positions "
               "(the online one as the request ended); gained / lost / z: paired with the control:", table(t_rows, header),
               *recovery_notes(fair, window)]
     h_rows = heldout_rows(result)
