@@ -181,3 +181,27 @@ def test_engine_stops_speculating_with_a_slow_draft_and_keeps_a_free_lookup():
     result = chained.generate(prompt, sampling)
     assert result.token_ids == want
     assert result.counters.proposed > 0 and draft.calls <= 2
+
+
+def test_a_new_draft_version_is_probed_at_once():
+    policy = KPolicy(k_max=4, adaptive=True, alpha_prior=0.3, probe_every=4, max_probe_every=64)
+    policy.calibrate(t_draft=0.001, t_target=[0.030, 0.054, 0.075, 0.09, 0.10])  # alpha 0.3: k = 0, probes back off
+    policy.on_draft_version(0)
+    ks = [policy.choose_k(64) for _ in range(60)]
+    assert [i for i, k in enumerate(ks) if k] == [3, 11, 27, 59]  # intervals 4, 8, 16, 32
+    assert [policy.choose_k(64) for _ in range(5)] == [0] * 5  # now 64 steps apart
+    policy.on_draft_version(0)  # the same version: nothing changes
+    assert policy.choose_k(64) == 0
+    policy.on_draft_version(1)  # the learner published a new draft: probe it at once, then back off from the base
+    assert [policy.choose_k(64) for _ in range(10)] == [2] + [0] * 7 + [2, 0]  # interval 8 (not 128) after it
+
+
+def test_the_engine_tells_each_policy_the_draft_version(target_model, tokenizer):
+    from helpers import make_engine
+    engine, registry = make_engine(target_model, tiny_qwen2(seed=3, layers=1), tokenizer, k=3, adaptive=True)
+    seen = []
+    engine.policies[0].on_draft_version = seen.append
+    engine.generate([5, 6, 7], SamplingConfig(max_new_tokens=4))
+    registry.publish("draft", tiny_qwen2(seed=4, layers=1))
+    engine.generate([5, 6, 7], SamplingConfig(max_new_tokens=4))
+    assert seen == [0, 1]

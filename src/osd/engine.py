@@ -118,6 +118,8 @@ class SpeculativeEngine:
         if self.proposer is not None:
             self.proposer.begin(tokens)
             draft = (self.proposer.name, self.proposer.version)
+            for source, policy in zip(self.sources, self.policies):  # a new draft version: probe it soon
+                policy.on_draft_version(getattr(source, "version", None))
         while stopper.finish_reason is None:
             t0 = self.clock()
             proposal, source = self._propose(tokens, sampling.max_new_tokens - len(stopper.token_ids), sampling, generator)

@@ -68,6 +68,8 @@ class KPolicy:
     tokens they could yield), it probes only every `max_probe_every` steps: rarely, but a draft cost measured
     on a cold start or a busy machine cannot switch speculation off for good. A timing faster than the
     estimate is taken at once (noise only ever slows a forward), a slower one through the EMA.
+    A new draft version (the online learner published one) may accept more than the old: the next step that would
+    not speculate probes at once, and the interval starts again at `probe_every`.
     """
 
     def __init__(self, k_max: int, adaptive: bool = True, alpha_prior: float = 0.7, ema: float = 0.9, probe_every: int = 16,
@@ -78,6 +80,7 @@ class KPolicy:
         self.t_draft: float | None = None
         self.costs = costs or TargetCosts(k_max)
         self._zero_steps, self._interval, self.probes = 0, probe_every, 0
+        self.draft_version = None
 
     @property
     def alpha(self) -> float:
@@ -97,6 +100,12 @@ class KPolicy:
         if costs is None or self.t_draft is None:
             return None
         return best_k(self.alpha if alpha is None else alpha, self.t_draft, costs[: cap + 1], cap)
+
+    def on_draft_version(self, version) -> None:
+        """The source's draft version at the start of a request (None: a source without versions)."""
+        if version != self.draft_version and self.draft_version is not None:
+            self._interval, self._zero_steps = self.probe_every, self.probe_every - 1  # probe at the next k = 0 step
+        self.draft_version = version
 
     def choose_k(self, remaining: int) -> int:
         cap = max(0, min(self.k_max, remaining - 1))
