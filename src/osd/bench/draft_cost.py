@@ -24,12 +24,17 @@ def layer_set(count: int, depth: int) -> list[int]:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
+RUNNERS = ("glue", "transformers")  # the draft runner the proposer picks (models/glue_draft.py), or the reference
+
+
 def draft_token_seconds(serving, vocab_ids, vocab_size: int, context: int = 64, tokens: int = 16,
-                        clock=time.perf_counter) -> float:
-    """Mean seconds of one proposed token (one-token feed + map to the target's vocabulary + argmax), after a
-    prefill of `context` tokens, over `tokens` proposals."""
+                        clock=time.perf_counter, runner: str = "glue") -> float:
+    """Mean seconds of one proposed token (one-token feed + argmax, as target ids), after a prefill of `context`
+    tokens, over `tokens` proposals. runner "glue": the runner the proposer picks (the glue runner where the serving
+    copy qualifies); "transformers": the transformers forward (models/cached.py), for comparison."""
     from osd.config import SamplingConfig
     from osd.drafts import DraftRegistry
+    from osd.models.cached import CachedModel
     from osd.propose import DraftModelProposer
 
     registry = DraftRegistry()
@@ -38,6 +43,8 @@ def draft_token_seconds(serving, vocab_ids, vocab_size: int, context: int = 64, 
     ids = [1000 + (7 * i) % 5000 for i in range(context)]
     greedy = SamplingConfig(max_new_tokens=tokens + 1)
     proposer.begin(ids)
+    if runner == "transformers":
+        proposer.runner = CachedModel(serving)
     proposer.propose(ids, 1, greedy)  # prefill (not timed)
     t0 = clock()
     proposer.propose(ids + [0], tokens, greedy)  # every forward feeds one token
@@ -59,7 +66,8 @@ def target_token_seconds(target, context: int = 64, tokens: int = 16, clock=time
 
 
 def run_draft_cost(base: str, target, layer_counts: list[int], vocabs: list[int], quantize: str = "int8",
-                   context: int = 64, tokens: int = 16, repeats: int = 3, clock: str = "wall", progress=None) -> dict:
+                   context: int = 64, tokens: int = 16, repeats: int = 3, clock: str = "wall", progress=None,
+                   runners: tuple[str, ...] = ("glue",)) -> dict:
     """Rows (layers, vocab, t_draft, c); `target` is a runner or torch model (None: no c).
 
     Every figure is the minimum over `repeats` rounds (what a token costs when neighbours leave the cores alone),
@@ -69,6 +77,10 @@ def run_draft_cost(base: str, target, layer_counts: list[int], vocabs: list[int]
     from osd.models.loading import load_model
     from osd.models.serving_draft import make_serving_draft
 
+    from osd.errors import InvalidArgument
+
+    if not runners or set(runners) - set(RUNNERS):
+        raise InvalidArgument(f"draft runners must be among {', '.join(RUNNERS)}; got {','.join(runners)!r}")
     model = load_model(base)
     depth, vocab_size = len(model.model.layers), int(model.config.vocab_size)
     rows, target_times = [], []
@@ -79,14 +91,16 @@ def run_draft_cost(base: str, target, layer_counts: list[int], vocabs: list[int]
         tick = CLOCKS[clock]
         if target is not None:  # interleaved with the draft's: both see the same neighbours on a shared CPU
             target_times.append(target_token_seconds(target, context, tokens, tick))
-        times = [draft_token_seconds(serving, vocab_ids, vocab_size, context, tokens, tick) for _ in range(repeats)]
-        rows.append({"layers": len(layers), "layer_ids": layers, "vocab": vocab, "t_draft_ms": 1000 * min(times),
-                     "t_draft_median_ms": 1000 * statistics.median(times)})
+        for runner in runners:  # interleaved rounds: each runner sees the same neighbours
+            times = [draft_token_seconds(serving, vocab_ids, vocab_size, context, tokens, tick, runner)
+                     for _ in range(repeats)]
+            rows.append({"layers": len(layers), "layer_ids": layers, "vocab": vocab, "runner": runner,
+                         "t_draft_ms": 1000 * min(times), "t_draft_median_ms": 1000 * statistics.median(times)})
         del serving
     t_target = min(target_times) if target_times else None
     for row in rows:
         row["c"] = row["t_draft_ms"] / (1000 * t_target) if t_target else None
     return {"config": {"base": base, "quantize": quantize, "context": context, "tokens": tokens, "repeats": repeats,
-                       "clock": clock, "threads": torch.get_num_threads()},
+                       "clock": clock, "threads": torch.get_num_threads(), "runners": list(runners)},
             "t_target_ms": 1000 * t_target if t_target else None,
             "t_target_median_ms": 1000 * statistics.median(target_times) if target_times else None, "rows": rows}

@@ -47,6 +47,8 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"], help="cpu = this thread's CPU time (use with "
                    "--threads 1 on a busy machine)")
+    p.add_argument("--runners", default="glue", help="draft runners to time, comma list: glue (the one the engine "
+                   "uses where the copy qualifies, models/glue_draft.py), transformers (the reference forward)")
     p.add_argument("--out", default="benchmarks/draft-cost.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
     p.set_defaults(func=cmd_cost)
@@ -101,11 +103,12 @@ def cmd_cost(args) -> None:
     target = open_target(args.target, args.threads) if args.target else None
     result = run_draft_cost(args.base, target, [int(x) for x in args.layer_counts.split(",")],
                             [int(x) for x in args.vocabs.split(",")], args.quantize, repeats=args.repeats,
-                            clock=args.clock, progress=_progress())
+                            clock=args.clock, progress=_progress(), runners=tuple(args.runners.split(",")))
     path = write_result(result, args.out)
-    rows = [[r["layers"], ",".join(map(str, r["layer_ids"])), r["vocab"], r["t_draft_ms"], r["t_draft_median_ms"], r["c"]]
-            for r in result["rows"]]
-    t = table(rows, ["layers", "kept", "head rows", "ms/token (min)", "ms/token (median)", "c = draft/target"])
+    rows = [[r["layers"], ",".join(map(str, r["layer_ids"])), r["vocab"], r["runner"], r["t_draft_ms"],
+             r["t_draft_median_ms"], r["c"]] for r in result["rows"]]
+    t = table(rows, ["layers", "kept", "head rows", "draft runner", "ms/token (min)", "ms/token (median)",
+                     "c = draft/target"])
     note = (f"target {args.target}: {result['t_target_ms']:.1f} ms/token (median {result['t_target_median_ms']:.1f})"
             if result["t_target_ms"] else "no target measured")
     m = machine()

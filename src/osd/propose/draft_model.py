@@ -8,6 +8,7 @@ import torch
 from osd.config import SamplingConfig
 from osd.drafts import DraftRegistry, weights_fingerprint
 from osd.models.cached import CachedModel
+from osd.models.glue_draft import glue_draft_runner
 from osd.propose.base import Proposal
 from osd.verify.sampling import sample_from, warp_probs
 
@@ -24,14 +25,15 @@ class DraftModelProposer:
     def __init__(self, registry: DraftRegistry, name: str, vocab_size: int):
         self.registry, self.name, self.vocab_size = registry, name, vocab_size
         self.version = -1
-        self.runner: CachedModel | None = None
+        self.runner = None  # the glue runner over the snapshot's serving copy where it qualifies, else CachedModel
         self.vocab_ids: torch.Tensor | None = None
 
     def begin(self, prompt_ids: list[int]) -> None:
         snap = self.registry.get(self.name)
         if self.runner is None or snap.version != self.version or self.runner.model is not snap.model:
-            self.runner = CachedModel(snap.model)
+            self.runner = glue_draft_runner(snap.model) or CachedModel(snap.model)
             self.version, self.vocab_ids = snap.version, snap.vocab_ids
+            self._increasing = self.vocab_ids is None or bool((self.vocab_ids[1:] > self.vocab_ids[:-1]).all())
         self.runner.reset()
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -43,19 +45,28 @@ class DraftModelProposer:
         full[ids] = logits[: len(ids)]
         return full
 
+    def _greedy(self, logits: torch.Tensor) -> int:
+        """The target id of the draft's argmax, taken in the draft's own vocabulary (no (V,) scatter per token);
+        the same id as the argmax over _full_vocab (first maximum) where the map is increasing."""
+        if self.vocab_ids is None:
+            return int(logits[: self.vocab_size].argmax())
+        if not self._increasing:
+            return int(self._full_vocab(logits).argmax())
+        return int(self.vocab_ids[int(logits[: len(self.vocab_ids)].argmax())])
+
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator=None) -> Proposal:
         proposed, probs, timings = [], [], []
         runner = self.runner
         pending = tokens[runner.length :]
         for _ in range(k):
             t0 = time.perf_counter()
-            logits = self._full_vocab(runner.feed(pending)[0])  # (V,)
+            logits = runner.feed(pending)[0]  # (V',): the draft's own vocabulary (a map's, or a prefix of V)
             if len(pending) == 1:  # catch-up forwards (several pending tokens) would skew the cost model
                 timings.append(time.perf_counter() - t0)
             if sampling.greedy:
-                token = int(logits.argmax())
+                token = self._greedy(logits)
             else:
-                q = warp_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+                q = warp_probs(self._full_vocab(logits), sampling.temperature, sampling.top_k, sampling.top_p)
                 token = sample_from(q, generator)
                 probs.append(q)
             proposed.append(token)

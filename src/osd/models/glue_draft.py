@@ -1,0 +1,166 @@
+"""A Qwen2 draft's int8 serving copy run on compiled glue, without transformers' per-layer Python.
+
+The draft runner of the decoding loop (models/runner.py's seam): the same weights as the serving copy of
+models/serving_draft.py (int8 linears, one scale per output row; int8 embedding; a derived draft's small LM head),
+but each forward is ~15 calls into compiled code per layer set: rows_linear_int8 (models/kernels.py) for the
+linears and the Q4 backend's glue (models/q4_glue.cpp) for RMSNorm, q/k/v biases + RoPE + KV-cache write, causal
+GQA attention and SiLU * up. transformers' Qwen2 forward spends about as long in Python and small torch ops as in
+the int8 matrices for a 2-layer draft (4.4 ms per token against 2.0 ms of matrices; BENCHMARKS.md "Draft runner"),
+and the draft's cost per token (c) decides whether a proposal pays against a 4-bit target.
+
+Row invariance holds as in the serving copy: every glue op and the int8 kernel compute a row the same way
+whatever the number of rows fed with it. The floats are not those of the transformers forward (another
+attention, exp and RMSNorm order; ~1e-6), which changes at most a proposal at an exact near-tie, never an output:
+the target verifies every token.
+
+`glue_draft_runner(model)` gives the runner when the model qualifies (Qwen2, every linear an int8 weight-only
+Int8Linear, an int8 embedding, widths multiples of 8, plain RoPE, no sliding window, the kernels built), else None
+and the caller keeps the transformers runner (models/cached.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from osd.errors import ContextTooLong, InvalidArgument
+
+INITIAL_CONTEXT = 1024  # cache positions allocated at first; doubled as a sequence grows
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor
+    qkv: tuple  # (weight_int8 (N, K), scale (N,)) of q, k, v stacked
+    qkv_bias: torch.Tensor
+    o: object  # Int8Linear
+    ffn_norm: torch.Tensor
+    gate_up: tuple  # gate and up stacked
+    down: object  # Int8Linear
+
+
+def qualifies(model) -> str | None:
+    """None when the glue runner can serve `model`, else why not (one line)."""
+    from osd.models.serving_draft import Int8Embedding, Int8Linear
+
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "qwen2":
+        return "not a Qwen2 model"
+    if getattr(config, "use_sliding_window", False) or getattr(config, "rope_scaling", None):
+        return "sliding-window attention or scaled RoPE"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if head_dim * heads != config.hidden_size or heads % kv_heads:
+        return "head sizes disagree with the hidden size"
+    if config.hidden_size % 8 or head_dim % 16 or config.intermediate_size % 8:
+        return "widths are not multiples of 8 (head dim: of 16)"
+    inner = model.model
+    if not isinstance(inner.embed_tokens, Int8Embedding) or not isinstance(model.lm_head, Int8Linear):
+        return "not an int8 serving copy"
+    for layer in inner.layers:
+        a, f = layer.self_attn, layer.mlp
+        linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.gate_proj, f.up_proj, f.down_proj)
+        if not all(isinstance(x, Int8Linear) and not x.vnni for x in linears):
+            return "a linear is not an int8 weight-only Int8Linear"
+        if a.o_proj.bias is not None or any(x.bias is not None for x in linears[4:]):
+            return "biases outside q/k/v"
+    return None
+
+
+def glue_draft_runner(model, context_window: int = 0):
+    """The glue runner over `model` (an int8 serving copy), or None where it does not qualify or the glue
+    kernels cannot be built (the transformers runner then serves, as before)."""
+    if qualifies(model) is not None:
+        return None
+    try:
+        from osd.models.q4_runner import glue
+
+        module = glue()
+    except Exception:  # noqa: BLE001 - no compiler / no AVX2: the transformers runner serves
+        return None
+    return GlueDraftRunner(model, module, context_window)
+
+
+def _stack(*linears) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.cat([x.weight_int8 for x in linears]).contiguous(), torch.cat([x.scale for x in linears]).contiguous()
+
+
+class GlueDraftRunner:
+    """Feeds tokens into a Qwen2 int8 serving copy whose KV cache (float32, (G, T, D) per layer) holds the first
+    `length` tokens of one sequence. `model` is the serving copy it reads (its weights are shared, not copied, except
+    q/k/v and gate/up, stacked once into one matrix each)."""
+
+    def __init__(self, model, glue_module, context_window: int = 0):
+        self.model, self._glue = model, glue_module
+        config = model.config
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.eps, self.theta = float(config.rms_norm_eps), float(getattr(config, "rope_theta", 10000.0))
+        limit = int(getattr(config, "max_position_embeddings", 0) or 0)
+        self.context_window = min(x for x in (context_window, limit) if x) if (context_window or limit) else 0
+        inner = model.model
+        self._embed, self._norm, self._head = inner.embed_tokens, inner.norm.weight.detach().float().contiguous(), model.lm_head
+        self._kernel = model.lm_head.kernel
+        self.layers = []
+        for layer in inner.layers:
+            a, f = layer.self_attn, layer.mlp
+            biases = [x.bias if x.bias is not None else torch.zeros(x.out_features) for x in (a.q_proj, a.k_proj, a.v_proj)]
+            self.layers.append(_Layer(layer.input_layernorm.weight.detach().float().contiguous(),
+                                      _stack(a.q_proj, a.k_proj, a.v_proj), torch.cat(biases).float().contiguous(),
+                                      a.o_proj, layer.post_attention_layernorm.weight.detach().float().contiguous(),
+                                      _stack(f.gate_proj, f.up_proj), f.down_proj))
+        self.vocab_size = int(model.lm_head.out_features)
+        from osd.models.runner import eos_ids_of
+
+        self.eos_ids = eos_ids_of(getattr(model, "generation_config", None), config)
+        self.length, self._capacity = 0, 0
+        self._grow(min(INITIAL_CONTEXT, self.context_window or INITIAL_CONTEXT))
+
+    def _grow(self, needed: int) -> None:
+        """Room for `needed` positions: the cache and RoPE tables reallocated (doubling), cached rows kept."""
+        from osd.models.q4_runner import rope_tables
+
+        if needed <= self._capacity:
+            return
+        capacity = max(needed, 2 * self._capacity)
+        if self.context_window:
+            capacity = min(capacity, self.context_window)
+        shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)
+        k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+        if self._capacity:
+            k_cache[:, :, : self.length] = self.k_cache[:, :, : self.length]
+            v_cache[:, :, : self.length] = self.v_cache[:, :, : self.length]
+        self.k_cache, self.v_cache, self._capacity = k_cache, v_cache, capacity
+        self._kv = [(k_cache[i], v_cache[i]) for i in range(len(self.layers))]
+        self.cos, self.sin = rope_tables(capacity, self.head_dim, self.theta)
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first `length` cached tokens (the next feed overwrites the rest)."""
+        if length < 0:
+            raise InvalidArgument(f"rollback length must be >= 0, got {length}")
+        self.length = min(self.length, length)
+
+    @torch.inference_mode()
+    def feed(self, token_ids: list[int], n_logits: int = 1) -> torch.Tensor:
+        """Append tokens to the cache; return float32 logits (n_logits, V') for the last positions."""
+        end = self.length + len(token_ids)
+        if self.context_window and end > self.context_window:
+            raise ContextTooLong(f"{end} tokens exceed the draft's context of {self.context_window}")
+        self._grow(end)
+        n_logits = max(1, min(n_logits, len(token_ids)))
+        g, linear = self._glue, self._kernel
+        x = self._embed(torch.tensor(token_ids, dtype=torch.long)).contiguous()  # (M, hidden)
+        pos = torch.arange(self.length, end)
+        for layer, (k_cache, v_cache) in zip(self.layers, self._kv):
+            qkv = linear(g.rms_norm(x, layer.attn_norm, self.eps), *layer.qkv, None, False)  # (M, (H + 2G) D)
+            q = g.qkv_rope(qkv, layer.qkv_bias, self.cos, self.sin, pos, k_cache, v_cache, self.heads)
+            x = x + layer.o(g.attention(q, k_cache, v_cache, pos))
+            gate_up = linear(g.rms_norm(x, layer.ffn_norm, self.eps), *layer.gate_up, None, False)  # (M, 2 I)
+            x = x + layer.down(g.silu_mul(gate_up))
+        self.length = end
+        return self._head(g.rms_norm(x[-n_logits:].contiguous(), self._norm, self.eps))  # (n_logits, V')
