@@ -40,7 +40,7 @@ def draft_token_seconds(serving, vocab_ids, vocab_size: int, context: int = 64, 
     registry = DraftRegistry()
     registry.publish("cost", serving, vocab_ids)
     proposer = DraftModelProposer(registry, "cost", vocab_size)
-    ids = [1000 + (7 * i) % 5000 for i in range(context)]
+    ids = [(1000 + (7 * i) % 5000) % vocab_size for i in range(context)]
     greedy = SamplingConfig(max_new_tokens=tokens + 1)
     proposer.begin(ids)
     if runner == "transformers":
