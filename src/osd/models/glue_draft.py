@@ -2,11 +2,13 @@
 
 The draft runner of the decoding loop (models/runner.py's seam): the same weights as the serving copy of
 models/serving_draft.py (int8 linears, one scale per output row; int8 embedding; a derived draft's small LM head),
-but each forward is ~15 calls into compiled code per layer set: rows_linear_int8 (models/kernels.py) for the
-linears and the Q4 backend's glue (models/q4_glue.cpp) for RMSNorm, q/k/v biases + RoPE + KV-cache write, causal
-GQA attention and SiLU * up. transformers' Qwen2 forward spends about as long in Python and small torch ops as in
-the int8 matrices for a 2-layer draft (4.4 ms per token against 2.0 ms of matrices; BENCHMARKS.md "Draft runner"),
-and the draft's cost per token (c) decides whether a proposal pays against a 4-bit target.
+but each forward is 8 calls per layer into compiled code: rows_linear_int8 (models/kernels.py) for the linears
+(q/k/v and gate/up stacked into one matrix each) and the Q4 backend's glue (models/q4_glue.cpp) for RMSNorm, q/k/v
+biases + RoPE + KV-cache write, causal GQA attention and SiLU * up. transformers' Qwen2 forward spends about as
+long in Python and small torch ops as in the int8 matrices of a 2-layer draft, and the draft's cost per token (c)
+decides whether a proposal pays against a 4-bit target: the cheap draft costs 1.7 ms per token here against
+2.7 ms through transformers (c 0.054 vs 0.088; the whole 0.5B 14.9 vs 21.4 ms; `osd draft cost --runners
+glue,transformers`, BENCHMARKS.md "Derived draft cost").
 
 Row invariance holds as in the serving copy: every glue op and the int8 kernel compute a row the same way
 whatever the number of rows fed with it. The floats are not those of the transformers forward (another
