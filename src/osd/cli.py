@@ -166,7 +166,7 @@ def cmd_replay_routed(args) -> None:
                                    args.split, args.per_segment, DecodeSettings(max_new_tokens=args.max_new_tokens,
                                                                                 top_k=learn.top_k), args.k,
                                    args.heldout, args.heldout_split, args.batch_size_generate, args.cache_dir, tqdm,
-                                   seed=learn.seed, on_row=on_row)
+                                   seed=learn.seed, on_row=on_row, fork_at=args.fork_at)
     report_routed_replay(result, args.out, args.markdown, args.window)
 
 
@@ -241,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=25, help="--fast: save the state every this many requests")
     p.add_argument("--fresh", action="store_true", help="--fast: discard a saved state and start over")
     p.add_argument("--window", type=int, default=10, help="moving-average window of the plot")
+    p.add_argument("--fork-at", type=int, default=0, help="--route: the shared draft serves every arm for this many "
+                   "requests, then the per-mode and per-label drafts start as copies of it (a split); 0 = they start "
+                   "from the base")
     p.add_argument("--out", default="benchmarks/replay.json", help="result JSON (and PNG beside it); --fast also writes "
                    "each request's row to <out>.rows.jsonl as it is measured, so a run cut short keeps them")
     p.add_argument("--markdown", default="BENCHMARKS.md")

@@ -9,6 +9,7 @@ from osd.bench.replay_routed import label_map, mixed_order, router_accuracy, rou
 from osd.bench.replay_routed_report import label_curves, report_routed_replay
 from osd.distill.cache import DecodeSettings, TargetCache
 from osd.distill.target_outputs import target_samples
+from osd.errors import InvalidArgument
 from osd.learn.online import LearnConfig
 from osd.route.config import RouteConfig
 from osd.route.system import featurizer
@@ -35,8 +36,7 @@ def test_router_accuracy_matches_labels_to_drafts_one_to_one():
     assert router_accuracy(collapsed, label_map(collapsed))["accuracy"] == pytest.approx(3 / 5)
 
 
-@pytest.fixture(scope="module")
-def replayed(tmp_path_factory):
+def _stream(tmp_path_factory):
     cache = TargetCache(tmp_path_factory.mktemp("teacher"), "tiny")
     target, settings = tiny_qwen2(seed=0), DecodeSettings(max_new_tokens=10, top_k=16)
     samples = {m: target_samples(cache, target, ps, settings, {EOS}, batch_size=36) for m, ps in PROMPTS.items()}
@@ -47,8 +47,16 @@ def replayed(tmp_path_factory):
         ordered.append(stream[m][cursor[m]])
         domains.append(m)
         cursor[m] += 1
-    learn = LearnConfig(every_requests=4, steps_per_update=4, batch_size=8, lr=1e-2, train_layers=1, guard=False)
-    route = RouteConfig(score_share=1.0, explore=0.05, route_warmup=16)
+    return ordered, domains, held
+
+
+LEARN = LearnConfig(every_requests=4, steps_per_update=4, batch_size=8, lr=1e-2, train_layers=1, guard=False)
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory):
+    ordered, domains, held = _stream(tmp_path_factory)
+    learn, route = LEARN, RouteConfig(score_share=1.0, explore=0.05, route_warmup=16)
     base = tiny_qwen2(seed=1, layers=2)
     result = routed_replay(ordered, domains, base, learn, route, featurizer(ToyTokenizer(), route), k=3,
                            max_new_tokens=10, heldout=held)
@@ -95,3 +103,25 @@ def test_report_writes_json_and_markdown_with_the_targets(replayed, tmp_path):
         mine = [r for r in result["requests"] if r["domain"] == d]
         assert curves[d]["per-mode drafts, router"] == [r["routed_alpha"] for r in mine] and len(curves[d]) == 4
     assert (tmp_path / "routed.png").stat().st_size > 1000 and "plot: `" in text
+
+
+def test_a_fork_serves_every_arm_with_the_shared_draft_then_starts_each_draft_as_its_copy(tmp_path_factory):
+    """--fork-at: before the split the oracle and router columns are the shared draft's and only it learns; at the
+    split every per-mode draft is a copy of the shared draft as it then is (so their first measurements agree)."""
+    ordered, domains, held = _stream(tmp_path_factory)
+    route = RouteConfig(score_share=1.0, explore=0.0, route_warmup=16)
+    base = tiny_qwen2(seed=1, layers=2)
+    result = routed_replay(ordered, domains, base, LEARN, route, featurizer(ToyTokenizer(), route), k=3,
+                           max_new_tokens=10, heldout=held, fork_at=24)
+    rows = result["requests"]
+    for r in rows[:24]:
+        assert r["oracle_alpha"] == r["routed_alpha"] == r["shared_alpha"] and r["route_reason"] == "before the fork"
+    assert rows[24]["oracle_alpha"] == rows[24]["shared_alpha"] == rows[24]["routed_alpha"]  # copies, not yet trained
+    assert any(r["shared_alpha"] > r["control_alpha"] for r in rows[:24])  # the shared draft learnt before the split
+    learners = result["learners"]
+    assert learners["shared"]["requests"] == 60
+    assert sum(s["requests"] for s in learners["oracle"].values()) == 36  # each per-label draft: its traffic after
+    assert sum(s["requests"] for s in learners["routed"].values()) == 36
+    assert result["router"]["explored_share"] == 0.0 and "d0" in result["router"]["label_to_draft"].values()
+    with pytest.raises(InvalidArgument, match="fork"):
+        routed_replay(ordered, domains, base, LEARN, route, featurizer(ToyTokenizer(), route), fork_at=60)

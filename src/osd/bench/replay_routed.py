@@ -39,6 +39,8 @@ from osd.route.feedback import ScoreBudget, acceptance
 from osd.route.policy import Router
 
 ARMS = ("control", "shared", "oracle", "routed")
+BEFORE_FORK = "before the fork"  # route_reason of requests the shared draft served for every arm (fork_at)
+UNROUTED = ("explore", BEFORE_FORK)  # requests router accuracy does not count
 
 
 class _Published:
@@ -70,17 +72,35 @@ def _learn(learner: OnlineLearner, sample, item, matches, k: int, request_id: st
     learner.after_request()
 
 
+def per_mode_learners(start, learn: LearnConfig, labels: list[str], names: list[str]) -> tuple[dict, dict]:
+    """The oracle's per-label and the router's per-mode learners, each a copy of `start` (the base draft, or at a
+    fork the shared draft as it is then)."""
+    oracle = {d: online_learner(start, learn, learn.seed + 1 + j) for j, d in enumerate(labels)}
+    routed = {n: online_learner(start, learn, learn.seed + 101 + j) for j, n in enumerate(names)}
+    return oracle, routed
+
+
 def routed_replay(samples: list, domains: list[str], base, learn: LearnConfig, route: RouteConfig, featurize,
                   k: int = 4, max_new_tokens: int | None = None, heldout: dict[str, list] | None = None,
-                  progress=None, on_row=None) -> dict:
-    """The four arms over target samples in stream order; `base` is left unchanged."""
+                  progress=None, on_row=None, fork_at: int = 0) -> dict:
+    """The four arms over target samples in stream order; `base` is left unchanged.
+
+    fork_at > 0: a split instead of drafts created equal. The first `fork_at` requests are served by the one shared
+    draft in every arm (the oracle's and the router's columns are the shared draft's; only it learns; the router
+    still sees the prompts, so its clustering warms up); then every per-label and per-mode draft starts as a copy
+    of the shared draft as it is at that request (the server's "create a draft as a copy of another") and learns
+    its own traffic from there. The control of what a split adds is the shared draft, which goes on alone."""
+    if fork_at >= len(samples):
+        raise InvalidArgument(f"--fork-at {fork_at}: the stream has {len(samples)} requests; fork before its end")
+    if fork_at > 0 and learn.trainable == "lora":
+        raise InvalidArgument("--fork-at copies the shared draft's trainable layers; with --trainable lora that would "
+                              "stack adapters on adapters: use a layer trainable set (no_embeddings)")
     split = split_index(base, learn.train_layers)
     items = [sample_item(s) for s in samples]
     labels = list(dict.fromkeys(domains))
     names = route.names() or [f"d{j}" for j in range(len(labels))]
     shared = online_learner(base, learn, learn.seed)
-    oracle = {d: online_learner(base, learn, learn.seed + 1 + j) for j, d in enumerate(labels)}
-    routed = {n: online_learner(base, learn, learn.seed + 101 + j) for j, n in enumerate(names)}
+    oracle, routed = per_mode_learners(base, learn, labels, names) if fork_at <= 0 else ({}, {})
     router, budget = Router(names, route, featurize), ScoreBudget(route.score_share, route.route_seed + 1)
     matches = lambda model, i: position_stats(model, [items[i]], [samples[i]], split)[0]["matches"]
     rows, seconds = [], {"route": 0.0, "score": 0.0, "replay": 0.0}
@@ -91,6 +111,20 @@ def routed_replay(samples: list, domains: list[str], base, learn: LearnConfig, r
         row = {"i": i, "domain": domain, "positions": len(sample.response_ids)}
         control = matches(base, i)
         row.update(_alpha_columns("control", control, k, max_new_tokens))
+        if fork_at > 0 and i == fork_at:
+            oracle, routed = per_mode_learners(shared.master, learn, labels, names)
+        if not routed:  # before the fork: one draft serves every arm
+            got = matches(shared.master, i)
+            for arm in ("shared", "oracle", "routed"):
+                row.update(_alpha_columns(arm, got, k, max_new_tokens, control))
+            _learn(shared, sample, item, got, k, rid, max_new_tokens)
+            decision = router.route(sample.prompt_ids)
+            router.commit(decision)
+            row.update(routed_draft="shared", routed_owner=decision.owner, route_reason=BEFORE_FORK, scored=False)
+            rows.append(row)
+            if on_row:
+                on_row(row)
+            continue
         for arm, learner in (("shared", shared), ("oracle", oracle[domain])):
             got = matches(learner.master, i)
             row.update(_alpha_columns(arm, got, k, max_new_tokens, control))
@@ -130,11 +164,11 @@ def routed_replay(samples: list, domains: list[str], base, learn: LearnConfig, r
 
 
 def label_map(rows: list[dict], key: str = "routed_draft") -> dict[str, str]:
-    """label -> draft, one-to-one: pairs taken greedily by how many of the label's (non-explored) requests the
-    draft got under `key`; a label left without a draft is absent."""
+    """label -> draft, one-to-one: pairs taken greedily by how many of the label's routed requests (not explored,
+    not before a fork) the draft got under `key`; a label left without a draft is absent."""
     counts: dict[tuple[str, str], int] = {}
     for r in rows:
-        if r["route_reason"] != "explore":
+        if r["route_reason"] not in UNROUTED:
             pair = (r["domain"], r[key])
             counts[pair] = counts.get(pair, 0) + 1
     out, taken = {}, set()
@@ -146,13 +180,14 @@ def label_map(rows: list[dict], key: str = "routed_draft") -> dict[str, str]:
 
 
 def router_accuracy(rows: list[dict], matched: dict[str, str], key: str = "routed_draft") -> dict:
-    """Share of (non-explored) requests whose draft under `key` is their label's match: over the stream and its
-    second half."""
-    routed = [r for r in rows if r["route_reason"] != "explore"]
+    """Share of routed requests (not explored, not before a fork) whose draft under `key` is their label's match:
+    over the stream and its second half; explored_share: of the requests after the fork."""
+    routed = [r for r in rows if r["route_reason"] not in UNROUTED]
+    after_fork = [r for r in rows if r["route_reason"] != BEFORE_FORK]
     hit = lambda part: sum(r[key] == matched.get(r["domain"]) for r in part) / max(1, len(part))
     scored = [r for r in routed if "served_best" in r]
     return {"accuracy": hit(routed), "accuracy_second_half": hit(routed[len(routed) // 2:]),
-            "explored_share": 1 - len(routed) / max(1, len(rows)),
+            "explored_share": 1 - len(routed) / max(1, len(after_fork)),
             "served_best_share": sum(r["served_best"] for r in scored) / len(scored) if scored else None}
 
 
@@ -196,7 +231,7 @@ def _heldout(unseen: dict[str, list], base, shared, oracle, routed, router, matc
 
 def run_routed_replay(models, learn: LearnConfig, route: RouteConfig, stream: str, split: str, per_segment: int,
                       settings, k: int = 4, heldout: int = 0, heldout_split: str = "test", batch_size_generate: int = 16,
-                      cache_dir=None, progress=None, seed: int = 0, on_row=None) -> dict:
+                      cache_dir=None, progress=None, seed: int = 0, on_row=None, fork_at: int = 0) -> dict:
     """Target outputs from the teacher cache (filled once), the stream interleaved, the four arms."""
     from osd.distill.target_outputs import dataset_samples
     from osd.models.loading import load_model
@@ -222,8 +257,9 @@ def run_routed_replay(models, learn: LearnConfig, route: RouteConfig, stream: st
         cursor[j] += 1
     base = load_model(models.draft, models.draft_dtype)
     result = routed_replay(samples, domains, base, learn, route, featurizer(tokenizer, route), k,
-                           settings.max_new_tokens, unseen, progress, on_row)
+                           settings.max_new_tokens, unseen, progress, on_row, fork_at)
     return {"config": {"models": asdict(models), "learn": asdict(learn), "route": asdict(route),
                        "teacher": asdict(settings), "stream": stream, "split": split, "per_segment": per_segment,
                        "k": k, "heldout": heldout, "heldout_split": heldout_split, "order": "interleaved",
-                       "order_seed": seed, "mode": "fast (greedy), routed", "exactness": EXACTNESS}, **result}
+                       "order_seed": seed, "fork_at": fork_at, "mode": "fast (greedy), routed",
+                       "exactness": EXACTNESS}, **result}

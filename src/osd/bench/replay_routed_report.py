@@ -75,6 +75,9 @@ def report_routed_replay(result: dict, out: str, markdown: str | None, window: i
         blocks += ["No held-out requests (--heldout 0): the issue's targets are judged on held-out requests."]
     c, m = result["config"], machine()
     learn, route = c["learn"], c["route"]
+    if c.get("fork_at"):
+        blocks.append(f"Split: the shared draft served every arm for the first {c['fork_at']} requests; then each per-label "
+                      "and per-mode draft started as a copy of it (router accuracy counts the requests after the split).")
     blocks.append(f"Exactness: {c['exactness']}")
     emit_report("Routed replay: several drafts and a router (`osd replay --fast --route`)",
                 f"`{redacted_command(sys.argv[1:])}`; draft={c['models']['draft']}, k={c['k']}, drafts {result['drafts']}, "
