@@ -45,7 +45,8 @@ class SpeculationConfig:
     k: int = 6  # proposal length; with adaptive=True the largest k the policy may pick (the kernel verifies <= 8 rows in one pass)
     adaptive: bool = True  # choose k per step from live acceptance and measured costs (k = 0 allowed)
     alpha_prior: float = 0.7  # acceptance assumed before anything is observed
-    alpha_ema: float = 0.9  # smoothing of the live acceptance estimate (per proposed token)
+    alpha_ema: float = 0.98  # smoothing of the live acceptance estimate (per proposed token; ~50 tokens of evidence)
+    alpha_upper_z: float = 1.0  # k = 0 within this many standard errors of paying: keep probing, no back-off
     lookup: bool = False  # propose by n-gram lookup in this request and earlier traffic first (propose/ngram.py)
 
     def __post_init__(self):
@@ -57,6 +58,8 @@ class SpeculationConfig:
             raise InvalidArgument(f"alpha_prior must be in [0, 1), got {self.alpha_prior}")
         if not (0.0 <= self.alpha_ema < 1.0):
             raise InvalidArgument(f"alpha_ema must be in [0, 1), got {self.alpha_ema}")
+        if not (0.0 <= self.alpha_upper_z <= 5.0):
+            raise InvalidArgument(f"alpha_upper_z must be in [0, 5], got {self.alpha_upper_z}")
 
 
 TARGET_BACKENDS = ("auto", "torch", "llama.cpp", "osd")  # osd: models/q4_runner.py (own Q4_K/Q6_K kernel)
