@@ -136,3 +136,18 @@ def test_draft_cost_times_either_runner_and_refuses_an_unknown_one(serving):
         assert draft_token_seconds(serving, None, VOCAB, context=8, tokens=4, runner=runner) > 0
     with pytest.raises(InvalidArgument, match="draft runners"):
         run_draft_cost("unused", None, [2], [16], runners=("glue", "onnx"))
+
+
+def test_stacked_matrices_share_the_serving_copys_memory_and_leave_its_forward_unchanged(serving):
+    ids = torch.tensor([[3, 7, 9, 11, 2, 5]])
+    before = serving(ids).logits.clone()
+    first = glue_draft_runner(serving)
+    attn = serving.model.layers[0].self_attn
+    stacked = first.layers[0].qkv[0]
+    for x in (attn.q_proj, attn.k_proj, attn.v_proj):  # the copy's linears read rows of the stacked matrix
+        assert x.weight_int8.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+    assert torch.equal(serving(ids).logits, before)  # same values: the transformers forward is unchanged
+    second = glue_draft_runner(serving)  # another runner (another engine) over the same copy reuses it
+    assert second.layers[0].qkv[0] is stacked and second.layers[0].gate_up[0] is first.layers[0].gate_up[0]
+    tokens = [1, 4, 9, 16, 25]
+    assert torch.equal(first.feed(tokens, n_logits=5), second.feed(tokens, n_logits=5))

@@ -86,13 +86,29 @@ def glue_draft_runner(model, context_window: int = 0):
 
 
 def _stack(*linears) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.cat([x.weight_int8 for x in linears]).contiguous(), torch.cat([x.scale for x in linears]).contiguous()
+    """One (weight_int8 (N, K), scale (N,)) over the linears' output rows, for one kernel call. The linears' own
+    buffers become row views of it (same values), so the stacked matrix costs no memory beside the serving copy;
+    a later runner over the same modules finds them stacked already and reuses the matrix."""
+    first = linears[0]
+    held = getattr(first, "_glue_stacked", None)
+    if held is not None and all(x.weight_int8.untyped_storage().data_ptr() == held[0].untyped_storage().data_ptr()
+                                for x in linears):
+        return held
+    weight = torch.cat([x.weight_int8 for x in linears]).contiguous()
+    scale = torch.cat([x.scale.float() for x in linears]).contiguous()
+    start = 0
+    for x in linears:  # buffers swapped for equal-valued views: a concurrent forward reads either, both right
+        stop = start + x.out_features
+        x.weight_int8, x.scale = weight[start:stop], scale[start:stop]
+        start = stop
+    first._glue_stacked = (weight, scale)
+    return weight, scale
 
 
 class GlueDraftRunner:
     """Feeds tokens into a Qwen2 int8 serving copy whose KV cache (float32, (G, T, D) per layer) holds the first
-    `length` tokens of one sequence. `model` is the serving copy it reads (its weights are shared, not copied, except
-    q/k/v and gate/up, stacked once into one matrix each)."""
+    `length` tokens of one sequence. `model` is the serving copy it reads; its weights are shared, not copied (q/k/v and
+    gate/up are stacked into one matrix each, and the copy's linears then read row views of it: `_stack`)."""
 
     def __init__(self, model, glue_module, context_window: int = 0):
         self.model, self._glue = model, glue_module
