@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from osd.errors import ContextTooLong, InvalidArgument
+from osd.errors import ContextTooLong
+from osd.models.runner import PositionCache
 
 INITIAL_CONTEXT = 1024  # cache positions allocated at first; doubled as a sequence grows
 
@@ -105,7 +106,7 @@ def _stack(*linears) -> tuple[torch.Tensor, torch.Tensor]:
     return weight, scale
 
 
-class GlueDraftRunner:
+class GlueDraftRunner(PositionCache):
     """Feeds tokens into a Qwen2 int8 serving copy whose KV cache (float32, (G, T, D) per layer) holds the first
     `length` tokens of one sequence. `model` is the serving copy it reads; its weights are shared, not copied (q/k/v and
     gate/up are stacked into one matrix each, and the copy's linears then read row views of it: `_stack`)."""
@@ -153,15 +154,6 @@ class GlueDraftRunner:
         self.k_cache, self.v_cache, self._capacity = k_cache, v_cache, capacity
         self._kv = [(k_cache[i], v_cache[i]) for i in range(len(self.layers))]
         self.cos, self.sin = rope_tables(capacity, self.head_dim, self.theta)
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def rollback(self, length: int) -> None:
-        """Keep only the first `length` cached tokens (the next feed overwrites the rest)."""
-        if length < 0:
-            raise InvalidArgument(f"rollback length must be >= 0, got {length}")
-        self.length = min(self.length, length)
 
     @torch.inference_mode()
     def feed(self, token_ids: list[int], n_logits: int = 1) -> torch.Tensor:

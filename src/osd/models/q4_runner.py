@@ -37,6 +37,7 @@ import torch
 from osd.errors import BackendUnavailable, ContextTooLong, InvalidArgument, ModelNotFound
 from osd.models import q4
 from osd.models.kernels import compile_extension
+from osd.models.runner import PositionCache
 
 ARCHITECTURES = ("qwen2",)
 MATRIX_TYPES = ("Q4_K", "Q6_K")
@@ -284,7 +285,7 @@ class Layer:
 
 
 # ------------------------------------------------------------------------------------------ the runner
-class Q4Runner:
+class Q4Runner(PositionCache):
     """A Qwen2 GGUF (Q4_K/Q6_K matrices) on osd's own kernel, holding the KV cache of one sequence."""
 
     max_rows = 9  # rows per feed checked bitwise equal to 1-row feeds: the pending token + 8 proposals
@@ -322,15 +323,6 @@ class Q4Runner:
             for name, n in want.items():
                 if getattr(layer, name).n != n:
                     raise InvalidArgument(f"blk.{i}: {name} gives {getattr(layer, name).n} outputs, the metadata says {n}")
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def rollback(self, length: int) -> None:
-        """Keep only the first `length` cached tokens (the next feed overwrites the rest)."""
-        if length < 0:
-            raise InvalidArgument(f"rollback length must be >= 0, got {length}")
-        self.length = min(self.length, length)
 
     @torch.inference_mode()
     def feed(self, token_ids: list[int], n_logits: int = 1) -> torch.Tensor:

@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from osd.errors import InvalidArgument
+
 
 class Runner(Protocol):
     length: int
@@ -28,6 +30,22 @@ class Runner(Protocol):
     def rollback(self, length: int) -> None: ...
 
     def reset(self) -> None: ...
+
+
+class PositionCache:
+    """reset / rollback for a runner whose preallocated KV cache holds the first `length` positions: rolling back
+    moves the length only, and the next feed overwrites what lay beyond it (models/q4_runner.py, glue_draft.py)."""
+
+    length: int = 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first `length` cached tokens (the next feed overwrites the rest)."""
+        if length < 0:
+            raise InvalidArgument(f"rollback length must be >= 0, got {length}")
+        self.length = min(self.length, length)
 
 
 def eos_ids_of(*sources) -> set[int]:
