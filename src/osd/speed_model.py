@@ -95,7 +95,7 @@ class KPolicy:
 
     @property
     def alpha_upper(self) -> float:
-        """One-sided upper confidence bound of alpha (z = UPPER_Z) from the evidence the EMA holds."""
+        """One-sided upper confidence bound of alpha (`upper_z` standard errors) from the evidence the EMA holds."""
         n = max(self.accepted + self.rejected, 1.0)
         a = self.alpha
         return min(1.0, a + self.upper_z * math.sqrt(max(a * (1 - a), 0.25 / n) / n))

@@ -74,10 +74,9 @@ def run_draft_cost(base: str, target, layer_counts: list[int], vocabs: list[int]
     the median beside it. clock "cpu": the calling thread's CPU time, which time-slicing on a busy machine does not
     inflate; it sees only work done in this thread, so use it with 1 thread (torch and llama.cpp)."""
     from osd.models.derived import derive_copy
+    from osd.errors import InvalidArgument
     from osd.models.loading import load_model
     from osd.models.serving_draft import make_serving_draft
-
-    from osd.errors import InvalidArgument
 
     if not runners or set(runners) - set(RUNNERS):
         raise InvalidArgument(f"draft runners must be among {', '.join(RUNNERS)}; got {','.join(runners)!r}")

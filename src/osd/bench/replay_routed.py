@@ -113,39 +113,34 @@ def routed_replay(samples: list, domains: list[str], base, learn: LearnConfig, r
         row.update(_alpha_columns("control", control, k, max_new_tokens))
         if fork_at > 0 and i == fork_at:
             oracle, routed = per_mode_learners(shared.master, learn, labels, names)
-        if not routed:  # before the fork: one draft serves every arm
+        t0 = time.perf_counter()
+        decision = router.route(sample.prompt_ids)  # before the fork too: the clustering warms up on the prompts
+        router.commit(decision)
+        seconds["route"] += time.perf_counter() - t0
+        if not routed:  # before the fork: one draft serves every arm, and only it learns
             got = matches(shared.master, i)
             for arm in ("shared", "oracle", "routed"):
                 row.update(_alpha_columns(arm, got, k, max_new_tokens, control))
             _learn(shared, sample, item, got, k, rid, max_new_tokens)
-            decision = router.route(sample.prompt_ids)
-            router.commit(decision)
             row.update(routed_draft="shared", routed_owner=decision.owner, route_reason=BEFORE_FORK, scored=False)
-            rows.append(row)
-            if on_row:
-                on_row(row)
-            continue
-        for arm, learner in (("shared", shared), ("oracle", oracle[domain])):
-            got = matches(learner.master, i)
-            row.update(_alpha_columns(arm, got, k, max_new_tokens, control))
-            _learn(learner, sample, item, got, k, rid, max_new_tokens)
-        t0 = time.perf_counter()
-        decision = router.route(sample.prompt_ids)
-        router.commit(decision)
-        seconds["route"] += time.perf_counter() - t0
-        every = {decision.draft: matches(routed[decision.draft].master, i)}
-        row.update(_alpha_columns("routed", every[decision.draft], k, max_new_tokens, control))
-        row.update(routed_draft=decision.draft, routed_owner=decision.owner, route_reason=decision.reason,
-                   scored=budget.take())
-        if row["scored"]:
-            t0 = time.perf_counter()
-            every.update({n: matches(m.master, i) for n, m in routed.items() if n not in every})
-            rewards = {n: acceptance(m) for n, m in every.items()}
-            router.learn(decision.features, rewards)
-            seconds["score"] += time.perf_counter() - t0
-            row["served_best"] = rewards[decision.draft] >= max(rewards.values())  # before learning from this one
-        owned = every[decision.owner] if decision.owner in every else matches(routed[decision.owner].master, i)
-        _learn(routed[decision.owner], sample, item, owned, k, rid, max_new_tokens)
+        else:
+            for arm, learner in (("shared", shared), ("oracle", oracle[domain])):
+                got = matches(learner.master, i)
+                row.update(_alpha_columns(arm, got, k, max_new_tokens, control))
+                _learn(learner, sample, item, got, k, rid, max_new_tokens)
+            every = {decision.draft: matches(routed[decision.draft].master, i)}
+            row.update(_alpha_columns("routed", every[decision.draft], k, max_new_tokens, control))
+            row.update(routed_draft=decision.draft, routed_owner=decision.owner, route_reason=decision.reason,
+                       scored=budget.take())
+            if row["scored"]:
+                t0 = time.perf_counter()
+                every.update({n: matches(m.master, i) for n, m in routed.items() if n not in every})
+                rewards = {n: acceptance(m) for n, m in every.items()}
+                router.learn(decision.features, rewards)
+                seconds["score"] += time.perf_counter() - t0
+                row["served_best"] = rewards[decision.draft] >= max(rewards.values())  # before learning from this one
+            owned = every[decision.owner] if decision.owner in every else matches(routed[decision.owner].master, i)
+            _learn(routed[decision.owner], sample, item, owned, k, rid, max_new_tokens)
         rows.append(row)
         if on_row:
             on_row(row)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from osd.errors import ContextTooLong
-from osd.models.runner import PositionCache
+from osd.models.runner import PositionCache, eos_ids_of
 
 INITIAL_CONTEXT = 1024  # cache positions allocated at first; doubled as a sequence grows
 
@@ -96,7 +96,7 @@ def _stack(*linears) -> tuple[torch.Tensor, torch.Tensor]:
                                 for x in linears):
         return held
     weight = torch.cat([x.weight_int8 for x in linears]).contiguous()
-    scale = torch.cat([x.scale.float() for x in linears]).contiguous()
+    scale = torch.cat([x.scale for x in linears]).contiguous()
     start = 0
     for x in linears:  # buffers swapped for equal-valued views: a concurrent forward reads either, both right
         stop = start + x.out_features
@@ -131,8 +131,6 @@ class GlueDraftRunner(PositionCache):
                                       a.o_proj, layer.post_attention_layernorm.weight.detach().float().contiguous(),
                                       _stack(f.gate_proj, f.up_proj), f.down_proj))
         self.vocab_size = int(model.lm_head.out_features)
-        from osd.models.runner import eos_ids_of
-
         self.eos_ids = eos_ids_of(getattr(model, "generation_config", None), config)
         self.length, self._capacity = 0, 0
         self._grow(min(INITIAL_CONTEXT, self.context_window or INITIAL_CONTEXT))
