@@ -47,6 +47,7 @@ class SpeculationConfig:
     alpha_prior: float = 0.7  # acceptance assumed before anything is observed
     alpha_ema: float = 0.98  # smoothing of the live acceptance estimate (per proposed token; ~50 tokens of evidence)
     alpha_upper_z: float = 1.0  # k = 0 within this many standard errors of paying: keep probing, no back-off
+    cost_refresh_every: int = 16  # every N-th speculating step re-times a neighbour of the best k (0 = never)
     lookup: bool = False  # propose by n-gram lookup in this request and earlier traffic first (propose/ngram.py)
 
     def __post_init__(self):
@@ -58,6 +59,8 @@ class SpeculationConfig:
             raise InvalidArgument(f"alpha_prior must be in [0, 1), got {self.alpha_prior}")
         if not (0.0 <= self.alpha_ema < 1.0):
             raise InvalidArgument(f"alpha_ema must be in [0, 1), got {self.alpha_ema}")
+        if self.cost_refresh_every < 0:
+            raise InvalidArgument(f"cost_refresh_every must be >= 0, got {self.cost_refresh_every}")
         if not (0.0 <= self.alpha_upper_z <= 5.0):
             raise InvalidArgument(f"alpha_upper_z must be in [0, 5], got {self.alpha_upper_z}")
 

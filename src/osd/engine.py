@@ -83,7 +83,8 @@ class SpeculativeEngine:
         self.sources = list(getattr(proposer, "sources", [proposer])) if proposer is not None else []
         self.target_costs = TargetCosts(k_max)
         self.policies = [KPolicy(k_max, self.spec.adaptive, self.spec.alpha_prior, self.spec.alpha_ema,
-                                 costs=self.target_costs, upper_z=self.spec.alpha_upper_z) for _ in self.sources]
+                                 costs=self.target_costs, upper_z=self.spec.alpha_upper_z,
+                                 refresh_every=self.spec.cost_refresh_every) for _ in self.sources]
         self.metrics = metrics or SpecMetrics()
         self.observers: list[Callable[[StepRecord], None]] = []  # called after every step
         self.request_observers: list[Callable[[GenerationResult], None]] = []  # called after every request

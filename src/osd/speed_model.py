@@ -60,7 +60,7 @@ class KPolicy:
     with an EMA; the draft cost is an EMA of single-token draft forwards; target costs are shared
     (`TargetCosts`). With adaptive=False it always returns k_max.
     Steps at k = 0 teach nothing about alpha or the draft's cost, so after `probe_every` such steps it tries
-    k = 2 (its first draft forward catches up on every token committed without the draft; the second is a
+    k = 2 (every second probe k = 1, see below; k = 2's first draft forward catches up on every token committed without the draft; the second is a
     single-token forward, timed: the probe measures the cost again too). A probe costs more than a draft
     token, so the interval doubles after each probe that does not change the decision (up to `max_probe_every`)
     and returns to `probe_every` once speculation pays again: probing costs a bounded share of steps.
@@ -77,11 +77,22 @@ class KPolicy:
     and then probed ever more rarely: it realised 1.00-1.01x (simulated with costs measured here; seen live as
     whole draft versions served at k = 0). ema 0.98 with upper_z 1 realises 1.09x / 1.14x there and costs < 0.3%
     where speculation does not pay (tests/test_policy_simulated.py).
+    Target costs are EMAs per row count, refreshed only by the k that is chosen: one slow measurement of the k that
+    pays (a step timed while the learner trained beside it) made that k look dear, the policy settled on a worse
+    neighbour and never measured the better k again (seen live: a draft at alpha 0.31 served at k = 2, where k = 1
+    pays ~1.05x and k = 2 ~0.90x). So every `refresh_every`-th speculating step takes a neighbour of the best k
+    instead (k - 1 and k + 1 in turn; k - 1 = 0 re-times target-only decoding): each neighbour's cost is re-measured
+    every 2 * refresh_every steps, for at most 1 / refresh_every of the steps at a k the estimate ranks second.
+    The same stale cost can make k = 0 look best: so every second probe is k = 1 (re-timing a 2-row verification),
+    except where speculation never pays (there the probes re-time the draft, which needs k = 2). refresh_every = 0
+    turns both off.
     """
 
     def __init__(self, k_max: int, adaptive: bool = True, alpha_prior: float = 0.7, ema: float = 0.98, probe_every: int = 16,
-                 costs: TargetCosts | None = None, max_probe_every: int = 512, upper_z: float = 1.0):
+                 costs: TargetCosts | None = None, max_probe_every: int = 512, upper_z: float = 1.0,
+                 refresh_every: int = 16):
         self.k_max, self.adaptive, self.ema, self.upper_z = k_max, adaptive, ema, upper_z
+        self.refresh_every, self._speculating_steps, self.refreshes = refresh_every, 0, 0
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.accepted, self.rejected = alpha_prior * 10, (1 - alpha_prior) * 10  # prior worth ~10 tokens
         self.t_draft: float | None = None
@@ -130,7 +141,7 @@ class KPolicy:
             return cap
         if k > 0:
             self._zero_steps, self._interval = 0, self.probe_every
-            return k
+            return self._refresh_neighbour(k, cap)
         never_pays = self._best(cap, alpha=1.0) == 0  # not even if every token were accepted: probe rarely
         within_noise = not never_pays and self._best(cap, alpha=self.alpha_upper) > 0
         self._zero_steps += 1
@@ -140,8 +151,19 @@ class KPolicy:
             if not never_pays and not within_noise:
                 self._interval = min(2 * self._interval, self.max_probe_every)
             self.probes += 1
-            return min(2, cap)
+            return min(1 if self.refresh_every and self.probes % 2 == 0 and not never_pays else 2, cap)
         return 0
+
+    def _refresh_neighbour(self, k: int, cap: int) -> int:
+        """k, or on every refresh_every-th speculating step its neighbour (k - 1 and k + 1 in turn; class docstring)."""
+        self._speculating_steps += 1
+        if not self.refresh_every or self._speculating_steps % self.refresh_every:
+            return k
+        neighbour = k + 1 if (self._speculating_steps // self.refresh_every) % 2 else k - 1
+        if not 0 <= neighbour <= cap:
+            return k
+        self.refreshes += 1
+        return neighbour
 
     def observe(self, k: int, n_accepted: int, draft_forward_seconds: list[float], t_target: float | None = None) -> None:
         """draft_forward_seconds: timings of single-token draft forwards (catch-up forwards excluded)."""
