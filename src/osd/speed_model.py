@@ -60,8 +60,8 @@ class KPolicy:
     with an EMA; the draft cost is an EMA of single-token draft forwards; target costs are shared
     (`TargetCosts`). With adaptive=False it always returns k_max.
     Steps at k = 0 teach nothing about alpha or the draft's cost, so after `probe_every` such steps it tries
-    k = 2 (every second probe k = 1, see below; k = 2's first draft forward catches up on every token committed without the draft; the second is a
-    single-token forward, timed: the probe measures the cost again too). A probe costs more than a draft
+    k = 2 (every second probe k = 1, see below; k = 2's first draft forward catches up on every token committed
+    without the draft; the second is a single-token forward, timed: the probe measures the cost again too). A probe costs more than a draft
     token, so the interval doubles after each probe that does not change the decision (up to `max_probe_every`)
     and returns to `probe_every` once speculation pays again: probing costs a bounded share of steps.
     Where speculation could not pay even with every token accepted (draft + verification dearer than the
