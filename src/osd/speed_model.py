@@ -61,9 +61,10 @@ class KPolicy:
     (`TargetCosts`). With adaptive=False it always returns k_max.
     Steps at k = 0 teach nothing about alpha or the draft's cost, so after `probe_every` such steps it tries
     k = 2 (every second probe k = 1, see below; k = 2's first draft forward catches up on every token committed
-    without the draft; the second is a single-token forward, timed: the probe measures the cost again too). A probe costs more than a draft
-    token, so the interval doubles after each probe that does not change the decision (up to `max_probe_every`)
-    and returns to `probe_every` once speculation pays again: probing costs a bounded share of steps.
+    without the draft; the second is a single-token forward, timed: the probe measures the cost again too). A probe
+    costs more than a draft token, so the interval doubles after each probe that does not change the decision (up
+    to `max_probe_every`) and returns to `probe_every` once speculation pays again: probing costs a bounded share
+    of steps.
     Where speculation could not pay even with every token accepted (draft + verification dearer than the
     tokens they could yield), it probes only every `max_probe_every` steps: rarely, but a draft cost measured
     on a cold start or a busy machine cannot switch speculation off for good. A timing faster than the
