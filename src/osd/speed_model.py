@@ -93,7 +93,7 @@ class KPolicy:
                  costs: TargetCosts | None = None, max_probe_every: int = 512, upper_z: float = 1.0,
                  refresh_every: int = 16):
         self.k_max, self.adaptive, self.ema, self.upper_z = k_max, adaptive, ema, upper_z
-        self.refresh_every, self._speculating_steps, self.refreshes = refresh_every, 0, 0
+        self.refresh_every, self._speculating_steps = refresh_every, 0
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.accepted, self.rejected = alpha_prior * 10, (1 - alpha_prior) * 10  # prior worth ~10 tokens
         self.t_draft: float | None = None
@@ -161,10 +161,7 @@ class KPolicy:
         if not self.refresh_every or self._speculating_steps % self.refresh_every:
             return k
         neighbour = k + 1 if (self._speculating_steps // self.refresh_every) % 2 else k - 1
-        if not 0 <= neighbour <= cap:
-            return k
-        self.refreshes += 1
-        return neighbour
+        return neighbour if 0 <= neighbour <= cap else k
 
     def observe(self, k: int, n_accepted: int, draft_forward_seconds: list[float], t_target: float | None = None) -> None:
         """draft_forward_seconds: timings of single-token draft forwards (catch-up forwards excluded)."""

@@ -73,8 +73,8 @@ def run_draft_cost(base: str, target, layer_counts: list[int], vocabs: list[int]
     Every figure is the minimum over `repeats` rounds (what a token costs when neighbours leave the cores alone),
     the median beside it. clock "cpu": the calling thread's CPU time, which time-slicing on a busy machine does not
     inflate; it sees only work done in this thread, so use it with 1 thread (torch and llama.cpp)."""
-    from osd.models.derived import derive_copy
     from osd.errors import InvalidArgument
+    from osd.models.derived import derive_copy
     from osd.models.loading import load_model
     from osd.models.serving_draft import make_serving_draft
 
