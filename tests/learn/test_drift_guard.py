@@ -45,7 +45,7 @@ def item(sample, request: int):
     return it
 
 
-def stream(tasks, train_task, drift_guard=True, requests=60):
+def stream(tasks, train_task, drift_guard=True, requests=60, average=0.0):
     """Requests 0..59; the guard always judges task A (what is served); the learner trains on train_task(i)'s output.
     The per-update guard is switched off in effect (guard_z = 50): only the drift guard can stop a slide."""
     published = {0: None}
@@ -56,7 +56,7 @@ def stream(tasks, train_task, drift_guard=True, requests=60):
         return SimpleNamespace(version=version)
 
     config = LearnConfig(every_requests=4, steps_per_update=4, batch_size=4, lr=1e-3, train_layers=0, guard=True,
-                         guard_holdout=0.3, guard_z=50.0, drift_guard=drift_guard)
+                         guard_holdout=0.3, guard_z=50.0, drift_guard=drift_guard, average=average)
     learner = OnlineLearner(base_draft(), publish, config)
     for i in range(requests):
         learner.observe_item(item(tasks[train_task(i)][i], i), item(tasks[0][i], i))

@@ -3,8 +3,8 @@
 - control ("original"): the draft as a fresh install serves it, never trained.
 - offline_10pct / offline_100pct: distilled offline on the first 10% / all of the stream's requests with the
   SAME number of optimizer steps as the online draft took, the same trainable set, learning rate, batch
-  size and loss (`train_equal_steps`). The online learner's count is every optimizer step it took,
-  including those of updates the guard rejected or rolled back, so the offline drafts get at least the
+  size, loss and weight averaging (`train_equal_steps`). The online learner's count is every optimizer step it
+  took, including those of updates the guard rejected or rolled back, so the offline drafts get at least the
   online draft's effective training: a comparison that favours them.
 - offline_100pct_epochs (optional, labelled): the older recipe, whole epochs at its own learning rate;
   its step count differs from the online draft's.
@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import nullcontext
 
 import torch
 
 from osd.distill.trainer import DistillConfig, DistillTrainer
+from osd.learn.average import WeightAverage
 from osd.learn.trainable import split_index
 
 SHARES = (("offline_10pct", 0.1), ("offline_100pct", 1.0))
@@ -49,24 +51,30 @@ def offline_trainer(base, learn, seed: int = 0, epochs: int = 1, lr: float | Non
         return DistillTrainer(draft_copy(base, learn), cfg)
 
 
-def train_equal_steps(trainer: DistillTrainer, items: list, steps: int, progress=None) -> dict:
+def train_equal_steps(trainer: DistillTrainer, items: list, steps: int, progress=None, average: float = 0.0) -> dict:
     """Exactly `steps` optimizer steps over shuffled epochs of `items` (the last epoch partial). A step whose loss
-    or gradients are not finite is skipped and not counted; after 2 * steps + 10 skipped ones it gives up."""
+    or gradients are not finite is skipped and not counted; after 2 * steps + 10 skipped ones it gives up.
+    average > 0: the draft ends with the average of the steps' weights, as the online learner's does (its
+    --average; learn/average.py), so the recipes differ only in the data each step sees."""
     start, taken, skipped, losses, epoch = time.perf_counter(), 0, 0, [], 0
     bar = progress(total=steps, desc="offline (equal steps)") if progress and steps else None
-    while taken < steps and skipped <= 2 * steps + 10 and items:
-        for batch in trainer.batches(items, epoch):
-            if taken == steps or skipped > 2 * steps + 10:
-                break
-            loss = trainer.train_step(batch)
-            if loss is None:
-                skipped += 1
-                continue
-            taken += 1
-            losses.append(loss)
-            if bar is not None:
-                bar.update(1)
-        epoch += 1
+    averaged = WeightAverage(trainer.params, average) if average else None
+    with averaged.training() if averaged is not None else nullcontext():
+        while taken < steps and skipped <= 2 * steps + 10 and items:
+            for batch in trainer.batches(items, epoch):
+                if taken == steps or skipped > 2 * steps + 10:
+                    break
+                loss = trainer.train_step(batch)
+                if loss is None:
+                    skipped += 1
+                    continue
+                taken += 1
+                losses.append(loss)
+                if averaged is not None:
+                    averaged.step()
+                if bar is not None:
+                    bar.update(1)
+            epoch += 1
     if bar is not None:
         bar.close()
     trainer.draft.eval()

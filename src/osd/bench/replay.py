@@ -137,7 +137,7 @@ def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig,
             trainer = offline_trainer(control, learn, seed=learn.seed + j)
             cut = max(1, int(len(rows) * share))
             part = [it for i, it in flat if i < cut]
-            reports[name] = {**train_equal_steps(trainer, part, learner.counters["optimizer_steps"]), "lr": learn.lr,
+            reports[name] = {**train_equal_steps(trainer, part, learner.counters["optimizer_steps"], average=learn.average), "lr": learn.lr,
                              "recipe": "equal steps", "items": cut}
             variants[name] = trainer.draft
     _add_teacher_forced_columns(rows, request_items, variants, split_at)

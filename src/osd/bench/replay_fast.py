@@ -262,7 +262,7 @@ def _baselines(base, learn, items, steps, epochs, epochs_lr, state, save, progre
                 report[name] = {"optimizer_steps": len(losses), "epochs": n_epochs, "lr": epochs_lr, "items": len(part),
                                 "seconds": time.perf_counter() - start, "recipe": f"{n_epochs} epochs (not equal steps)"}
             else:
-                report[name] = {**train_equal_steps(trainer, part, steps, progress), "lr": learn.lr,
+                report[name] = {**train_equal_steps(trainer, part, steps, progress, learn.average), "lr": learn.lr,
                                 "recipe": "equal steps"}
             state["baselines"][name], trained[name] = trainable_weights(trainer), recipe
             save()

@@ -56,7 +56,8 @@ def learner_state(learner) -> dict:
             "buffer": _buffer_state(learner.buffer), "guard_buffer": _buffer_state(learner.guard_buffer),
             "history": list(learner.history), "last_update": learner.last_update,
             "versions": learner.versions.state_dict() if learner.versions is not None else None,
-            "reservoir": learner.reservoir.state_dict() if learner.reservoir is not None else None}
+            "reservoir": learner.reservoir.state_dict() if learner.reservoir is not None else None,
+            "average": learner.average.state_dict() if learner.average is not None else None}
 
 
 @torch.no_grad()
@@ -74,6 +75,8 @@ def restore_learner(learner, state: dict) -> None:
         learner.versions.load_state_dict(state["versions"])
     if learner.reservoir is not None and state.get("reservoir") is not None:  # after the buffers: nothing evicts later
         learner.reservoir.load_state_dict(state["reservoir"])
+    if learner.average is not None and state.get("average") is not None:
+        learner.average.load_state_dict(state["average"])
 
 
 def _buffer_state(buffer: ReplayBuffer) -> dict:

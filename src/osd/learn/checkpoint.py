@@ -42,10 +42,11 @@ def swap_in(tmp: Path, final: Path, old: Path, between_renames=lambda: None) -> 
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(directory: str, master, optimizer, state: dict) -> Path:
+def save_checkpoint(directory: str, master, optimizer, state: dict, extra: dict | None = None) -> Path:
     """Atomic: write every file into <dir>.partial and fsync it, then swap the directory in by renames (and fsync
     the parent). A crash at any point (kill -9, power loss) leaves the last complete checkpoint loadable: <dir>,
-    or <dir>.old between the two renames (checkpoint_dir finds it)."""
+    or <dir>.old between the two renames (checkpoint_dir finds it). extra: name -> tensors, saved as <name>.pt
+    (load_extra reads one back)."""
     final = Path(directory)
     tmp, old = final.with_name(final.name + ".partial"), final.with_name(final.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -56,6 +57,8 @@ def save_checkpoint(directory: str, master, optimizer, state: dict) -> Path:
     else:
         save_file({n: p.detach().contiguous() for n, p in params.items() if p.requires_grad}, str(tmp / "draft.safetensors"))
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    for name, value in (extra or {}).items():
+        torch.save(value, tmp / f"{name}.pt")
     _pause_if_asked("files")
     state = {**state, "base_fingerprint": base_fingerprint(master, _names_in(tmp)), "git_revision": git_revision()}
     (tmp / "state.json").write_text(json.dumps(state, indent=2, default=str))
@@ -150,6 +153,13 @@ def load_checkpoint(directory: str, master, optimizer=None) -> dict | None:
     if optimizer is not None:  # None: weights only (evaluating a checkpointed draft)
         load_optimizer_state(optimizer, final / "optimizer.pt", state.get("config", {}))
     return state
+
+
+def load_extra(directory: str, name: str):
+    """A file that save_checkpoint's `extra` wrote into the last complete checkpoint, or None when it has none."""
+    final = checkpoint_dir(directory)
+    path = None if final is None else final / f"{name}.pt"
+    return torch.load(path, weights_only=True) if path is not None and path.exists() else None
 
 
 def load_optimizer_state(optimizer, path: Path, config: dict) -> None:

@@ -29,14 +29,16 @@ import math
 import random
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from osd.errors import InvalidArgument
+from osd.learn.average import WeightAverage
 from osd.learn.batch import acceptance_on, items_loss
 from osd.learn.buffer import MODES, ReplayBuffer, item_from_step
-from osd.learn.checkpoint import load_checkpoint, save_checkpoint
+from osd.learn.checkpoint import load_checkpoint, load_extra, save_checkpoint
 from osd.learn.drift import VersionStore
 from osd.learn.guard import drift_action, is_worse, paired_flips, paired_z
 from osd.learn.idle import IdleWindows
@@ -48,6 +50,7 @@ from osd.learn.trainable import configure_trainable, split_index
 from osd.learn.triggers import UpdateTrigger
 
 log = logging.getLogger("osd.learn")
+TRAJECTORY = "learner_trajectory"  # checkpoint file (.pt) of the learner's own weights when the average serves
 
 
 @dataclass
@@ -88,6 +91,10 @@ class LearnConfig:
         "but under constant load it waits at most (1 - share) / share x the seconds it has worked in the update, "
         "then trains beside the requests: saturated, it takes about this share of the time and an update about "
         "its working time / share. In (0, 1]; 1 = never wait")})
+    average: float = field(default=0.0, metadata={"help": (
+        "serve an exponential moving average of the learner's weights over its optimizer steps (this decay per "
+        "step; learn/average.py) instead of the last step's weights, against the recency noise of online batches; "
+        "0 = off")})
     checkpoint_dir: str = ""  # "" = no checkpoints
     seed: int = 0
 
@@ -107,6 +114,8 @@ class LearnConfig:
         if not 0.0 <= self.rehearsal <= 1.0 or self.rehearsal_capacity <= 0:
             raise InvalidArgument(f"rehearsal must be in [0, 1] and rehearsal_capacity > 0, got {self.rehearsal}, "
                                   f"{self.rehearsal_capacity}")
+        if not 0.0 <= self.average < 1.0:
+            raise InvalidArgument(f"average must be in [0, 1) (0 = off), got {self.average}")
         if not 0.0 <= self.guard_holdout < 1.0:
             raise InvalidArgument(f"guard_holdout must be in [0, 1), got {self.guard_holdout}")
         if not 0.0 < self.busy_share <= 1.0:
@@ -131,6 +140,9 @@ class OnlineLearner:
         self.params = configure_trainable(master, self.config.trainable, self.config.train_layers, self.config.lora_rank)
         self.split = split_index(master, self.config.train_layers)
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, weight_decay=0.0)
+        # averaging: the master holds the average of the steps' weights (what serves), the optimizer steps its own
+        # trajectory (learn/average.py); None: the master's weights are the last step's
+        self.average = WeightAverage(self.params, self.config.average) if self.config.average else None
         reserve_optimizer_state(self.optimizer)  # the moments now, not at the first step (learn/memory.py)
         # the drift guard's base / best versions and the requests ever trained on (None: no drift guard)
         self.versions = VersionStore(self.params) if self.config.guard and self.config.drift_guard else None
@@ -198,7 +210,7 @@ class OnlineLearner:
         with self._lock:
             self.training = True
             start = self.clock()
-            self._restore_point = RestorePoint(self.params, self.optimizer)
+            self._restore_point = RestorePoint(self._restorable(), self.optimizer)
             self.idle.begin()
             try:
                 report = self._update(reason)
@@ -232,16 +244,19 @@ class OnlineLearner:
         before = acceptance_on(self.master, holdout, split=self.split, pause=self._wait_idle) if holdout else None
         self.master.train()
         losses = []
-        for _ in range(cfg.steps_per_update):
-            batch = mixed_batch(self.rng, train, older, cfg.batch_size, cfg.rehearsal)
-            loss = self._accumulate_gradients(batch)
-            if loss is None:
-                self.counters["steps_skipped_nonfinite"] += 1
-                continue
-            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-            self.optimizer.step()
-            self.counters["optimizer_steps"] += 1
-            losses.append(loss)
+        with self.average.training() if self.average is not None else nullcontext():
+            for _ in range(cfg.steps_per_update):
+                batch = mixed_batch(self.rng, train, older, cfg.batch_size, cfg.rehearsal)
+                loss = self._accumulate_gradients(batch)
+                if loss is None:
+                    self.counters["steps_skipped_nonfinite"] += 1
+                    continue
+                torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+                self.optimizer.step()
+                if self.average is not None:
+                    self.average.step()
+                self.counters["optimizer_steps"] += 1
+                losses.append(loss)
         self.master.eval()
         if self.versions is not None:  # a request some step has seen is never held out again
             self.versions.mark_trained({it.request_id for it in train + older},
@@ -288,6 +303,8 @@ class OnlineLearner:
             return False
         report["vs_base"]["restored_version"] = self.versions.best["version"] if action == "rollback" else 0
         self.versions.restore(action)
+        if self.average is not None:
+            self.average.reset()  # the trajectory restarts from the restored weights
         self.optimizer.state.clear()  # the abandoned trajectory's Adam moments go with it
         reserve_optimizer_state(self.optimizer)
         self.counters["rollbacks" if action == "rollback" else "resets"] += 1
@@ -299,7 +316,12 @@ class OnlineLearner:
         """Publish the master; it now matches what serves, so a later failure in this update returns to it."""
         self.version = self.publish(self.master).version
         self._restore_point = None  # (never two restore points in memory at once)
-        self._restore_point = RestorePoint(self.params, self.optimizer)
+        self._restore_point = RestorePoint(self._restorable(), self.optimizer)
+
+    def _restorable(self) -> list[torch.Tensor]:
+        """What an update changes besides the optimizer: the master's trainable weights (and, when averaging, the
+        trajectory kept beside them)."""
+        return self.params + (self.average.trajectory if self.average is not None else [])
 
     def _accumulate_gradients(self, batch: list) -> float | None:
         """Gradients of the batch's mean loss over positions, one micro-batch at a time (the idle wait before
@@ -373,9 +395,15 @@ class OnlineLearner:
 
     # --- checkpoints ----------------------------------------------------------------------------
     def save(self) -> None:
+        """draft.safetensors holds the master's weights: what serves (the average, when averaging: what
+        `--learned-draft` and `osd eval` load); the trajectory goes beside them (learner_trajectory.pt)."""
         with self._lock:
-            save_checkpoint(self.config.checkpoint_dir, self.master, self.optimizer,
-                            {"version": self.version, "counters": self.counters, "config": asdict(self.config)})
+            state = {"version": self.version, "counters": self.counters, "config": asdict(self.config)}
+            extra = {}
+            if self.average is not None:
+                state["average_steps"] = self.average.steps
+                extra[TRAJECTORY] = [w.clone() for w in self.average.trajectory]
+            save_checkpoint(self.config.checkpoint_dir, self.master, self.optimizer, state, extra)
 
     def resume(self) -> bool:
         """Load the last checkpoint (if any) and publish it at its saved version."""
@@ -384,6 +412,12 @@ class OnlineLearner:
             return False
         self.counters.update(state["counters"])
         self.version = self.publish(self.master, version=state["version"]).version
+        if self.average is not None:  # the trajectory as saved, or (a checkpoint without one) from the average
+            self.average.reset()
+            self.average.steps = state.get("average_steps", 0)
+            trajectory = load_extra(self.config.checkpoint_dir, TRAJECTORY)
+            if trajectory is not None:
+                self.average.load_state_dict({"trajectory": trajectory, "steps": self.average.steps})
         return True
 
     def memory(self) -> dict:
@@ -392,6 +426,7 @@ class OnlineLearner:
         older = self.reservoir.snapshot() if self.reservoir is not None else []
         return {"memory_optimizer_bytes": optimizer_state_bytes(self.optimizer),
                 "memory_versions_bytes": self.versions.bytes() if self.versions is not None else 0,
+                "memory_average_bytes": tensor_bytes(self.average.other) if self.average is not None else 0,
                 "memory_trainable_bytes": tensor_bytes(self.params),
                 "memory_buffers_bytes": items_bytes(self.buffer.snapshot() + self.guard_buffer.snapshot() + older)}
 
