@@ -14,6 +14,9 @@ half-updated (it returns to its state when the update began, or when this update
 Rehearsal (rehearsal > 0): a share of each batch comes from a uniform sample of the older traffic the buffer
 evicted (learn/rehearsal.py), so that learning a new domain does not erase an old one. The learner's fixed memory
 (Adam moments, the drift guard's weight copies) is taken when it is built (learn/memory.py).
+Averaging (average > 0): the master holds an exponential moving average of the optimizer's weights, which is what
+the guard judges and what is published and checkpointed; the optimizer steps its own trajectory, swapped in for
+the steps only (learn/average.py).
 Drift guard (drift_guard): after each update the draft that serves is also compared with the never-trained
 base (and the best version so far) on the same held-out requests; significantly below the base (paired
 z < -drift_z), it is rolled back to the best version or reset to the base (counters "rollbacks", "resets";
