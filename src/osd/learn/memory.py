@@ -1,8 +1,8 @@
 """What the online learner holds in memory, and reserving its fixed part at start.
 
 The learner's memory has a fixed part, known when it is built: the optimizer's state (two Adam moments per
-trainable parameter) and the drift guard's copies of the trainable weights (the never-trained base, the best
-version so far). torch allocates the moments at the first optimizer step and the guard copies the best
+trainable parameter), the drift guard's copies of the trainable weights (the never-trained base, the best
+version so far) and, when averaging, the optimizer's own trajectory beside the average (learn/average.py). torch allocates the moments at the first optimizer step and the guard copies the best
 version when one first beats the base, so a server that starts lean grows by ~3x the trainable weights at its
 first updates (~0.7 GB with the top 4 layers of the 0.5B draft): measured as RSS growth by `osd bench soak`,
 and an out-of-memory would come then, mid-serving. `reserve_optimizer_state` allocates the moments at start
