@@ -112,6 +112,10 @@ def test_a_checkpoint_holds_the_average_and_resumes_both_weights(tasks, tmp_path
     assert resumed.resume() and resumed.average.steps == learner.average.steps == 8
     assert all(torch.equal(a, b) for a, b in zip(resumed.params, learner.params))  # the average
     assert all(torch.equal(a, b) for a, b in zip(resumed.average.trajectory, learner.average.trajectory))
+    (tmp_path / "ckpt" / "learner_trajectory.pt").rename(tmp_path / "trajectory.pt")  # a checkpoint without one:
+    older, _ = learner_with(0.8, checkpoint_dir=str(tmp_path / "ckpt"))
+    assert older.resume() and older.average.steps == 0  # the trajectory restarts from the average that served
+    assert all(torch.equal(a, b) for a, b in zip(older.average.trajectory, learner.params))
     feed(resumed, tasks, range(16))  # the same buffer as the learner's below
     feed(learner, tasks, range(12, 16))
     resumed.rng.setstate(learner.rng.getstate())

@@ -45,7 +45,7 @@ def swap_in(tmp: Path, final: Path, old: Path, between_renames=lambda: None) -> 
 def save_checkpoint(directory: str, master, optimizer, state: dict, extra: dict | None = None) -> Path:
     """Atomic: write every file into <dir>.partial and fsync it, then swap the directory in by renames (and fsync
     the parent). A crash at any point (kill -9, power loss) leaves the last complete checkpoint loadable: <dir>,
-    or <dir>.old between the two renames (checkpoint_dir finds it). extra: name -> tensors, saved as <name>.pt
+    or <dir>.old between the two renames (checkpoint_dir finds it). extra: name -> tensors (or dicts / lists of them), saved as <name>.pt
     (load_extra reads one back)."""
     final = Path(directory)
     tmp, old = final.with_name(final.name + ".partial"), final.with_name(final.name + ".old")

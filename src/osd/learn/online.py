@@ -53,7 +53,8 @@ from osd.learn.trainable import configure_trainable, split_index
 from osd.learn.triggers import UpdateTrigger
 
 log = logging.getLogger("osd.learn")
-TRAJECTORY = "learner_trajectory"  # checkpoint file (.pt) of the learner's own weights when the average serves
+TRAJECTORY = "learner_trajectory"  # checkpoint file (.pt) of the learner's own weights (and step count) when the
+#   average serves
 
 
 @dataclass
@@ -403,10 +404,7 @@ class OnlineLearner:
         `--learned-draft` and `osd eval` load); the trajectory goes beside them (learner_trajectory.pt)."""
         with self._lock:
             state = {"version": self.version, "counters": self.counters, "config": asdict(self.config)}
-            extra = {}
-            if self.average is not None:
-                state["average_steps"] = self.average.steps
-                extra[TRAJECTORY] = [w.clone() for w in self.average.trajectory]
+            extra = {TRAJECTORY: self.average.state_dict()} if self.average is not None else None
             save_checkpoint(self.config.checkpoint_dir, self.master, self.optimizer, state, extra)
 
     def resume(self) -> bool:
@@ -417,11 +415,8 @@ class OnlineLearner:
         self.counters.update(state["counters"])
         self.version = self.publish(self.master, version=state["version"]).version
         if self.average is not None:  # the trajectory as saved, or (a checkpoint without one) from the average
-            self.average.reset()
-            self.average.steps = state.get("average_steps", 0)
-            trajectory = load_extra(self.config.checkpoint_dir, TRAJECTORY)
-            if trajectory is not None:
-                self.average.load_state_dict({"trajectory": trajectory, "steps": self.average.steps})
+            saved = load_extra(self.config.checkpoint_dir, TRAJECTORY)
+            self.average.load_state_dict(saved or {"trajectory": self.params, "steps": 0})
         return True
 
     def memory(self) -> dict:
