@@ -63,6 +63,30 @@ def test_kv_rollback_matches_fresh_forward_after_many_steps(target_model, draft_
     assert torch.allclose(cached, fresh, atol=1e-4)
 
 
+def test_the_draft_prefills_the_prompt_inside_the_prefill_phase(target_model, draft_model, tokenizer):
+    """As llama.cpp's speculative example: the draft's prompt is fed before decoding starts and timed as prefill,
+    so the first proposal feeds one token (the decode tokens/s of `osd bench speed` leaves the prompt out)."""
+    engine, _ = make_engine(target_model, draft_model, tokenizer, k=3)
+    now, feeds, proposer = [0.0], [], engine.proposer
+    engine.clock = lambda: now[0]
+    begin = proposer.begin
+
+    def timed_begin(prompt_ids):
+        now[0] += 100.0  # what the draft's prefill costs on this fake clock
+        begin(prompt_ids)
+        feeds.append(("after begin", proposer.runner.length))
+        feed = proposer.runner.feed
+        proposer.runner.feed = lambda tokens, *a, **kw: feeds.append(len(tokens)) or feed(tokens, *a, **kw)
+
+    proposer.begin = timed_begin
+    prompt = [10, 11, 12, 13, 14, 15]
+    result = engine.generate(prompt, SamplingConfig(max_new_tokens=20))
+    assert feeds[0] == ("after begin", len(prompt) - 1)  # the prompt but its last token, before the first step
+    assert feeds[1] == 1  # the first proposal feeds only the last prompt token
+    assert result.prefill_seconds == 100.0 and result.seconds == 100.0
+    assert result.token_ids == plain_greedy(target_model, prompt, 20, eos=EOS)
+
+
 def test_steps_record_target_distributions_at_proposed_positions(target_model, draft_model, tokenizer):
     engine, _ = make_engine(target_model, draft_model, tokenizer, k=3)
     records = []

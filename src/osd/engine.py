@@ -114,13 +114,13 @@ class SpeculativeEngine:
         self.target.reset()
         if len(tokens) > 1:
             self.target.feed(tokens[:-1])  # prefill; the last prompt token is fed with the first proposal
-        prefill_seconds = self.clock() - start
         draft = ("none", -1)
         if self.proposer is not None:
-            self.proposer.begin(tokens)
+            self.proposer.begin(tokens)  # the draft's snapshot and its own prompt prefill
             draft = (self.proposer.name, self.proposer.version)
             for source, policy in zip(self.sources, self.policies):  # a new draft version: probe it soon
                 policy.on_draft_version(getattr(source, "version", None))
+        prefill_seconds = self.clock() - start  # target and draft prompt prefill
         while stopper.finish_reason is None:
             t0 = self.clock()
             proposal, source = self._propose(tokens, sampling.max_new_tokens - len(stopper.token_ids), sampling, generator)

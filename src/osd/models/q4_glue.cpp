@@ -20,6 +20,10 @@
 
 namespace {
 
+// Cheap per-row ops (RMSNorm, biases + RoPE) run on the calling thread for up to this many rows: waking the
+// thread pool costs more than the work of a verify's <= 9 rows. Larger feeds (prompt chunks) split by rows.
+constexpr int64_t INLINE_ROWS = 16;
+
 inline float hsum8(__m256 v) {  // fixed order
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -72,7 +76,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   auto y = torch::empty_like(x);
   const float *X = x.data_ptr<float>(), *W = w.data_ptr<float>();
   float* Y = y.data_ptr<float>();
-  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, M, INLINE_ROWS, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = X + r * K;
       __m256 acc = _mm256_setzero_ps();
@@ -125,7 +129,7 @@ torch::Tensor qkv_rope(torch::Tensor qkv, torch::Tensor bias, torch::Tensor cos,
       _mm256_storeu_ps(out + half + i, _mm256_add_ps(_mm256_mul_ps(x1, ci), _mm256_mul_ps(x0, si)));
     }
   };
-  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, M, INLINE_ROWS, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* x = X + r * width;
       const int64_t p = P[r];

@@ -17,7 +17,9 @@ class DraftModelProposer:
     """Proposes with the latest published snapshot of one named draft.
 
     The snapshot is taken in `begin` (once per request): a newer version is picked up by the next
-    request, and its KV cache starts empty (caches built with old weights are never reused).
+    request, and its KV cache starts empty (caches built with old weights are never reused); `begin` then feeds
+    the prompt but its last token, so the draft's prompt prefill is part of the request's prefill (the engine
+    times it there, as llama.cpp's speculative example does) and the first proposal feeds one token.
     Every proposal names the weights its forwards ran with (`Proposal.weights`: the snapshot's version and a
     checksum of the serving copy taken at that propose call), so a swap inside a request would show per step.
     """
@@ -35,6 +37,8 @@ class DraftModelProposer:
             self.version, self.vocab_ids = snap.version, snap.vocab_ids
             self._increasing = self.vocab_ids is None or bool((self.vocab_ids[1:] > self.vocab_ids[:-1]).all())
         self.runner.reset()
+        if len(prompt_ids) > 1:  # the prompt's prefill, inside the engine's prefill as llama.cpp's speculation does
+            self.runner.feed(list(prompt_ids[:-1]))
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """(V',) draft logits -> (V,) logits over the target's vocabulary (-inf where not covered)."""
@@ -96,3 +100,5 @@ class RunnerProposer(DraftModelProposer):
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.runner.reset()
+        if len(prompt_ids) > 1:  # the prompt's prefill, as DraftModelProposer.begin
+            self.runner.feed(list(prompt_ids[:-1]))
