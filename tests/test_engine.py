@@ -7,6 +7,8 @@ from conftest import EOS, VOCAB, tiny_qwen2
 from helpers import make_engine, plain_greedy
 
 from osd.config import SamplingConfig, SpeculationConfig
+from osd.drafts import DraftRegistry
+from osd.propose import DraftModelProposer
 from osd.engine import SpeculativeEngine
 from osd.errors import ContextTooLong, InvalidArgument
 
@@ -85,6 +87,44 @@ def test_the_draft_prefills_the_prompt_inside_the_prefill_phase(target_model, dr
     assert feeds[1] == 1  # the first proposal feeds only the last prompt token
     assert result.prefill_seconds == 100.0 and result.seconds == 100.0
     assert result.token_ids == plain_greedy(target_model, prompt, 20, eos=EOS)
+
+
+class SlowSpellTarget:
+    """A target runner on a fake clock: a forward of n rows takes 10 + 2n ms, 1.5x as long during a slow spell of
+    `spell_len` consecutive feeds starting at feed number `spell_at`."""
+
+    max_rows, vocab_size, context_window, eos_ids = 9, VOCAB, 4096, set()
+
+    def __init__(self, spell_at: int, spell_len: int):
+        self.now, self.length, self.feeds, self.spell = 0.0, 0, 0, range(spell_at, spell_at + spell_len)
+
+    def reset(self):
+        self.length = 0
+
+    def rollback(self, length):
+        self.length = min(self.length, length)
+
+    def feed(self, tokens, n_logits=1):
+        self.now += (0.010 + 0.002 * len(tokens)) * (1.5 if self.feeds in self.spell else 1.0)
+        self.feeds, self.length = self.feeds + 1, self.length + len(tokens)
+        return torch.zeros(min(n_logits, len(tokens)), VOCAB)
+
+
+def test_calibration_is_not_skewed_by_a_slow_spell_on_one_row_count(draft_model, tokenizer):
+    """Row counts are timed in rounds, so a slow spell shorter than a round leaves every count a clean timing: the
+    verify costs come out exact wherever the spell falls (timed one count after another, a spell over the 1-row
+    timings made every other count look cheap)."""
+    k = 4
+    for spell_at in range(0, 1 + (k + 1) * 4):
+        target = SlowSpellTarget(spell_at, spell_len=k + 1)
+        registry = DraftRegistry()
+        registry.publish("draft", draft_model)
+        engine = SpeculativeEngine(target, tokenizer, DraftModelProposer(registry, "draft", VOCAB),
+                                   SpeculationConfig(k=k, adaptive=True), clock=lambda: target.now)
+        calibration = engine.calibrate(context_len=16, repeats=2)
+        want = [(0.010 + 0.002 * n) / 0.012 for n in range(1, k + 2)]
+        assert calibration["verify_cost"] == pytest.approx(want, rel=1e-9), spell_at
+        assert engine.target_costs.seconds == pytest.approx([0.010 + 0.002 * n for n in range(1, k + 2)], rel=1e-9)
 
 
 def test_steps_record_target_distributions_at_proposed_positions(target_model, draft_model, tokenizer):

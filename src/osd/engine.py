@@ -211,18 +211,26 @@ class SpeculativeEngine:
 
     @torch.inference_mode()
     def calibrate(self, context_len: int = 64, repeats: int = 2) -> dict:
-        """Warm up and measure draft/target forward costs; feeds the k policy. Returns seconds."""
+        """Warm up and measure draft/target forward costs; feeds the k policy. Returns seconds.
+
+        Target: each row count n = 1..k_max+1 is fed after the same prefix and rolled back, in rounds that take
+        every n in turn (one untimed warm-up round, then `repeats` + 1 timed ones; the fastest per n). A slow spell
+        of the machine then falls on every row count alike instead of on one, whose ratios it would skew (seen: a
+        1-row timing 20% slow made 2-4 rows look 1.07-1.32x one row instead of 1.23-1.60x)."""
         dummy = [int(t) for t in torch.randint(0, min(self.vocab_size, 1000), (context_len,), generator=torch.Generator().manual_seed(0))]
-        t_target = []
-        for n in range(1, self.target_costs.k_max + 2):
-            best = float("inf")
-            for _ in range(repeats + (1 if n == 1 else 0)):
-                self.target.reset()
-                self.target.feed(dummy[:-n])
+        rows = range(1, self.target_costs.k_max + 2)
+        prefix = max(1, context_len - rows[-1])
+        self.target.reset()
+        self.target.feed(dummy[:prefix])
+        t_target = [float("inf")] * len(rows)
+        for round_ in range(repeats + 2):  # round 0: warm-up
+            for n in rows:
                 t0 = self.clock()
-                self.target.feed(dummy[-n:], n_logits=n)
-                best = min(best, self.clock() - t0)
-            t_target.append(best)
+                self.target.feed(((dummy[prefix:] or dummy[-1:]) * n)[:n], n_logits=n)
+                seconds = self.clock() - t0
+                self.target.rollback(prefix)
+                if round_:
+                    t_target[n - 1] = min(t_target[n - 1], seconds)
         t_drafts = [self._draft_seconds(proposer, dummy) for proposer in self.sources] if self.target_costs.k_max else []
         self.target.reset()
         self.target_costs.calibrate(t_target)
