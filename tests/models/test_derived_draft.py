@@ -258,3 +258,65 @@ def test_the_online_learning_paths_take_a_derived_draft():
     top16 = [ReplayItem(it.tokens, it.positions, CompactDist(it.target.ids[:, :16], it.target.probs[:, :16]), "r", 0, 0.0)
              for it in items]
     assert 0 < items_loss(draft, top16).item() < 0.2  # top-K + tail: the tail counts as in-map (an approximation)
+
+
+def test_text_sources_name_their_split_and_slice():
+    from osd.models.derived import parse_text_source
+
+    assert parse_text_source("gsm8k") == ("gsm8k", "train", 0, None)
+    assert parse_text_source("finance:test") == ("finance", "test", 0, None)
+    assert parse_text_source("multilingual_qa@de:test[600:]") == ("multilingual_qa@de", "test", 600, None)
+    assert parse_text_source("code[10:20]", "test") == ("code", "test", 10, 20)
+    for bad in ("code[a:b]", "code[5:2]", "code[-1:]", ":test"):
+        with pytest.raises(InvalidArgument):
+            parse_text_source(bad)
+
+
+class _BatchToyTokenizer(ToyTokenizer):
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [self.encode(t) for t in text] if isinstance(text, list) else self.encode(text)}
+
+
+def test_widening_keeps_the_trained_rows_and_adds_the_counted_tokens_with_base_rows(tmp_path):
+    import json
+
+    from osd.models.derived import widen_derived, widen_vocab_ids
+
+    counts = torch.zeros(12, dtype=torch.long)
+    counts[[9, 11, 4, 10]] = torch.tensor([4, 7, 50, 1])
+    assert widen_vocab_ids(torch.tensor([1, 4, 5]), counts, 2).tolist() == [1, 4, 5, 9, 11]  # 4 already in; by count
+    assert widen_vocab_ids(torch.tensor([1, 4, 5]), counts, 9).tolist() == [1, 4, 5, 9, 10, 11]  # zero counts never
+
+    base_dir = saved_base(tmp_path)
+    draft = derive_model(load_model(base_dir), KEPT, MAP)
+    add_lora(draft, rank=4, alpha=8.0)
+    torch.manual_seed(5)
+    delta = {}
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if "lora_b" in name:
+                p.add_(0.3 * torch.randn_like(p))
+            if "lora_" in name:
+                delta[name] = p.detach().clone()
+    healed = save_derived(tmp_path / "healed", draft, recipe_for(base_dir), delta,
+                          {"mode": "lora", "lora_rank": 4, "lora_alpha": 8.0})
+    texts = tmp_path / "texts.jsonl"  # 'h' = id 9 and 'j' = id 11 lie outside MAP; 'l' = 13 counted once
+    rows = [{"prompt": "hhhhjjjl", "split": "test"}, {"prompt": "jjjj", "split": "test"},
+            {"prompt": "nnnnnnnnnnnn", "split": "test"}]  # the third record lies outside the slice below
+    texts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    wider_dir = widen_derived(f"derived:{healed}", tmp_path / "wider", f"{texts}:test[0:2]", 2,
+                              tokenizer=_BatchToyTokenizer())
+
+    before, wider = load_model(f"derived:{healed}"), load_model(f"derived:{wider_dir}")
+    wide_ids = vocab_ids_of(wider)
+    assert wide_ids.tolist() == sorted(MAP.tolist() + [9, 11])  # 'n' (15) was past the slice, 'l' (13) counted less
+    ids = torch.tensor([[2, 9, 4, 30, 7, 11]])
+    old_cols = torch.searchsorted(wide_ids, MAP)
+    assert torch.allclose(wider(ids).logits[..., old_cols], before(ids).logits, atol=1e-5)  # trained rows kept
+    hidden = before.model(ids).last_hidden_state
+    base_head = load_model(base_dir).lm_head.weight
+    new_cols = torch.searchsorted(wide_ids, torch.tensor([9, 11]))
+    assert torch.allclose(wider(ids).logits[..., new_cols], hidden @ base_head[[9, 11]].t(), atol=1e-5)
+    recipe = json.loads((wider_dir / "derived.json").read_text())
+    assert recipe["derive"]["vocab"] == len(MAP) + 2 and recipe["widened"][-1]["added"] == 2
+    assert recipe["widened"][-1]["coverage_of_counted_after"] > recipe["widened"][-1]["coverage_of_counted_before"]

@@ -1,4 +1,4 @@
-"""`osd draft derive | heal | build | cost`: the cheap derived draft (models/derived.py, distill/heal.py).
+"""`osd draft derive | heal | build | widen | cost`: the cheap derived draft (models/derived.py, distill/heal.py).
 Parse -> config -> call the library."""
 from __future__ import annotations
 
@@ -36,6 +36,16 @@ def register(sub) -> None:
     add_config_flags(p, DeriveConfig)
     add_config_flags(p, HealConfig)
     p.set_defaults(func=cmd_build)
+
+    p = verbs.add_parser("widen", help="a derived draft with a wider head: its map plus the tokens other traffic uses "
+                         "(e.g. other languages); trained rows kept, new rows from the base's head")
+    p.add_argument("--draft", default="derived:cheap-0.5b", help="the derived draft to widen (left as it is)")
+    p.add_argument("--sources", required=True, help="texts to count, comma list of name[@lang][:split][[start:end]], "
+                   "e.g. 'multilingual_qa@de:test[600:],multilingual_qa@zh:test[600:]' (records a replay does not "
+                   "stream)")
+    p.add_argument("--add", type=int, default=8192, help="at most this many new head rows, most counted first")
+    p.add_argument("--out", required=True, help="directory of the wider draft (serve it with --draft derived:<out>)")
+    p.set_defaults(func=cmd_widen)
 
     p = verbs.add_parser("cost", help="seconds per draft token of derived shapes (int8 serving copy) vs the target's")
     p.add_argument("--base", default=DeriveConfig.base)
@@ -88,6 +98,13 @@ def cmd_build(args) -> None:
     from osd.models.derived import DeriveConfig
 
     _heal(args, args.out, config_from(args, DeriveConfig))
+
+
+def cmd_widen(args) -> None:
+    from osd.models.derived import read_recipe, widen_derived
+
+    out = widen_derived(args.draft, args.out, args.sources, args.add)
+    print(json.dumps({"draft": f"derived:{out}", "widened": read_recipe(str(out))["widened"][-1]}, indent=2))
 
 
 def cmd_cost(args) -> None:

@@ -108,13 +108,43 @@ def token_counts(tokenizer, texts: list[str], vocab_size: int) -> torch.Tensor:
     return counts
 
 
+def parse_text_source(entry: str, split: str = "train") -> tuple[str, str, int, int | None]:
+    """'name[@lang][:split][[start:end]]' -> (name, split, start, end): a slice of one split, in file order, like
+    Hugging Face's `test[600:]`. multilingual_qa has a test split only; `multilingual_qa@de:test[600:]` counts
+    German records past those a replay streams (it takes the first ones), so a map never peeks at its stream."""
+    entry = entry.strip()
+    start, end = 0, None
+    if entry.endswith("]") and "[" in entry:
+        entry, _, bounds = entry[:-1].partition("[")
+        first, sep, last = bounds.partition(":")
+        try:
+            start, end = int(first or 0), (int(last) if last else None) if sep else int(first or 0) + 1
+        except ValueError:
+            raise InvalidArgument(f"bad slice [{bounds}] in {entry!r}: use [start:end] with integers") from None
+        if start < 0 or (end is not None and end < start):
+            raise InvalidArgument(f"bad slice [{bounds}] in {entry!r}: need 0 <= start <= end")
+    name, sep, own = entry.rpartition(":")
+    if sep and own in ("train", "test"):
+        entry, split = name, own
+    if not entry:
+        raise InvalidArgument("empty dataset name in a text source")
+    return entry, split, start, end
+
+
 def dataset_texts(datasets: str, split: str = "train", limit: int = 0) -> list[str]:
-    """Prompts and reference answers of the datasets' split (datasets without that split contribute nothing)."""
+    """Prompts and reference answers of the datasets' split (datasets without that split contribute nothing).
+    An entry may name its own split and slice (parse_text_source); `limit` caps the records per entry."""
     from osd.data import load_records
 
     texts = []
-    for name in filter(None, (d.strip() for d in datasets.split(","))):
-        for record in load_records(name, split, limit or None):
+    for entry in filter(None, (d.strip() for d in datasets.split(","))):
+        name, own_split, start, end = parse_text_source(entry, split)
+        count = None if end is None else end - start
+        if limit:
+            count = min(limit, count) if count is not None else limit
+        if count == 0:
+            continue
+        for record in load_records(name, own_split, count, offset=start):
             texts.append(str(record["prompt"]))
             if record.get("reference"):
                 texts.append(str(record["reference"]))
@@ -209,6 +239,81 @@ def build_derived(config: DeriveConfig, dtype: str = "float32", tokenizer=None):
               "counted_tokens": int(counts.sum()), "vocab_coverage_of_counted": float(counts[vocab_ids].sum() / max(1, counts.sum()))}
     model = derive_model(base, parse_layers(config.layers, len(base.model.layers)), vocab_ids, recipe)
     return model, recipe
+
+
+def widen_vocab_ids(vocab_ids: torch.Tensor, counts: torch.Tensor, add: int) -> torch.Tensor:
+    """The map plus up to `add` ids outside it, most counted first (ties: lower id; zero counts never) -> sorted."""
+    if add < 0:
+        raise InvalidArgument(f"add must be >= 0, got {add}")
+    outside = counts.clone()
+    outside[vocab_ids] = 0
+    order = torch.argsort(-outside.double(), stable=True)[:add]
+    return torch.cat([vocab_ids, order[outside[order] > 0]]).unique(sorted=True)
+
+
+def widen_head_delta(delta: dict[str, torch.Tensor], vocab_ids: torch.Tensor, wider: torch.Tensor,
+                     base_head: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Re-index a trained delta's head rows from `vocab_ids` to the wider map: a kept token keeps its trained row;
+    a new one gets the LoRA B row 0 (its logit is the base head's) or, for a fully trained head, the base head's row
+    (`base_head`: lm_head.weight / lm_head.bias of the base, full vocabulary). Everything else is unchanged."""
+    position = torch.full((int(wider.max()) + 1,), -1, dtype=torch.long)
+    position[wider] = torch.arange(len(wider))
+    kept = position[vocab_ids]
+    if bool((kept < 0).any()):
+        raise InvalidArgument("the wider map must hold every id of the old one")
+    out = {}
+    for name, value in delta.items():
+        if not name.startswith("lm_head."):
+            out[name] = value
+            continue
+        if name == "lm_head.lora_b":
+            rows = value.new_zeros((len(wider),) + tuple(value.shape[1:]))
+        elif name in ("lm_head.weight", "lm_head.bias") and base_head is not None and name in base_head:
+            rows = base_head[name][wider].to(value.dtype).clone()
+        elif name == "lm_head.lora_a":
+            out[name] = value
+            continue
+        else:
+            raise InvalidArgument(f"cannot widen the head delta {name!r} (no base rows for the new tokens)")
+        rows[kept] = value
+        out[name] = rows
+    return out
+
+
+def widen_derived(spec: str, out_dir: str | Path, sources: str, add: int, tokenizer=None) -> Path:
+    """A derived draft with a wider head: its map plus the `add` tokens counted most in `sources` (parse_text_source
+    entries) that it lacks, trained rows kept, new rows from the base's head. For traffic the map was not chosen for
+    (another language: the shipped draft's map holds 0.09-0.34 of Arabic, Chinese, Russian tokens); the new rows are
+    untrained, so the draft proposes them as the cut base would until it learns."""
+    from osd.models.loading import load_model, load_tokenizer
+
+    where = derived_dir(spec)
+    recipe = json.loads((where / RECIPE).read_text())
+    tensors = load_file(str(where / TENSORS))
+    vocab_ids = tensors["vocab_ids"].long()
+    base_spec = recipe["derive"]["base"]
+    tokenizer = tokenizer or load_tokenizer(base_spec)
+    texts = dataset_texts(sources)
+    if not texts:
+        raise InvalidArgument(f"no texts in {sources!r} to count")
+    base = load_model(base_spec, "float32")
+    head = base.get_output_embeddings()
+    counts = token_counts(tokenizer, texts, head.weight.shape[0])
+    wider = widen_vocab_ids(vocab_ids, counts, add)
+    base_head = {"lm_head.weight": head.weight.detach()}
+    if head.bias is not None:
+        base_head["lm_head.bias"] = head.bias.detach()
+    delta = {k[len(DELTA):]: v for k, v in tensors.items() if k.startswith(DELTA)}
+    delta = widen_head_delta(delta, vocab_ids, wider, base_head)
+    counted = counts.sum().clamp(min=1)
+    widened = {"from": str(where), "sources": sources, "add": add, "added": len(wider) - len(vocab_ids),
+               "vocab": len(wider), "coverage_of_counted_before": float(counts[vocab_ids].sum() / counted),
+               "coverage_of_counted_after": float(counts[wider].sum() / counted)}
+    new_recipe = {k: v for k, v in recipe.items() if k != "trained"}
+    new_recipe["derive"] = {**recipe["derive"], "vocab": len(wider)}
+    new_recipe["widened"] = recipe.get("widened", []) + [widened]
+    model = derive_model(base, parse_layers(recipe["derive"]["layers"], len(base.model.layers)), wider, new_recipe)
+    return save_derived(out_dir, model, new_recipe, delta, recipe.get("trained"))
 
 
 def save_derived(out_dir: str | Path, model, recipe: dict, delta: dict[str, torch.Tensor] | None = None,
