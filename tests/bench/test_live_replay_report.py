@@ -76,3 +76,26 @@ def test_warm_up_runs_every_arm_once_unseen_by_the_learner():
     _warm_up(online, [static], llama_cpp, [1, 2, 3], SamplingConfig(max_new_tokens=4))
     assert calls == [("online", [1, 2, 3], False), "metrics reset", ("static", [1, 2, 3]), ("llama.cpp", [1, 2, 3])]
     assert online.observers == [learner_observer] and online.request_observers == [learner_observer]  # restored
+
+
+def test_a_request_without_proposals_has_no_alpha_not_an_alpha_of_zero(tmp_path):
+    from osd.bench.plots import moving_average
+
+    rows = _rows(8, 20.0, 20.0)
+    for r in rows[:2]:
+        r["static_alpha"] = None  # the policy chose k = 0 for the control on the first quarter's requests
+    rows[2]["static_alpha"] = 0.5
+    result = {"config": {"spec": {"k": 6}, "learn": {"loss": "forward_kl", "mode": "all", "every_requests": 8,
+                                                     "lr": 2e-4}, "stream": "code"},
+              "requests": rows,
+              "learner": {"updates_published": 1, "updates_rejected": 0, "version": 1, "train_seconds": 3.0}}
+    markdown = tmp_path / "B.md"
+    report_replay(result, str(tmp_path / "r.json"), str(markdown), window=2)
+    text = markdown.read_text()
+    all_row = next(line for line in text.splitlines() if line.startswith("| all"))
+    assert all_row.split("|")[3].strip() == f"{(0.5 + 5 * 0.3) / 6:.3f}"  # alpha static over the 6 requests with proposals
+    first = next(line for line in text.splitlines() if line.startswith("| first quarter"))
+    assert first.split("|")[3].strip() in ("", "None", "n/a", "-")  # no proposals at all in the first quarter
+    assert "requests without proposals: online 0 of 8, static 2 of 8" in text
+    curve = moving_average([None, 0.2, None, 0.4], 2)
+    assert curve[0] != curve[0] and curve[1:] == [0.2, 0.2, 0.4]  # NaN, then the present values' means

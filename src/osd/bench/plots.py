@@ -3,13 +3,16 @@ over time (the soak's server RSS)."""
 from __future__ import annotations
 
 
-def moving_average(values: list[float], window: int) -> list[float]:
+def moving_average(values: list[float | None], window: int) -> list[float]:
+    """Trailing mean over the last `window` values; None (no measurement, e.g. no proposals) is left out of the
+    mean, and a window with no values gives NaN (a gap in the curve)."""
     out, acc = [], []
     for v in values:
         acc.append(v)
         if len(acc) > window:
             acc.pop(0)
-        out.append(sum(acc) / len(acc))
+        present = [a for a in acc if a is not None]
+        out.append(sum(present) / len(present) if present else float("nan"))
     return out
 
 

@@ -226,9 +226,9 @@ def _heldout(engine, tokenizer, variants, stream, split, per_segment, heldout, h
 
 def plot_replay(result: dict, path: str, window: int = 10) -> str | None:
     rows = result["requests"]
-    curves = {"online (osd)": [r["alpha"] or 0 for r in rows]}
+    curves = {"online (osd)": [r["alpha"] for r in rows]}  # None: no proposals (k = 0), a gap, not a 0
     if rows and "static_alpha" in rows[0]:
-        curves["control (never trained, served)"] = [r["static_alpha"] or 0 for r in rows]
+        curves["control (never trained, served)"] = [r["static_alpha"] for r in rows]
     return plot_alpha_curves(curves, domain_boundaries(rows), f"osd replay: {result['config']['stream']}", "alpha",
                              path, window)
 

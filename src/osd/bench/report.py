@@ -56,7 +56,7 @@ def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> No
     png = plot_replay(result, str(Path(out).with_suffix(".png")), window)
     rows = result["requests"]
     q = max(1, len(rows) // 4)
-    mean = lambda key, part: (sum(r[key] or 0 for r in part) / len(part)) if part else None
+    mean = lambda key, part: mean_present(r.get(key) for r in part)
     has_static = rows and "static_alpha" in rows[0]
     has_plain = rows and "target_only_tokens_per_second" in rows[0]
     has_llama = rows and "llama_cpp_target_tokens_per_second" in rows[0]
@@ -75,12 +75,23 @@ def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> No
              f"draft version at the first request {first_version} (> 0: resumed from a checkpoint), "
              f"final draft version {learner['version']}, train seconds {learner['train_seconds']:.0f}")
     notes += "; " + start_vs_end(table_rows[0], table_rows[1], has_static, has_plain, has_llama)
+    silent = {name: sum(r.get(key) is None for r in rows) for name, key in (("online", "alpha"), ("static", "static_alpha"))
+              if name == "online" or has_static}
+    notes += ("; alpha columns average the requests where the draft proposed (k > 0); requests without proposals: "
+              + ", ".join(f"{name} {n} of {len(rows)}" for name, n in silent.items()))
     cfg = result["config"]
     emit_report("Online replay (`osd replay`)",
                 f"`{redacted_command(sys.argv[1:])}` k={cfg['spec']['k']} loss={cfg['learn']['loss']} "
                 f"mode={cfg['learn']['mode']} every_requests={cfg['learn']['every_requests']} lr={cfg['learn']['lr']}; "
                 f"machine: {machine()['cpu']}",
                 [t, notes], path, markdown, plot=png)
+
+
+def mean_present(values) -> float | None:
+    """Mean of the values that are not None (None if there are none): a request where the adaptive policy never let
+    the draft propose has no alpha, which is not an alpha of 0."""
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
 
 
 def start_vs_end(first: list, last: list, has_static: bool, has_plain: bool, has_llama: bool) -> str:
