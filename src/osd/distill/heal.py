@@ -81,16 +81,21 @@ def score_answer(runner, prompt: list[int], answer: list[int], top_k: int) -> Co
 @torch.no_grad()
 def greedy_answer(runner, prompt: list[int], max_tokens: int, eos_ids: set[int], top_k: int):
     """The target's greedy answer (stops after an EOS token) and its distribution at each answer position."""
-    runner.reset()
-    logits = runner.feed(prompt)  # (1, V)
-    answer, dists = [], []
-    for _ in range(max_tokens):
-        dists.append(compress(logits, top_k))
-        answer.append(int(logits[0].argmax()))
-        if answer[-1] in eos_ids or len(answer) == max_tokens:
-            break
-        logits = runner.feed(answer[-1:])
+    from osd.models.q4_batch import greedy_alone
+
+    answer, dists = greedy_alone(runner, prompt, max_tokens, eos_ids, lambda logits: compress(logits, top_k))
     return answer, CompactDist.cat(dists)
+
+
+@torch.no_grad()
+def greedy_answers(runner, prompts: list[list[int]], max_tokens: list[int], eos_ids: set[int], top_k: int,
+                   slots: int = 8):
+    """greedy_answer for many prompts -> yields (index, answer, CompactDist) as each ends. On osd's Q4 runner
+    `slots` prompts decode together, bitwise as each would alone (models/q4_batch.py); else one at a time."""
+    from osd.models.q4_batch import greedy_many
+
+    for i, answer, dists in greedy_many(runner, prompts, max_tokens, eos_ids, lambda l: compress(l, top_k), slots):
+        yield i, answer, CompactDist.cat(dists)
 
 
 class TeacherStore:
@@ -168,32 +173,37 @@ def build_requests(tokenizer, records: list[dict], mode: str, max_prompt_tokens:
 
 
 def teacher_samples(store: TeacherStore, open_runner, requests: list[Request], top_k: int, eos_ids: set[int],
-                    progress=None, say=print) -> list[TargetSample]:
+                    progress=None, say=print, slots: int = 8) -> list[TargetSample]:
     """Samples for the requests in order; only missing ones reach the target (opened lazily by `open_runner()`).
+    Target answers decode `slots` at a time on osd's Q4 runner (greedy_answers). Each sample is stored as it ends.
 
-    Prints an estimate of the time left once the first sample is scored; the progress bar counts tokens."""
+    Prints an estimate of the time left once a few samples are done; the progress bar counts tokens."""
     paths = [store.path(r.prompt, "reference" if r.reference else "target", r.reference, top_k, r.max_tokens)
              for r in requests]
     missing = [i for i, p in enumerate(paths) if not p.exists()]
     if missing:
         runner, total = open_runner(), sum(len(requests[i].reference or []) or requests[i].max_tokens for i in missing)
         bar = progress(total=total, desc="teacher", unit="tok") if progress else None
-        start, done = time.perf_counter(), 0
-        for n, i in enumerate(missing):
-            r = requests[i]
-            if r.reference:
-                sample = TargetSample(r.prompt, r.reference, score_answer(runner, r.prompt, r.reference, top_k))
-            else:
-                answer, dist = greedy_answer(runner, r.prompt, r.max_tokens, eos_ids, top_k)
-                sample = TargetSample(r.prompt, answer, dist)
+        start, done, stored = time.perf_counter(), 0, 0
+
+        def put(i: int, sample: TargetSample) -> None:
+            nonlocal done, stored
             store.put(paths[i], sample)
-            done += len(sample.response_ids)
+            done, stored = done + len(sample.response_ids), stored + 1
             if bar is not None:
-                bar.update(len(r.reference or []) or r.max_tokens)
-            if n == min(3, len(missing) - 1):
+                bar.update(len(requests[i].reference or []) or requests[i].max_tokens)
+            if stored == min(4 * max(slots, 1), len(missing)):
                 rate = done / (time.perf_counter() - start)
                 say(f"[osd] teacher: {len(missing)} of {len(requests)} samples to score at ~{rate:.0f} tokens/s: "
                     f"~{(total - done) / rate / 60:.1f} min left for this step (at most; greedy answers may stop early)")
+
+        for i in (i for i in missing if requests[i].reference):
+            r = requests[i]
+            put(i, TargetSample(r.prompt, r.reference, score_answer(runner, r.prompt, r.reference, top_k)))
+        answers = [i for i in missing if not requests[i].reference]
+        for j, answer, dist in greedy_answers(runner, [requests[i].prompt for i in answers],
+                                              [requests[i].max_tokens for i in answers], eos_ids, top_k, slots):
+            put(answers[j], TargetSample(requests[answers[j]].prompt, answer, dist))
         if bar is not None:
             bar.close()
     return [store.get(p) for p in paths]
@@ -314,19 +324,25 @@ def check_same_run(out: Path, config: HealConfig) -> None:
     path.write_text(json.dumps(asdict(config), indent=2))
 
 
-def open_target(target_spec: str, threads: int = 0):
-    """The target as it serves: llama.cpp for a GGUF (bundled:<name> or .gguf), else a torch model."""
+def open_target(target_spec: str, threads: int = 0, backend: str = "auto"):
+    """The target as it serves: for "auto", llama.cpp for a GGUF (bundled:<name> or .gguf), else a torch model;
+    "osd" = osd's Q4 kernel (a Qwen2 GGUF: greedy answers decode several prompts at once, teacher_samples)."""
     from osd.build import build_target
     from osd.config import ModelConfig
 
-    return build_target(ModelConfig(target=target_spec, threads=threads, prepack_target=False))
+    return build_target(ModelConfig(target=target_spec, threads=threads, prepack_target=False, target_backend=backend))
 
 
 def run_heal(out_dir: str | Path, config: HealConfig, target_spec: str, derive=None, threads: int = 0,
-             cache_dir: str | Path | None = None, progress=None, target=None, tokenizer=None, say=print) -> dict:
+             cache_dir: str | Path | None = None, progress=None, target=None, tokenizer=None, say=print,
+             teacher_backend: str = "auto", teacher_slots: int = 8) -> dict:
     """Derive (when <out> holds no draft yet, from `derive`: a DeriveConfig), heal, write the delta into <out>.
 
-    target/tokenizer: given objects instead of loading `target_spec` (tests pass tiny in-process models)."""
+    target/tokenizer: given objects instead of loading `target_spec` (tests pass tiny in-process models).
+    teacher_backend: the target's runner (open_target); its name keys the teacher cache, as its outputs may differ
+    at near-ties. teacher_slots: target answers decoded together on the osd backend (bitwise as alone)."""
+    from osd.build import target_backend
+    from osd.config import ModelConfig
     from osd.data import load_records
     from osd.distill.cache import default_cache_root
     from osd.models.derived import RECIPE, build_derived, load_derived, read_recipe, save_derived
@@ -353,10 +369,11 @@ def run_heal(out_dir: str | Path, config: HealConfig, target_spec: str, derive=N
 
     def open_runner():
         if "runner" not in runner_cell:
-            runner_cell["runner"] = as_runner(target if target is not None else open_target(target_spec, threads))
+            runner_cell["runner"] = as_runner(target if target is not None
+                                              else open_target(target_spec, threads, teacher_backend))
         return runner_cell["runner"]
 
-    kind = "llama.cpp" if target_spec.startswith("bundled:") or target_spec.endswith(".gguf") else "torch"
+    kind = target_backend(ModelConfig(target=target_spec, target_backend=teacher_backend))
     store = TeacherStore(cache_dir or Path(default_cache_root()).with_name("teacher-heal"),
                          teacher_fingerprint(target_spec, kind, config.top_k))
     eos_ids = eos_ids_of(getattr(draft, "generation_config", None), draft.config, tokenizer)
@@ -366,14 +383,14 @@ def run_heal(out_dir: str | Path, config: HealConfig, target_spec: str, derive=N
     eval_names = [name.strip() for name in config.eval_datasets.split(",") if name.strip()] if config.eval_limit else []
     eval_records = [r for name in eval_names for r in load_records(name, "test", config.eval_limit)]
     eval_requests = build_requests(tokenizer, eval_records, "target", config.max_prompt_tokens, config.eval_tokens, None)
-    eval_samples = teacher_samples(store, open_runner, eval_requests, config.top_k, eos_ids, progress, say)
-    samples = teacher_samples(store, open_runner, requests, config.top_k, eos_ids, progress, say)
+    eval_samples = teacher_samples(store, open_runner, eval_requests, config.top_k, eos_ids, progress, say, teacher_slots)
+    samples = teacher_samples(store, open_runner, requests, config.top_k, eos_ids, progress, say, teacher_slots)
     teacher_seconds = time.perf_counter() - started
     before = alpha_on(draft, eval_samples, config.eval_tokens)
     metrics = heal(draft, samples, config, out / "heal-state", progress, say)
     after = alpha_on(draft, eval_samples, config.eval_tokens)
     trained = {"mode": config.trainable, "lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha,
-               "heal": asdict(config), "target": target_spec, "samples": len(samples),
+               "heal": asdict(config), "target": target_spec, "teacher_backend": kind, "samples": len(samples),
                "answer_tokens": sum(len(s.response_ids) for s in samples)}
     metrics.update({"samples": len(samples), "eval_before": before, "eval_after": after,
                     "eval_vocab_coverage": vocab_coverage(draft, eval_samples), "teacher_seconds": teacher_seconds,

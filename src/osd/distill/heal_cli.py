@@ -18,6 +18,10 @@ def register(sub) -> None:
         p.add_argument("--target", default=ModelConfig.target, help="the teacher, as it serves (a GGUF runs on llama.cpp)")
         p.add_argument("--threads", type=int, default=0, help="torch and llama.cpp threads (0 = default)")
         p.add_argument("--cache-dir", default=None, help="teacher cache root (default $OSD_CACHE/teacher-heal)")
+        p.add_argument("--teacher-backend", default="auto", choices=["auto", "llama.cpp", "osd", "torch"],
+                       help="the target's runner (auto: llama.cpp for a GGUF); osd = osd's Q4 kernel, which decodes "
+                       "--teacher-slots target answers at once (bitwise as alone; ~4x the tokens/s)")
+        p.add_argument("--teacher-slots", type=int, default=8, help="target answers decoded together (osd backend)")
 
     p = verbs.add_parser("derive", help="cut a derived draft (kept layers + vocabulary map) into --out; untrained")
     p.add_argument("--out", required=True, help="directory of the derived draft (serve it with --draft derived:<out>)")
@@ -85,7 +89,8 @@ def _heal(args, out: str, derive) -> None:
     from osd.distill.heal import HealConfig, run_heal
 
     set_threads(args.threads)
-    metrics = run_heal(out, config_from(args, HealConfig), args.target, derive, args.threads, args.cache_dir, _progress())
+    metrics = run_heal(out, config_from(args, HealConfig), args.target, derive, args.threads, args.cache_dir, _progress(),
+                       teacher_backend=args.teacher_backend, teacher_slots=args.teacher_slots)
     print(json.dumps({"draft": f"derived:{out}", **metrics}, indent=2, default=str))
 
 

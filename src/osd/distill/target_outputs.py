@@ -30,15 +30,17 @@ def target_samples(cache: TargetCache, target, prompts: list[list[int]], setting
 
 
 def serving_samples(cache: TargetCache, runner, prompts: list[list[int]], settings: DecodeSettings, eos_ids: set[int],
-                    progress=None) -> list[TargetSample]:
-    """Greedy samples from a serving runner (llama.cpp / Q4 kernel), one prompt at a time; only the missing ones."""
-    from osd.distill.heal import greedy_answer
+                    progress=None, slots: int = 8) -> list[TargetSample]:
+    """Greedy samples from a serving runner (llama.cpp: one prompt at a time; osd's Q4 kernel: `slots` prompts
+    decoded together, bitwise as alone); only the missing ones, each stored as it ends."""
+    from osd.distill.heal import greedy_answers
 
     missing = [i for i, p in enumerate(prompts) if (p, settings) not in cache]
     bar = progress(total=len(missing), desc="target cache: filling", unit="req") if progress and missing else None
-    for i in missing:
-        response, dist = greedy_answer(runner, prompts[i], settings.max_new_tokens, eos_ids, settings.top_k)
-        cache.put(TargetSample(prompts[i], response, dist, {"source": "teacher"}), settings)
+    answers = greedy_answers(runner, [prompts[i] for i in missing], [settings.max_new_tokens] * len(missing), eos_ids,
+                             settings.top_k, slots)
+    for j, response, dist in answers:
+        cache.put(TargetSample(prompts[missing[j]], response, dist, {"source": "teacher"}), settings)
         if bar is not None:
             bar.update(1)
     if bar is not None:

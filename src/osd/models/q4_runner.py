@@ -285,6 +285,15 @@ class Layer:
 
 
 # ------------------------------------------------------------------------------------------ the runner
+@dataclass
+class Rows:
+    """Rows start:stop of a forward belong to one sequence: their positions and that sequence's KV cache."""
+    start: int
+    stop: int
+    pos: torch.Tensor  # (stop - start,) int64
+    kv: list  # per layer: (keys (G, T, D), values (G, T, D)) views
+
+
 class Q4Runner(PositionCache):
     """A Qwen2 GGUF (Q4_K/Q6_K matrices) on osd's own kernel, holding the KV cache of one sequence."""
 
@@ -339,8 +348,7 @@ class Q4Runner(PositionCache):
                 kept.append(hidden[max(0, first_logit - start) :])
         if not kept:
             return torch.empty(0, self.vocab_size)
-        final = self._glue.rms_norm(torch.cat(kept), self.output_norm, self.shape.eps)  # (n_logits, hidden)
-        return self.head(self._quantize(final))  # (n_logits, V)
+        return self.logits(torch.cat(kept))  # (n_logits, V)
 
     def embed(self, token_ids: list[int]) -> torch.Tensor:
         """(M, hidden) float32 rows of the quantized embedding table, dequantized (gguf's reference)."""
@@ -354,17 +362,40 @@ class Q4Runner(PositionCache):
 
     def _forward(self, token_ids: list[int]) -> torch.Tensor:
         """Run M tokens through the layers at positions length.., caching their keys/values -> (M, hidden)."""
-        s, g, quantize = self.shape, self._glue, self._quantize
-        x = self.embed(token_ids)  # (M, hidden)
         pos = torch.arange(self.length, self.length + len(token_ids))  # (M,)
-        for layer, (k_cache, v_cache) in zip(self.layers, self._kv):
-            qkv = layer.qkv(quantize(g.rms_norm(x, layer.attn_norm, s.eps)))  # (M, (H + 2G) D)
-            q = g.qkv_rope(qkv, layer.qkv_bias, self.cos, self.sin, pos, k_cache, v_cache, s.heads)  # (M, H, D)
-            x += layer.attn_output(quantize(g.attention(q, k_cache, v_cache, pos)))
-            gate_up = layer.gate_up(quantize(g.rms_norm(x, layer.ffn_norm, s.eps)))  # (M, 2 I)
-            x += layer.ffn_down(quantize(g.silu_mul(gate_up)))
+        x = self.forward_rows(self.embed(token_ids), [Rows(0, len(token_ids), pos, self._kv)])
         self.length += len(token_ids)
         return x
+
+    def forward_rows(self, x: torch.Tensor, groups: list["Rows"]) -> torch.Tensor:
+        """x (M, hidden) through the layers -> (M, hidden). Each group of consecutive rows belongs to one sequence:
+        its keys/values go to that sequence's cache at its positions, its queries attend to that cache only. The
+        matrices see all M rows at once (one pass over each weight); everything else runs per row, so a row's
+        result does not depend on the other rows or groups (bitwise)."""
+        s, g, quantize = self.shape, self._glue, self._quantize
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(quantize(g.rms_norm(x, layer.attn_norm, s.eps)))  # (M, (H + 2G) D)
+            attended = []
+            for rows in groups:
+                k_cache, v_cache = rows.kv[i]
+                q = g.qkv_rope(qkv[rows.start : rows.stop], layer.qkv_bias, self.cos, self.sin, rows.pos, k_cache,
+                               v_cache, s.heads)  # (m, H, D)
+                attended.append(g.attention(q, k_cache, v_cache, rows.pos))
+            x += layer.attn_output(quantize(attended[0] if len(attended) == 1 else torch.cat(attended)))
+            gate_up = layer.gate_up(quantize(g.rms_norm(x, layer.ffn_norm, s.eps)))  # (M, 2 I)
+            x += layer.ffn_down(quantize(g.silu_mul(gate_up)))
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, hidden) final hidden states -> (n, V) float32 logits (final RMSNorm, LM head)."""
+        return self.head(self._quantize(self._glue.rms_norm(hidden, self.output_norm, self.shape.eps)))
+
+    def new_cache(self, n_ctx: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """An empty KV cache of one more sequence (per layer: keys, values), for forward_rows (models/q4_batch.py)."""
+        s = self.shape
+        shape = (s.layers, s.kv_heads, min(n_ctx or self.context_window, self.context_window), s.head_dim)
+        k, v = torch.empty(shape), torch.empty(shape)
+        return [(k[i], v[i]) for i in range(s.layers)]
 
 
 def _vector(tensors: dict, name: str, zeros_if_missing: int | None = None) -> torch.Tensor:
