@@ -300,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     from osd.bench.kernel import register as register_bench_kernel  # `osd bench kernel`
 
     register_bench_kernel(bench)
+    from osd.bench.teacher import register as register_bench_teacher  # `osd bench teacher`
+
+    register_bench_teacher(bench)
     from osd.bench.target_quant import register as register_bench_target_quant  # `osd bench target-quant`
 
     register_bench_target_quant(bench)

@@ -13,7 +13,8 @@ of them alike. Arms (same GGUF files, same prompts, same token counts, greedy):
   osd_q4            osd speculative on its own Q4_K kernel, a proposer of the osd arm's kind (same draft), adaptive k
   osd_q4_learned    osd_q4 with the draft an online learner published (--learned-draft: its checkpoint directory, on
                     the same base draft), so never-trained and learned draft run side by side; give --domains and
-                    --offset so the prompts are requests the learner never saw
+                    --offset so the prompts are requests the learner never saw. `--learned-draft derived:<dir>`
+                    runs another derived draft there instead (e.g. a longer heal beside the shipped one)
 Decode tokens/s leaves out the prompt (time to the first token for llama.cpp's loop, the prefill for osd's);
 end-to-end tokens/s includes it. Outputs of every arm are compared token by token with their reference: osd_q4*
 with osd_q4_target (greedy identity on that backend), every other arm with osd_target.
@@ -108,13 +109,17 @@ def _hf_arm(dense_target, max_new: int, eos: set[int]):
 
 
 def _learned_arm(system, q4_target, spec: SpeculationConfig, checkpoint: str, max_new: int):
-    """osd_q4 with the draft's learned weights (a learner's checkpoint directory, on the same base draft)."""
+    """osd_q4 with the draft's learned weights (a learner's checkpoint directory, on the same base draft), or with
+    another derived draft (`derived:<dir or shipped name>`, e.g. one healed longer), beside the configured one."""
     from osd.build import speculative_engine
     from osd.learn.checkpoint import load_checkpoint
     from osd.models.loading import load_model
 
-    learned = load_model(system.models.draft, system.models.draft_dtype)
-    state = load_checkpoint(checkpoint, learned)  # weights only; CheckpointMismatch on another base
+    if checkpoint.startswith("derived:"):
+        learned, state = load_model(checkpoint, system.models.draft_dtype), {"version": 0}
+    else:
+        learned = load_model(system.models.draft, system.models.draft_dtype)
+        state = load_checkpoint(checkpoint, learned)  # weights only; CheckpointMismatch on another base
     if state is None:
         raise InvalidArgument(f"no draft checkpoint in {checkpoint!r}")
     system.publish_draft(learned, name="learned", version=state["version"])
