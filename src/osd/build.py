@@ -54,11 +54,18 @@ def set_threads(threads: int) -> None:
 
 
 def target_backend(models: ModelConfig, target_model=None) -> str:
-    """The backend that serves the target: the configured one, or for "auto" llama.cpp when the target is a GGUF."""
+    """The backend that serves the target: the configured one, or for "auto", a GGUF target on osd's own Q4 kernel
+    where that kernel runs it (models/q4_runner.py `serves`: a Qwen2 file of Q4_K/Q6_K matrices, a CPU with AVX2),
+    else on llama.cpp; any other target on torch. Why the Q4 kernel first: it decodes the target alone at 1.0-1.4x
+    llama.cpp's speed here and verifies k+1 tokens for far less than llama.cpp (BENCHMARKS.md), so speculation pays."""
     if models.target_backend != "auto":
         return models.target_backend
     is_gguf = models.target.startswith("bundled:") or models.target.endswith(".gguf")
-    return "llama.cpp" if is_gguf and target_model is None else "torch"
+    if not is_gguf or target_model is not None:
+        return "torch"
+    from osd.models.q4_runner import serves
+
+    return "osd" if serves(models.target) else "llama.cpp"
 
 
 def check_target_quantize(models: ModelConfig, target_model=None) -> None:

@@ -77,7 +77,7 @@ class ModelConfig:
     draft_dtype: str = "float32"  # dtype of the draft's master weights
     draft_quantize: str = "int8"  # "none" | "int8" | "int8_vnni": serving copy of the draft (int8 linears, models/serving_draft.py)
     draft_vocab: int = 0  # 0 = full; N = draft proposes only among token ids < N (+ special tokens)
-    target_backend: str = "auto"  # "torch" | "llama.cpp" | "osd" (own Q4_K kernel, Qwen2 GGUFs) | "auto" (llama.cpp for a GGUF target, torch otherwise)
+    target_backend: str = "auto"  # "torch" | "llama.cpp" | "osd" (own Q4_K kernel, Qwen2 GGUFs) | "auto" (a GGUF: osd where its kernel runs the file, else llama.cpp; torch otherwise)
     n_ctx: int = 4096  # llama.cpp / osd target: context (KV cache) length
     threads: int = 0  # torch (and llama.cpp) threads; 0 = default (torch's; llama.cpp: the cores we may use)
     prepack_target: bool = True  # fast fp32 linears for the target (models/prepack.py; CPU speed trick)

@@ -96,7 +96,7 @@ class _Config:
 
 def test_greedy_gguf_targets_take_the_serving_path_sampled_or_torch_ones_do_not():
     greedy, sampled = DecodeSettings(), DecodeSettings(temperature=0.7)
-    assert sampling_backend(ModelConfig(target="bundled:qwen2.5-coder-1.5b"), greedy) == "llama.cpp"  # auto, a GGUF
+    assert sampling_backend(ModelConfig(target="/m/t.gguf"), greedy) == "llama.cpp"  # auto, a GGUF the Q4 kernel cannot read
     assert sampling_backend(ModelConfig(target="/m/t.gguf", target_backend="osd"), greedy) == "osd"
     assert sampling_backend(ModelConfig(target="/m/t.gguf", target_backend="torch"), greedy) is None
     assert sampling_backend(ModelConfig(target="Qwen/Qwen2.5-0.5B"), greedy) is None  # auto, a Hugging Face target
@@ -175,7 +175,7 @@ def _dirs(root):
 def test_dataset_samples_serve_greedy_from_the_runner_then_from_the_cache(env, monkeypatch):
     spec, _, root, calls = env
     settings = DecodeSettings(max_new_tokens=N, top_k=8)
-    models = ModelConfig(target=spec, n_ctx=256, threads=1)  # auto: llama.cpp for a GGUF
+    models = ModelConfig(target=spec, n_ctx=256, threads=1, target_backend="llama.cpp")  # the llama.cpp serving path
     first = _fill(models, env, settings)
     assert calls == {"build_target": 1, "load_model": 0}  # the runner, not the fp32 twin
     assert [s.meta["id"] for s in first] == ["r0", "r1", "r2"]
@@ -199,11 +199,11 @@ def test_dataset_samples_serve_greedy_from_the_runner_then_from_the_cache(env, m
 def test_the_torch_path_and_sampling_never_read_the_served_samples(env, monkeypatch):
     spec, _, root, calls = env
     greedy = DecodeSettings(max_new_tokens=N, top_k=8)
-    _fill(ModelConfig(target=spec, n_ctx=256, threads=1), env, greedy)  # llama.cpp's samples, cached
+    _fill(ModelConfig(target=spec, n_ctx=256, threads=1), env, greedy)  # the auto backend's samples (the Q4 kernel), cached
     served = set(_dirs(root))
     _forbid(monkeypatch, "build_target")  # from here on, only the fp32 twin may run
     torch_samples = _fill(ModelConfig(target=spec, target_backend="torch", prepack_target=False), env, greedy)
-    assert calls["load_model"] == 1  # the llama.cpp entries were not taken for the torch path's
+    assert calls["load_model"] == 1  # the served entries were not taken for the torch path's
     torch_dirs = set(_dirs(root)) - served
     assert len(torch_dirs) == 1 and _dirs(root)[torch_dirs.pop()] == 3
     assert all(s.target.ids[:, 0].tolist() == s.response_ids for s in torch_samples)

@@ -198,3 +198,17 @@ def test_an_unsupported_weight_type_is_a_clear_error(tmp_path):
     write_tiny_gguf(path, seed=1, quantize=False)
     with pytest.raises(InvalidArgument, match=r"blk\.0\.attn_q\.weight is F32: .* Q4_K and Q6_K"):
         Q4Runner(path)
+
+
+def test_auto_serves_a_gguf_on_the_q4_kernel_where_it_runs_the_file_else_on_llama_cpp(tiny, tmp_path):
+    from osd.build import target_backend
+    from osd.models.q4_runner import serves
+
+    assert serves(str(tiny[0])) and target_backend(ModelConfig(target=str(tiny[0]))) == "osd"
+    assert isinstance(build_target(ModelConfig(target=str(tiny[0]), n_ctx=64)), Q4Runner)
+    f32 = tmp_path / "tiny-f32.gguf"  # a Qwen2 file whose matrices the kernel does not run
+    write_tiny_gguf(f32, seed=1, quantize=False)
+    assert not serves(str(f32)) and target_backend(ModelConfig(target=str(f32))) == "llama.cpp"
+    assert not serves(str(tmp_path / "missing.gguf"))
+    assert target_backend(ModelConfig(target=str(tiny[0]), target_backend="llama.cpp")) == "llama.cpp"  # asked for
+    assert target_backend(ModelConfig(target=str(tiny[0])), target_model=object()) == "torch"  # a given torch model

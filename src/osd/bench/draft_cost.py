@@ -3,7 +3,7 @@
 For each number of kept layers (the first half and the last half of them, e.g. 4 = layers 0,1 + 22,23) and each
 LM-head size: the serving copy the engine would use (int8 by default), driven through the same proposer the
 engine drafts with (DraftModelProposer: one-token feeds, logits mapped to the target's vocabulary). The median
-single-token feed is `t_draft`; the target's own single-token feed (llama.cpp for a GGUF) is measured in the
+single-token feed is `t_draft`; the target's own single-token feed (on its auto backend) is measured in the
 same run, so c = t_draft / t_target compares numbers taken side by side. Weights come from the real base, but
 the vocabulary map is the lowest ids (cost does not depend on which rows the head keeps). Seconds of CPU.
 """

@@ -14,6 +14,8 @@ def table(rows: list[list], header: list[str]) -> str:
 
 
 def report_speed(result: dict, out: str, markdown: str) -> None:
+    from osd.bench.speed import decode_speedup_by_domain
+
     path = write_result(result, out)
     decode, e2e = result["decode_tokens_per_second"], result["end_to_end_tokens_per_second"]
     base, diffs = result["baseline"], result["outputs_differing_from_osd_target"]
@@ -37,6 +39,10 @@ def report_speed(result: dict, out: str, markdown: str) -> None:
         q, qc = learned["spec_stats"], learned["calibration"]
         notes += (f"\nosd_q4_learned (draft version {learned['draft_version']} from {result['config']['learned_draft']}): "
                   f"alpha {q['alpha']:.3f}, tokens/step {q['tokens_per_step']:.2f}, measured c = {qc['c']:.3f}")
+    by_domain = decode_speedup_by_domain(result)
+    arms = list(decode)
+    domains = table([[domain] + [by_domain[domain].get(arm) for arm in arms] for domain in by_domain],
+                    ["decode x " + base + " by domain"] + arms)
     cfg, m = result["config"], machine()
     emit_report("Speed (`osd bench speed`)",
                 f"`{redacted_command(sys.argv[1:])}` per_domain={cfg['per_domain']} max_new_tokens={cfg['max_new_tokens']} "
@@ -44,7 +50,7 @@ def report_speed(result: dict, out: str, markdown: str) -> None:
                 f"draft={cfg['models']['draft']!r} llama_cpp_spec_k={cfg['llama_cpp_spec_k']} "
                 f"domains={','.join(cfg.get('domains') or [])} offset={cfg.get('offset', 0)}; "
                 f"machine: {m['cpu']} ({m.get('cpu_flags')}), {m['cores']} cores, threads {cfg['models']['threads'] or 'default'}",
-                [t, notes], path, markdown)
+                [t, domains, notes], path, markdown)
 
 
 def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> None:

@@ -6,7 +6,7 @@ of them alike. Arms (same GGUF files, same prompts, same token counts, greedy):
   llama_cpp_spec    the target GGUF verified by llama.cpp, the bundled 0.5B GGUF drafting on llama.cpp, fixed k
                     (osd's loop: llama-cpp-python has no draft-model speculation of its own)
   target_hf         transformers greedy `generate` with the dense fp32 target (--hf-baseline)
-  osd_target        osd with k = 0 on its target backend (llama.cpp for a GGUF target)
+  osd_target        osd with k = 0 on llama.cpp for a GGUF target (given --target-backend auto), else its backend
   osd               osd speculative decoding: the configured draft (lookup and/or model), adaptive k
   osd_lookup        osd with the n-gram lookup proposer alone (drafting costs ~0), adaptive k
   osd_q4_target     osd with k = 0 on its own Q4_K kernel (models/q4_runner.py, same GGUF; --no-osd-q4 drops it)
@@ -42,7 +42,7 @@ def bench_prompts(per_domain: int, split: str = "test", domains=DOMAINS, offset:
     """per_domain records of each domain, from `offset` on (past the requests a learned draft trained on)."""
     out = []
     for name in domains:
-        out += load_records(name, split=split, limit=per_domain, offset=offset)
+        out += [dict(r, domain=name) for r in load_records(name, split=split, limit=per_domain, offset=offset)]
     if not out:
         raise InvalidArgument(f"no benchmark prompts in {list(domains)} (split {split}, from record {offset})")
     return out
@@ -191,6 +191,10 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
               llama_cpp: bool = True, hf_baseline: bool = False, spec_k: int = 4, osd_q4: bool = True,
               learned_draft: str = "", domains=DOMAINS, offset: int = 0) -> dict:
     records = bench_prompts(per_domain, domains=domains, offset=offset)  # (checked before anything loads)
+    if models.target_backend == "auto" and (models.target.startswith("bundled:") or models.target.endswith(".gguf")):
+        from dataclasses import replace
+
+        models = replace(models, target_backend="llama.cpp")  # osd_target / osd on llama.cpp, osd_q4* on the Q4 kernel
     arms, system, rss = build_arms(models, spec, max_new_tokens, llama_cpp, hf_baseline, spec_k, osd_q4, learned_draft)
     engine = system.engine
     calibration = engine.calibrate()
@@ -207,7 +211,7 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
             arms[name].engine.metrics.reset()
     for record in tqdm(records, desc="bench speed", unit="prompt"):
         ids = prompt_ids(system.tokenizer, record["prompt"])
-        row, outputs = {"id": record["id"], "prompt_tokens": len(ids)}, {}
+        row, outputs = {"id": record["id"], "domain": record["domain"], "prompt_tokens": len(ids)}, {}
         for name, run in arms.items():
             timed = run(ids)
             outputs[name] = timed.tokens
@@ -250,6 +254,20 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
         "warmup_excluded": True,
         "per_prompt": per_prompt,
     }
+
+
+def decode_speedup_by_domain(result: dict) -> dict[str, dict[str, float]]:
+    """domain -> arm -> decode tokens/s over the baseline arm's, from the per-prompt rows (prompt time left out)."""
+    sums: dict[str, dict[str, list[float]]] = {}
+    for row in result["per_prompt"]:
+        for arm, timed in row.items():
+            if isinstance(timed, dict):
+                total = sums.setdefault(row.get("domain", "all"), {}).setdefault(arm, [0, 0.0])
+                total[0] += timed["tokens"]
+                total[1] += timed["seconds"] - timed["prompt_seconds"]
+    base = result["baseline"]
+    return {domain: {arm: (t / s) / (arms[base][0] / arms[base][1]) for arm, (t, s) in arms.items()}
+            for domain, arms in sums.items()}
 
 
 def _llama_cpp_build() -> str | None:

@@ -325,8 +325,9 @@ def check_same_run(out: Path, config: HealConfig) -> None:
 
 
 def open_target(target_spec: str, threads: int = 0, backend: str = "auto"):
-    """The target as it serves: for "auto", llama.cpp for a GGUF (bundled:<name> or .gguf), else a torch model;
-    "osd" = osd's Q4 kernel (a Qwen2 GGUF: greedy answers decode several prompts at once, teacher_samples)."""
+    """The target as it serves (build.target_backend): for "auto", a GGUF (bundled:<name> or .gguf) on osd's Q4 kernel
+    where it runs the file, else on llama.cpp; any other spec a torch model. On the Q4 kernel, greedy answers decode
+    several prompts at once (teacher_samples)."""
     from osd.build import build_target
     from osd.config import ModelConfig
 

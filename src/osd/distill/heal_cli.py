@@ -19,8 +19,9 @@ def register(sub) -> None:
         p.add_argument("--threads", type=int, default=0, help="torch and llama.cpp threads (0 = default)")
         p.add_argument("--cache-dir", default=None, help="teacher cache root (default $OSD_CACHE/teacher-heal)")
         p.add_argument("--teacher-backend", default="auto", choices=["auto", "llama.cpp", "osd", "torch"],
-                       help="the target's runner (auto: llama.cpp for a GGUF); osd = osd's Q4 kernel, which decodes "
-                       "--teacher-slots target answers at once (bitwise as alone; ~4x the tokens/s)")
+                       help="the target's runner (auto: a GGUF on osd's Q4 kernel where it runs the file, else llama.cpp); "
+                       "on the Q4 kernel, "
+                       "--teacher-slots target answers decode at once (bitwise as alone; ~3x the tokens/s)")
         p.add_argument("--teacher-slots", type=int, default=8, help="target answers decoded together (osd backend)")
 
     p = verbs.add_parser("derive", help="cut a derived draft (kept layers + vocabulary map) into --out; untrained")

@@ -116,6 +116,43 @@ def rope_tables(positions: int, head_dim: int, theta: float) -> tuple[torch.Tens
     return freqs.cos().contiguous(), freqs.sin().contiguous()
 
 
+def serves(spec: str) -> bool:
+    """Whether this backend runs the GGUF behind `spec` (bundled:<name> or a .gguf path) on this machine: the file
+    exists, its architecture and matrix types are ones the kernel runs, and the kernel builds here. Reads the GGUF's
+    header and tensor table only (memory-mapped); the answer is kept per file."""
+    from osd.models.loading import gguf_file
+
+    try:
+        gguf = gguf_file(spec)
+    except (ModelNotFound, InvalidArgument, OSError):
+        return False
+    if gguf is None:
+        return False
+    key = (str(gguf.resolve()), gguf.stat().st_mtime_ns)
+    if key not in _serves:
+        _serves[key] = _runs_here(gguf)
+    return _serves[key]
+
+
+_serves: dict = {}
+
+
+def _runs_here(gguf: Path) -> bool:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(gguf))
+        s = read_shape(reader)
+        tensors = {t.name: t for t in reader.tensors}
+        names = matrix_names(s.layers, tied="output.weight" not in tensors)
+        matrices = [tensors[name] for parts in names.values() for name in parts]
+    except (InvalidArgument, KeyError, ValueError, OSError):
+        return False
+    if any(t.tensor_type.name not in MATRIX_TYPES or t.shape[0] % q4.QK for t in matrices):
+        return False
+    return q4.available()
+
+
 # ------------------------------------------------------------------------------------------ weights
 QKV, GATE_UP = ("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")
 
