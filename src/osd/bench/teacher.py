@@ -25,6 +25,10 @@ def _arm(runner, prompts, max_tokens, eos_ids, top_k, slots):
     return {"seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds}, out
 
 
+def _label(slots: int) -> str:
+    return "osd Q4, one prompt at a time" if slots == 1 else f"osd Q4, {slots} prompts at once"
+
+
 def run_teacher(target: str, datasets: str, per_dataset: int, max_tokens: int, slots: list[int], threads: int,
                 llama_cpp: bool = True, top_k: int = 64, progress=None) -> dict:
     from osd.build import set_threads
@@ -40,7 +44,7 @@ def run_teacher(target: str, datasets: str, per_dataset: int, max_tokens: int, s
     q4 = Q4Runner(gguf, 2048)
     eos_ids = set(q4.eos_ids)
     plan = ([("llama.cpp, one prompt at a time", None, 1)] if llama_cpp else []) + \
-           [(f"osd Q4, {s} prompt{'s' if s > 1 else ''} at once", q4, s) for s in sorted(set([1] + slots))]
+           [(_label(s), q4, s) for s in sorted(set([1] + slots))]
     for label, runner, n in (progress(plan, desc="bench teacher", unit="arm") if progress else plan):
         if runner is None:
             from osd.models.llama_cpp_runner import LlamaCppRunner
@@ -48,7 +52,7 @@ def run_teacher(target: str, datasets: str, per_dataset: int, max_tokens: int, s
             runner = LlamaCppRunner(gguf, 2048, threads)
         arms[label], answers[label] = _arm(runner, prompts, max_tokens, eos_ids, top_k, n)
         arms[label]["slots"] = n
-    one = answers["osd Q4, 1 prompt at a time"]
+    one = answers[_label(1)]
     for label, out in answers.items():
         if label.startswith("osd"):
             arms[label]["identical_to_one_at_a_time"] = all(
