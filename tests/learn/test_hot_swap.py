@@ -90,6 +90,11 @@ def wait_for_a_swap(registry: DraftRegistry, timeout: float = 30.0):
     return observe
 
 
+def spanning(weights, results) -> list:
+    """The requests with at least two proposing steps: each spans a swap (wait_for_a_swap holds every step)."""
+    return [r for r in results if len(weights[r.request_id]) >= 2]
+
+
 def decode_while_swapping(proposer_cls, target, draft, tokenizer, clients: int = 3):
     """Several client threads decode PROMPTS (split between them) while the publisher swaps weights.
     -> ({request_id: [fingerprint per proposing step]}, [GenerationResult])."""
@@ -124,9 +129,11 @@ def decode_while_swapping(proposer_cls, target, draft, tokenizer, clients: int =
 def test_every_step_of_a_request_proposes_with_one_weight_set(target_model, tokenizer, fair_threads):
     draft = tiny_qwen2(seed=1, layers=1)
     weights, results = decode_while_swapping(DraftModelProposer, target_model, draft, tokenizer)
+    # a request that ends after one proposing step (all proposals accepted up to EOS) cannot span a swap; every one
+    # with two or more does (wait_for_a_swap), and most requests have several
+    assert len(spanning(weights, results)) >= len(results) // 2
     for result in results:
         steps = weights[result.request_id]
-        assert len(steps) >= 2  # at least one swap happened between two of its proposing steps
         assert len(set(steps)) == 1, f"request {result.request_id} mixed weights: {steps}"
         name, version = result.draft
         assert steps[0].startswith(f"{name}@v{version}:")  # the version the response reports is the one that ran
@@ -140,7 +147,9 @@ def test_the_check_catches_a_proposer_that_rereads_the_registry_every_step(targe
     draft = tiny_qwen2(seed=1, layers=1)
     weights, results = decode_while_swapping(ReReadingProposer, target_model, draft, tokenizer)
     mixed = [r for r in results if len(set(weights[r.request_id])) > 1]
-    assert len(mixed) == len(results)  # every request spans a swap, and this proposer follows it mid-request
+    several = spanning(weights, results)
+    assert several and mixed == several  # every request with two proposing steps spans a swap, and this proposer
+    # follows it mid-request
     for result in results:  # ... which the output alone cannot show: verification keeps it lossless anyway
         assert result.token_ids == plain_greedy(target_model, result.prompt_ids, NEW_TOKENS, eos=EOS)
 
