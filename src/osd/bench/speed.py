@@ -27,7 +27,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from osd.build import build_system
+from osd.build import build_system, target_backend
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.data import load_records, prompt_ids
 from osd.engine import SpeculativeEngine
@@ -191,7 +191,7 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
               llama_cpp: bool = True, hf_baseline: bool = False, spec_k: int = 4, osd_q4: bool = True,
               learned_draft: str = "", domains=DOMAINS, offset: int = 0) -> dict:
     records = bench_prompts(per_domain, domains=domains, offset=offset)  # (checked before anything loads)
-    if models.target_backend == "auto" and (models.target.startswith("bundled:") or models.target.endswith(".gguf")):
+    if models.target_backend == "auto" and target_backend(models) == "osd":
         from dataclasses import replace
 
         models = replace(models, target_backend="llama.cpp")  # osd_target / osd on llama.cpp, osd_q4* on the Q4 kernel

@@ -144,11 +144,8 @@ def _runs_here(gguf: Path) -> bool:
         reader = GGUFReader(str(gguf))
         s = read_shape(reader)
         tensors = {t.name: t for t in reader.tensors}
-        names = matrix_names(s.layers, tied="output.weight" not in tensors)
-        matrices = [tensors[name] for parts in names.values() for name in parts]
-    except (InvalidArgument, KeyError, ValueError, OSError):
-        return False
-    if any(t.tensor_type.name not in MATRIX_TYPES or t.shape[0] % q4.QK for t in matrices):
+        check_matrices(tensors, matrix_names(s.layers, tied="output.weight" not in tensors))
+    except (InvalidArgument, ValueError, OSError):
         return False
     return q4.available()
 
@@ -215,19 +212,25 @@ def matrix_names(layers: int, tied: bool) -> dict[str, list[str]]:
     return names
 
 
+def check_matrices(tensors: dict, names: dict[str, list[str]]) -> None:
+    """InvalidArgument naming the first matrix the kernel cannot run: missing, another quant type, rows not a
+    multiple of a block."""
+    for name in (name for parts in names.values() for name in parts):
+        if name not in tensors:
+            raise InvalidArgument(f"the GGUF has no tensor {name!r}")
+        kind = tensors[name].tensor_type.name
+        if kind not in MATRIX_TYPES:
+            raise InvalidArgument(f"{name} is {kind}: the osd Q4 backend runs Q4_K and Q6_K matrices only "
+                                  "(a Q4_K_M file; use --target-backend llama.cpp for others)")
+        if tensors[name].shape[0] % q4.QK:
+            raise InvalidArgument(f"{name}: rows of {tensors[name].shape[0]} are not a multiple of {q4.QK}")
+
+
 def repack_matrices(tensors: dict, names: dict[str, list[str]]) -> dict[str, list]:
     """GGUF tensors (by name) -> fused name -> repacked kernel weights (one per run of one quant type)."""
+    check_matrices(tensors, names)
     out = {}
     for fused, parts in names.items():
-        for name in parts:
-            if name not in tensors:
-                raise InvalidArgument(f"the GGUF has no tensor {name!r}")
-            kind = tensors[name].tensor_type.name
-            if kind not in MATRIX_TYPES:
-                raise InvalidArgument(f"{name} is {kind}: the osd Q4 backend runs Q4_K and Q6_K matrices only "
-                                      "(a Q4_K_M file; use --target-backend llama.cpp for others)")
-            if tensors[name].shape[0] % q4.QK:
-                raise InvalidArgument(f"{name}: rows of {tensors[name].shape[0]} are not a multiple of {q4.QK}")
         types = [tensors[name].tensor_type.name for name in parts]
         out[fused] = []
         for start, stop in fused_groups(types):
@@ -356,9 +359,7 @@ class Q4Runner(PositionCache):
         self.vocab_size = self.head.n
         self.context_window = min(int(n_ctx), s.context_length or int(n_ctx))
         self.eos_ids = set(w.eos_ids)
-        kv_shape = (s.layers, s.kv_heads, self.context_window, s.head_dim)
-        self.k_cache, self.v_cache = torch.empty(kv_shape), torch.empty(kv_shape)  # pages touched as the cache fills
-        self._kv = [(self.k_cache[i], self.v_cache[i]) for i in range(s.layers)]
+        self._kv = self.new_cache()  # per layer (keys, values) of this runner's one sequence
         self.cos, self.sin = rope_tables(self.context_window, s.head_dim, s.rope_theta)
         self.length = 0  # tokens whose keys/values are in the cache
 
@@ -428,7 +429,8 @@ class Q4Runner(PositionCache):
         return self.head(self._quantize(self._glue.rms_norm(hidden, self.output_norm, self.shape.eps)))
 
     def new_cache(self, n_ctx: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """An empty KV cache of one more sequence (per layer: keys, values), for forward_rows (models/q4_batch.py)."""
+        """An empty KV cache of one sequence (per layer: keys, values) for forward_rows: the runner's own, or one more
+        (models/q4_batch.py). Its pages are touched only as the cache fills."""
         s = self.shape
         shape = (s.layers, s.kv_heads, min(n_ctx or self.context_window, self.context_window), s.head_dim)
         k, v = torch.empty(shape), torch.empty(shape)
