@@ -114,7 +114,7 @@ def _gguf_draft_speculation_equals_target_only(target, tokenizer, k: int):
     from osd.models.loading import gguf_file
     from osd.propose import RunnerProposer
 
-    draft = RunnerProposer(LlamaCppRunner(gguf_file(ModelConfig().draft), n_ctx=1024), "gguf-draft", target.vocab_size)
+    draft = RunnerProposer(LlamaCppRunner(gguf_file("bundled:qwen2.5-coder-0.5b"), n_ctx=1024), "gguf-draft", target.vocab_size)
     plain = SpeculativeEngine(target, tokenizer, None, SpeculationConfig(k=0, adaptive=False))
     spec = SpeculativeEngine(target, tokenizer, draft, SpeculationConfig(k=k, adaptive=False))
     for record in load_records("spider", split="test", limit=2):

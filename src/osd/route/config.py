@@ -23,6 +23,8 @@ class RouteConfig:
     route_forget: float = 0.998  # the router's ridge regression forgets old requests by this factor each (~500 requests)
     route_ridge: float = 0.1  # ridge regularisation of the router's regression
     route_margin: float = 0.01  # predicted advantages within this of the best tie: the request's owner serves
+    route_z: float = 1.64  # another draft than the owner serves only when its predicted lead over the owner exceeds
+    #   margin + route_z prediction standard deviations (route/policy.py; 0 = the margin alone)
     route_warmup: int = 128  # requests (all owned by the first draft) on which k-means then finds one mode per draft
     route_split_similarity: float = 0.3  # a draft without a mode claims a request less similar (cosine) than this to
     #   every mode (route/policy.py)
@@ -40,8 +42,8 @@ class RouteConfig:
             raise InvalidArgument("explore must be in [0, 1), score_share in [0, 1], score_time_share >= 0")
         if self.score_schedule not in SCHEDULES:
             raise InvalidArgument(f"score_schedule must be one of {SCHEDULES}, got {self.score_schedule!r}")
-        if not 0 < self.route_forget <= 1 or self.route_ridge <= 0 or self.route_margin < 0:
-            raise InvalidArgument("route_forget must be in (0, 1], route_ridge > 0, route_margin >= 0")
+        if not 0 < self.route_forget <= 1 or self.route_ridge <= 0 or self.route_margin < 0 or self.route_z < 0:
+            raise InvalidArgument("route_forget must be in (0, 1], route_ridge > 0, route_margin >= 0, route_z >= 0")
         if not 0 < self.route_centroid_ema <= 1 or self.route_buckets <= 0 or self.route_window < 0 or self.route_warmup < 0:
             raise InvalidArgument("route_centroid_ema in (0, 1], route_buckets > 0, route_window >= 0")
         if self.score_max_tokens < 2:

@@ -25,7 +25,14 @@ Two drafts per request: the OWNER learns from it, the SERVED one decodes it.
   2. explore: with probability `explore`, but never past `explore` x (routed requests so far), a random other
   draft than the choice below (a live check of the router's belief, visible in the served draft's /metrics
   acceptance; most useful when scoring is sparse); 3. routed: the best predicted draft, when it leads the
-  others by more than `margin`; 4. cold: otherwise (drafts created equal tie) the owner.
+  others by more than `margin` and, if it is not the owner, leads the owner by more than margin + z standard
+  deviations of that predicted difference; 4. cold: otherwise the owner (drafts created equal tie, and a lead
+  the router cannot tell from its own noise does not take a request from the draft that learns its mode).
+  Why the bound: on 450 gsm8k / spider / code requests (BENCHMARKS.md, rev b6a0363) the clustering owned 0.96
+  of requests right, but serving the best *predicted* draft at margin 0.01 served the label's draft on 0.47
+  of them and cost 0.03 held-out against the oracle split: drafts that differ little were told apart by noise.
+  The standard deviation: sd(w_d.x - w_o.x) ~ sqrt(2 s2 x^T A^-1 x), s2 the exponentially weighted mean squared
+  residual of the advantage predictions (a prior of PRIOR_VARIANCE for the first PRIOR_WEIGHT requests).
 `route` decides without side effects; `commit` (after the request was served) counts it, updates the document
 frequencies and moves the owner's centroid, so warm-up requests (engine.calibrate) leave no trace.
 Limitations: scores are linear in the features (a draft's niche must be linearly separable in the hashed
@@ -45,6 +52,7 @@ from osd.route.cluster import idf_weights, normalised, spherical_kmeans
 from osd.route.config import RouteConfig
 
 REASONS = ("pinned", "explore", "routed", "cold")
+PRIOR_VARIANCE, PRIOR_WEIGHT = 0.01, 10.0  # residual variance of predicted advantages before evidence (sd 0.1)
 
 
 @dataclass
@@ -87,6 +95,8 @@ class Router:
         self.gram = torch.eye(self.size) * c.route_ridge  # (F, F) A
         self.moments = torch.zeros(self.size, 0)  # (F, D) B
         self.weights = torch.zeros(self.size, 0)  # (F, D) W = A^-1 B
+        self.inverse = torch.linalg.inv(self.gram)  # (F, F) A^-1, for the predictions' uncertainty
+        self.residual_sq, self.residual_weight = 0.0, 0.0  # exponentially weighted sum of squared residuals, weight
         self.centroids: dict[str, torch.Tensor | None] = {}  # owner -> unit EMA of its traffic's IDF-weighted features
         self.documents, self.document_frequency = 0, torch.zeros(c.route_buckets)  # requests; requests per bucket
         self.warmup: list[torch.Tensor] | None = [] if c.route_warmup else None  # None: modes are set
@@ -162,9 +172,17 @@ class Router:
             top = max(scores.values())
             tied = [n for n, s in scores.items() if s >= top - c.route_margin]
             choice, reason = (tied[0], "routed") if len(tied) == 1 else (owner if owner in tied else tied[0], "cold")
+            if choice != owner and owner in scores and c.route_z > 0 and \
+                    scores[choice] - scores[owner] <= c.route_margin + c.route_z * self._difference_sd(x):
+                choice, reason = owner, "cold"
             if may_explore and self.rng.random() < c.explore:
                 return Decision(self.rng.choice([n for n in scores if n != choice]), "explore", scores, x, owner=owner)
             return Decision(choice, reason, scores, x, owner=owner)
+
+    def _difference_sd(self, x: torch.Tensor) -> float:
+        """Standard deviation of the difference of two drafts' predicted advantages at x (module docstring)."""
+        variance = (PRIOR_VARIANCE * PRIOR_WEIGHT + self.residual_sq) / (PRIOR_WEIGHT + self.residual_weight)
+        return float(2 * variance * max(float(x @ self.inverse @ x), 0.0)) ** 0.5
 
     def _cluster(self, x: torch.Tensor) -> str:
         """The draft whose mode the request belongs to (module docstring)."""
@@ -228,7 +246,11 @@ class Router:
             predicted = (x @ self.weights).tolist()
             targets = torch.tensor([rewards[n] - mean if n in rewards else p for n, p in zip(self.order, predicted)])
             c = self.config
+            residuals = [t - p for n, t, p in zip(self.order, targets.tolist(), predicted) if n in rewards]
+            self.residual_sq = c.route_forget * self.residual_sq + sum(r * r for r in residuals) / len(residuals)
+            self.residual_weight = c.route_forget * self.residual_weight + 1.0
             self.weights = ridge_step(self.gram, self.moments, x, targets, c.route_forget, c.route_ridge)
+            self.inverse = torch.linalg.inv(self.gram)
             self.updates += 1
 
     def stats(self) -> dict:
