@@ -8,7 +8,7 @@ from osd.errors import DraftNotFound
 from osd.route.config import RouteConfig
 from osd.route.features import BIAS, SCRIPTS, hashed_ngrams, ngram_bucket, prompt_features, script_shares
 from osd.route.feedback import ScoreBudget
-from osd.route.policy import Router, ridge_step
+from osd.route.policy import Router, quadratic_form, ridge_step
 
 
 def test_script_shares_tell_languages_apart():
@@ -34,11 +34,13 @@ def test_ridge_steps_equal_the_closed_form_weighted_ridge_solution():
     for forget in (1.0, 0.9):
         gram, moments = torch.eye(6, dtype=torch.float64) * 0.1, torch.zeros(6, 2, dtype=torch.float64)
         for x, y in zip(xs, ys):
-            w = ridge_step(gram, moments, x, y, forget, 0.1)
+            w, factor = ridge_step(gram, moments, x, y, forget, 0.1)
         weights = forget ** torch.arange(29, -1, -1, dtype=torch.float64)  # the newest request weighs 1
         expected = torch.linalg.solve(xs.T @ (weights[:, None] * xs) + 0.1 * torch.eye(6, dtype=torch.float64),
                                       xs.T @ (weights[:, None] * ys))
         assert torch.allclose(w, expected, atol=1e-9)
+        z = torch.randn(6, generator=g, dtype=torch.float64)  # the factor's quadratic form is z^T A^-1 z
+        assert quadratic_form(factor, z) == pytest.approx(float(z @ torch.linalg.solve(gram, z)), rel=1e-9)
 
 
 def features(mode: str, rng: random.Random) -> torch.Tensor:

@@ -69,14 +69,22 @@ class Decision:
 
 
 def ridge_step(gram: torch.Tensor, moments: torch.Tensor, x: torch.Tensor, targets: torch.Tensor, forget: float,
-               ridge: float) -> torch.Tensor:
-    """One exponentially weighted ridge update in place; returns the new weights A^-1 B.
+               ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One exponentially weighted ridge update in place; returns the new weights A^-1 B and the Cholesky factor L of
+    A (A = L L^T, A >= ridge I is positive definite), which also gives the predictions' uncertainty (quadratic_form).
 
     gram (F, F) = A, moments (F, D) = B, x (F,), targets (D,)."""
     gram.mul_(forget).diagonal().add_((1 - forget) * ridge)
     gram.addr_(x, x)
     moments.mul_(forget).addr_(x, targets)
-    return torch.linalg.solve(gram, moments)  # (F, D)
+    factor = torch.linalg.cholesky(gram)
+    return torch.cholesky_solve(moments, factor), factor  # (F, D), (F, F)
+
+
+def quadratic_form(factor: torch.Tensor, x: torch.Tensor) -> float:
+    """x^T A^-1 x from A's Cholesky factor L: |L^-1 x|^2, one triangular solve."""
+    y = torch.linalg.solve_triangular(factor, x[:, None], upper=False)
+    return float(y.square().sum())
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -97,7 +105,7 @@ class Router:
         self.gram = torch.eye(self.size) * c.route_ridge  # (F, F) A
         self.moments = torch.zeros(self.size, 0)  # (F, D) B
         self.weights = torch.zeros(self.size, 0)  # (F, D) W = A^-1 B
-        self.inverse = torch.linalg.inv(self.gram)  # (F, F) A^-1, for the predictions' uncertainty
+        self.factor = torch.linalg.cholesky(self.gram)  # (F, F) L, A = L L^T: the predictions' uncertainty
         self.residual_sq, self.residual_weight = 0.0, 0.0  # exponentially weighted sum of squared residuals, weight
         self.centroids: dict[str, torch.Tensor | None] = {}  # owner -> unit EMA of its traffic's IDF-weighted features
         self.documents, self.document_frequency = 0, torch.zeros(c.route_buckets)  # requests; requests per bucket
@@ -184,7 +192,7 @@ class Router:
     def _difference_sd(self, x: torch.Tensor) -> float:
         """Standard deviation of the difference of two drafts' predicted advantages at x (module docstring)."""
         variance = (PRIOR_VARIANCE * PRIOR_WEIGHT + self.residual_sq) / (PRIOR_WEIGHT + self.residual_weight)
-        return float(2 * variance * max(float(x @ self.inverse @ x), 0.0)) ** 0.5
+        return (2 * variance * quadratic_form(self.factor, x)) ** 0.5
 
     def _cluster(self, x: torch.Tensor) -> str:
         """The draft whose mode the request belongs to (module docstring)."""
@@ -251,8 +259,7 @@ class Router:
             residuals = [t - p for n, t, p in zip(self.order, targets.tolist(), predicted) if n in rewards]
             self.residual_sq = c.route_forget * self.residual_sq + sum(r * r for r in residuals) / len(residuals)
             self.residual_weight = c.route_forget * self.residual_weight + 1.0
-            self.weights = ridge_step(self.gram, self.moments, x, targets, c.route_forget, c.route_ridge)
-            self.inverse = torch.linalg.inv(self.gram)
+            self.weights, self.factor = ridge_step(self.gram, self.moments, x, targets, c.route_forget, c.route_ridge)
             self.updates += 1
 
     def stats(self) -> dict:
