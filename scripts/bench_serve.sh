@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `osd bench serve` against three live servers on loopback, one after another, on the same prompts:
 # speculative + online learning (the default), speculative without learning, target-only (k = 0).
+# PAIR_ROUNDS=N: instead, one learning server measured with its learner running vs paused (--pair-learning N).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -18,6 +19,11 @@ run() {  # name, serve flags...
 }
 mkdir -p runs benchmarks
 rm -rf runs/bench-serve-ckpt-*
+if [ -n "${PAIR_ROUNDS:-}" ]; then  # one learning server, its learner running vs paused in alternating rounds
+  ARGS="$ARGS --pair-learning $PAIR_ROUNDS"
+  run speculative-learning-paired --learn --every-requests 4
+  exit 0
+fi
 run speculative-learning --learn --every-requests 4
 run speculative --no-learn
 run target-only --no-learn --k 0

@@ -120,3 +120,25 @@ def test_per_draft_checkpoints_resume_independently(tmp_path):
     other_base.create("a")
     with pytest.raises(CheckpointMismatch):
         DraftLearners(other_base, learn).resume()
+
+
+def test_pausing_the_per_draft_learners_pauses_each_and_a_draft_created_while_paused():
+    drafts = AdapterDrafts(tiny_qwen2(seed=1, layers=2), AdapterConfig(rank=4, train_layers=1))
+    for name in ("a", "b"):
+        drafts.create(name)
+    learners = DraftLearners(drafts, LearnConfig(guard=False, every_requests=1, min_positions=0))
+    assert learners.pause() is True
+    drafts.create("c")
+    learners.add("c")
+    assert learners.paused and all(learner.paused for learner in learners.learners.values())
+    started = []
+    for name, learner in learners.learners.items():
+        learner.trigger.due = lambda *state: "requests"  # an update is due
+        learner.update = lambda reason="manual", name=name: started.append(name) or {}
+        assert learner.maybe_update() is None  # ... but none starts while paused
+    assert started == []
+    learners.unpause()
+    assert not any(learner.paused for learner in learners.learners.values())
+    for learner in learners.learners.values():
+        learner.maybe_update()
+    assert started == ["a", "b", "c"]

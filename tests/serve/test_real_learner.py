@@ -121,6 +121,68 @@ def test_updates_publish_while_serving_one_version_per_request_and_restart_resum
         assert complete(http, PROMPTS[0])["osd"]["draft_version"] == final_version
 
 
+def test_a_paused_learner_publishes_nothing_while_serving_goes_on_and_resumes_from_what_it_saw(model_dirs, tmp_path):
+    with real_server(model_dirs, tmp_path / "ckpt") as (http, system, learner, steps, results):
+        for i in range(40):
+            if complete(http, PROMPTS[i % len(PROMPTS)])["osd"]["draft_version"] >= 1:
+                break
+        r = http.post("/v1/osd/learner", json={"paused": True})
+        assert r.status_code == 200, r.text
+        paused = r.json()
+        assert paused["paused"] is True and paused["training"] is False  # the update in flight finished
+        seen = learner.buffer.added
+        versions = {complete(http, p)["osd"]["draft_version"] for p in PROMPTS * 2}
+        time.sleep(1.5)  # the background thread wakes (at least once a second) and must still not update
+        after = http.get("/v1/osd/learner").json()
+        assert versions == {paused["version"]} and after["version"] == paused["version"]
+        assert after["optimizer_steps"] == paused["optimizer_steps"]
+        assert learner.buffer.added > seen  # traffic still observed while paused: nothing lost
+        assert "osd_learner_paused 1.0" in http.get("/metrics").text
+        assert http.post("/v1/osd/learner", json={"paused": False}).json()["paused"] is False
+        for i in range(40):
+            if complete(http, PROMPTS[i % len(PROMPTS)])["osd"]["draft_version"] > paused["version"]:
+                break
+        assert learner.version > paused["version"]
+        bad = http.post("/v1/osd/learner", json={"paused": "yes"})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_paired_learning_bench_alternates_a_running_and_a_paused_learner_on_one_server(model_dirs, tmp_path):
+    from osd.bench.serve_load import run_paired_learning
+
+    with real_server(model_dirs, tmp_path / "ckpt") as (http, system, learner, steps, results):
+        url = str(http.base_url).rstrip("/")
+        result = run_paired_learning(url, PROMPTS[:4], rounds=3, max_tokens=NEW_TOKENS, chat=False, model="tiny")
+        assert http.get("/v1/osd/learner").json()["paused"] is False  # left learning, as it started
+    rounds = result["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2] and all(r[a]["requests"] == 4 and r[a]["errors"] == 0
+                                                              for r in rounds for a in ("learning", "paused"))
+    assert [r["learning"]["learner_before"]["paused"] for r in rounds] == [False] * 3
+    assert [r["paused"]["learner_before"]["paused"] for r in rounds] == [True] * 3
+    assert result["optimizer_steps_paused"] == 0 < result["optimizer_steps_learning"]
+    assert result["tpot_p50_ratio"]["rounds"] == 3
+
+
+def test_paired_ratio_is_the_geometric_mean_of_the_round_ratios_with_a_t_interval():
+    from osd.bench.serve_load import paired_ratio
+
+    same = paired_ratio([1.1, 2.2, 0.55], [1.0, 2.0, 0.5])  # every round 10% slower: no spread
+    assert same["ratio"] == pytest.approx(1.1) and same["ci95"] == pytest.approx([1.1, 1.1])
+    assert same["on_slower_rounds"] == 3
+    mixed = paired_ratio([1.2, 1.0], [1.0, 1.2])  # +20% then -17%: the geometric mean is 1, the interval wide
+    assert mixed["ratio"] == pytest.approx(1.0) and mixed["ci95"][0] < 0.5 and mixed["ci95"][1] > 2
+    assert paired_ratio([], [])["ratio"] is None
+
+
+def test_the_learner_endpoint_says_404_when_the_server_does_not_learn(model_dirs):
+    system = build_system(models(model_dirs), SpeculationConfig(k=3, adaptive=False))
+    app = create_app(system.engine, system.tokenizer, "tiny")
+    with live_server(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        for r in (http.get("/v1/osd/learner"), http.post("/v1/osd/learner", json={"paused": True})):
+            assert r.status_code == 404 and r.json()["error"]["code"] == "learner_not_running"
+        assert complete(http, PROMPTS[0])["choices"][0]["text"] is not None  # serving unaffected
+
+
 # --- as a subprocess, killed ----------------------------------------------------------------------------------
 
 def free_port() -> int:

@@ -136,3 +136,92 @@ async def run_load_async(url: str, prompts: list[str], max_tokens: int = 64, con
 
 def run_load(*args, **kwargs) -> dict:
     return asyncio.run(run_load_async(*args, **kwargs))
+
+
+# --- what online learning costs serving: paired rounds on one server -------------------------------------------
+# Two servers measured minutes apart differ by more than learning costs (this machine drifts by tens of percent),
+# so the learning server itself alternates: rounds with its learner running and rounds with it paused
+# (POST /v1/osd/learner), in the order on/off, off/on, ... Each round pair gives one ratio of p50 TPOT; their
+# geometric mean and its 95% interval (Student t over the rounds' log ratios) are the cost. Traffic is still
+# observed while paused, so each resumed round starts with a catch-up update; on the other side, an update still
+# running when a learning round ends finishes inside the pause request, counted in neither round (its seconds are
+# recorded as the paused round's learner_before.switch_seconds).
+
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086]  # Student t 97.5% quantiles, df 1..20 (beyond: 1.96 + small)
+
+
+def t975(df: int) -> float:
+    return T975[df - 1] if df <= len(T975) else 1.96 + 2.4 / df
+
+
+def paired_ratio(on: list[float], off: list[float]) -> dict:
+    """Geometric mean of on/off over paired rounds, with a 95% t interval (pure; on and off are per-round values)."""
+    import math
+
+    logs = [math.log(a / b) for a, b in zip(on, off) if a and b]
+    n = len(logs)
+    if n == 0:
+        return {"rounds": 0, "ratio": None, "ci95": None, "on_slower_rounds": 0}
+    mean = sum(logs) / n
+    if n == 1:
+        ci = None
+    else:
+        sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+        half = t975(n - 1) * sd / math.sqrt(n)
+        ci = [math.exp(mean - half), math.exp(mean + half)]
+    return {"rounds": n, "ratio": math.exp(mean), "ci95": ci, "on_slower_rounds": sum(x > 0 for x in logs)}
+
+
+async def _set_learning(client: httpx.AsyncClient, learning: bool) -> dict:
+    r = await client.post("/v1/osd/learner", json={"paused": not learning})
+    if r.status_code != 200:
+        raise RuntimeError(f"cannot {'resume' if learning else 'pause'} the server's learner: HTTP {r.status_code} "
+                           f"{r.text[:200]} (pairing needs a server started with --learn)")
+    return r.json()
+
+
+async def run_paired_learning_async(url: str, prompts: list[str], rounds: int, max_tokens: int = 64,
+                                    concurrency: int = 1, chat: bool = True, api_key: str | None = None,
+                                    model: str | None = None, timeout: float = 600.0, progress=None) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout) as client:
+        if model is None:
+            r = await client.get("/v1/models")
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        warm = await one_request(client, *_request_body(model, prompts[0], max_tokens, chat))  # not counted
+        per_round, learner = [], None
+        try:
+            for i in range(rounds):
+                order = (True, False) if i % 2 == 0 else (False, True)
+                row = {"round": i}
+                for learning in order:
+                    asked = time.perf_counter()
+                    state = await _set_learning(client, learning)  # pausing waits for an update in flight
+                    state["switch_seconds"] = time.perf_counter() - asked
+                    level = await run_level(client, model, prompts, max_tokens, chat, concurrency)
+                    learner = await client.get("/v1/osd/learner")
+                    row["learning" if learning else "paused"] = level | {
+                        "learner_before": state, "learner_after": learner.json()}
+                per_round.append(row)
+                if progress:
+                    progress(row)
+        finally:
+            await _set_learning(client, True)  # leave the server learning, as it started
+    tpot = paired_ratio([r["learning"]["tpot_p50"] for r in per_round], [r["paused"]["tpot_p50"] for r in per_round])
+    steps = sum(r["learning"]["learner_after"]["optimizer_steps"] - r["learning"]["learner_before"]["optimizer_steps"]
+                for r in per_round)
+    steps_paused = sum(r["paused"]["learner_after"]["optimizer_steps"] - r["paused"]["learner_before"]["optimizer_steps"]
+                       for r in per_round)
+    uncounted = sum(r["paused"]["learner_before"]["switch_seconds"] for r in per_round)
+    return {"config": {"url": url, "model": model, "prompts": len(prompts), "max_tokens": max_tokens, "chat": chat,
+                       "concurrency": concurrency, "rounds": rounds, "temperature": 0, "paired_learning": True},
+            "warmup_ok": warm.ok, "rounds": per_round, "tpot_p50_ratio": tpot,
+            "optimizer_steps_learning": steps, "optimizer_steps_paused": steps_paused,
+            "pause_wait_seconds": uncounted,
+            "learning_wall_seconds": sum(r["learning"]["wall_seconds"] for r in per_round)}
+
+
+def run_paired_learning(*args, **kwargs) -> dict:
+    return asyncio.run(run_paired_learning_async(*args, **kwargs))

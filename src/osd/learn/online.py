@@ -167,6 +167,7 @@ class OnlineLearner:
         # background: before each chunk of work, wait for an idle engine (engine_busy, set by attach), within budget
         self.idle = IdleWindows(self.config.busy_share, lambda: self.engine_busy(), clock, sleep, stop=self._stop)
         self.training = False
+        self.paused = False  # an operator's switch (pause / unpause): no update starts while set
 
     # --- seam 1: observing the engine ---------------------------------------------------------
     def observe(self, record) -> None:
@@ -203,6 +204,8 @@ class OnlineLearner:
 
     # --- updating -------------------------------------------------------------------------------
     def maybe_update(self) -> dict | None:
+        if self.paused:
+            return None
         reason = self.trigger.due(self.counters["requests_since_update"], len(self.buffer), self.buffer.oldest_age())
         return self.update(reason) if reason else None
 
@@ -366,6 +369,21 @@ class OnlineLearner:
         if self.config.schedule == "background":
             self.idle.wait()
 
+    # --- pausing -------------------------------------------------------------------------------
+    def pause(self, timeout: float = 120.0) -> bool:
+        """No update starts until unpause(); waits (up to timeout seconds) for the one in flight to finish, so
+        that once this returns True the learner takes no time from serving. Traffic is still observed (the
+        buffers keep filling): nothing is lost, the first update after unpause() trains on it."""
+        self.paused = True
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        self._lock.release()
+        return True
+
+    def unpause(self) -> None:
+        self.paused = False
+        self._wake.set()
+
     # --- background thread --------------------------------------------------------------------
     def start(self) -> None:
         if self.config.schedule != "background" or self._thread is not None:
@@ -433,6 +451,6 @@ class OnlineLearner:
         return {**self.memory(), "version": self.version, "buffer_positions": len(self.buffer),
                 "buffer_added": self.buffer.added, "buffer_evicted": self.buffer.evicted,
                 "rehearsal_items": len(self.reservoir) if self.reservoir is not None else 0,
-                "training": int(self.training), **self.counters,
+                "training": int(self.training), "paused": int(self.paused), **self.counters,
                 "idle_wait_seconds": self.idle.waited_total,  # background: waiting for idle windows
                 "chunks_under_load": self.idle.forced}  # ... and chunks run beside decoding once the wait budget was spent

@@ -97,11 +97,13 @@ class DraftLearners:
         self.drafts, self.config, self.owner_of = drafts, config or LearnConfig(), owner_of
         self.learners: dict[str, AdapterLearner] = {}
         self.engine_busy = lambda: False
+        self.paused = False
         for name in drafts.names():
             self.add(name)
 
     def add(self, name: str) -> AdapterLearner:
         learner = AdapterLearner(self.drafts, name, self.config, engine_busy=lambda: self.engine_busy())
+        learner.paused = self.paused
         self.learners[name] = learner
         return learner
 
@@ -136,6 +138,16 @@ class DraftLearners:
     def stop(self) -> None:
         for learner in list(self.learners.values()):
             learner.stop()
+
+    def pause(self, timeout: float = 120.0) -> bool:
+        """Every draft's learner (and one created later) pauses; see OnlineLearner.pause."""
+        self.paused = True
+        return all([learner.pause(timeout) for learner in list(self.learners.values())])
+
+    def unpause(self) -> None:
+        self.paused = False
+        for learner in list(self.learners.values()):
+            learner.unpause()
 
     def stats(self) -> dict:
         """Counters summed over drafts (what /metrics' learner series show); per draft in `by_draft`."""

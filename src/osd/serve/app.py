@@ -3,7 +3,8 @@
 Endpoints: POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models (the target; its
 drafts and their versions in the entry's `osd` field),
 GET /health, GET /metrics (Prometheus text, serve/prom.py; behind the API key with
-ServeSettings.metrics_require_key). Every completion carries an `osd` extension field
+ServeSettings.metrics_require_key), GET / POST /v1/osd/learner (online learning's state; {"paused": true|false}
+pauses or resumes it, waiting for an update in flight; 404 learner_not_running without --learn). Every completion carries an `osd` extension field
 with its own speculative decoding figures (accepted, proposed, alpha, tokens_per_step, draft, ...). A request
 may pin the draft that serves it with its own `osd` field, {"osd": {"draft": "<name>"}} (unknown: 404).
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -25,16 +27,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from osd.engine import GenerationResult
 from osd.serve import errors
-from osd.serve.errors import BadJSON, Unauthorized
+from osd.serve.errors import BadJSON, NoLearner, Unauthorized
 from osd.serve.middleware import BodyLimit, CountRequests
 from osd.serve.prom import CONTENT_TYPE, ServeMetrics
-from osd.serve.schemas import ChatCompletionRequest, CompletionRequest
+from osd.serve.schemas import ChatCompletionRequest, CompletionRequest, LearnerControl
 from osd.serve.settings import ServeSettings
 from osd.serve.translate import (Shapes, chat_prompt, check_common, completion_prompt, osd_stats, pinned_draft,
                                  sampling_from)
 from osd.serve.worker import Job, Worker
 
-ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+log = logging.getLogger("osd.serve")
+ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/v1/osd/learner"}
 
 
 class Lifecycle:
@@ -125,6 +128,23 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "osd",
                                             "osd": {"drafts": listed}}]}
 
+    @app.get("/v1/osd/learner", dependencies=auth)
+    async def learner_state():
+        return _learner_state(learner)
+
+    @app.post("/v1/osd/learner", dependencies=auth)
+    async def learner_control(request: Request):
+        control = await _parse(request, LearnerControl)
+        if learner is None:
+            raise NoLearner("this server does not learn online (start it with --learn)")
+        if control.paused:
+            finished = await asyncio.to_thread(learner.pause)
+            if not finished:  # still paused: the update in flight finishes, and no other starts
+                log.warning("learner paused, but the update in flight did not finish within the timeout")
+        else:
+            learner.unpause()
+        return _learner_state(learner)
+
     @app.get("/health")
     async def health():
         ok = worker.alive
@@ -138,6 +158,14 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS)  # outermost: counts 413s and 500s too
     return app
+
+
+def _learner_state(learner) -> dict:
+    if learner is None:
+        raise NoLearner("this server does not learn online (start it with --learn)")
+    stats = learner.stats()
+    return {"paused": bool(learner.paused), "training": bool(stats.get("training")),
+            **{key: stats.get(key) for key in ("version", "updates_published", "optimizer_steps", "train_seconds")}}
 
 
 def _drafts(engine, routing) -> dict[str, int]:

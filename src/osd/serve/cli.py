@@ -35,6 +35,10 @@ def register(sub, bench) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--raw", action="store_true", help="use /v1/completions instead of the chat endpoint")
+    p.add_argument("--pair-learning", type=int, default=0, metavar="ROUNDS",
+                   help="measure what online learning costs on one learning server: ROUNDS round pairs of the prompts, "
+                        "learner running vs paused (POST /v1/osd/learner), alternating order; the first --concurrency "
+                        "level only (default 0: off)")
     p.add_argument("--api-key", default=os.environ.get("OSD_API_KEY"))
     p.add_argument("--out", default="benchmarks/bench-serve.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
@@ -85,6 +89,14 @@ def cmd_bench_serve(args) -> None:
     prompts = [r["prompt"] for r in load_records(args.prompts, split=args.split or None, limit=args.limit)]
     if not prompts or min(args.concurrency) < 1:
         raise InvalidArgument("bench serve needs at least one prompt and concurrency levels >= 1")
+    if args.pair_learning:
+        from osd.bench.serve_load import run_paired_learning
+        from osd.bench.serve_report import print_round, report_paired
+
+        result = run_paired_learning(args.url, prompts, args.pair_learning, args.max_tokens, args.concurrency[0],
+                                     chat=not args.raw, api_key=args.api_key, progress=print_round)
+        report_paired(result, args.out, args.markdown)
+        return
     result = run_load(args.url, prompts, args.max_tokens, tuple(args.concurrency), chat=not args.raw,
                       api_key=args.api_key)
     report_load(result, args.out, args.markdown)

@@ -43,6 +43,10 @@ class UnknownModel(ServeError):
     pass
 
 
+class NoLearner(ServeError):
+    pass
+
+
 class Unauthorized(ServeError):
     pass
 
@@ -64,6 +68,7 @@ ERROR_TABLE: dict[type, tuple[int, str, str | None]] = {
     ValidationError: (400, "invalid_request_error", "invalid_type"),  # as OpenAI: 400, not FastAPI's 422
     UnknownModel: (404, "invalid_request_error", "model_not_found"),
     DraftNotFound: (404, "invalid_request_error", "draft_not_found"),
+    NoLearner: (404, "invalid_request_error", "learner_not_running"),
     Unauthorized: (401, "invalid_request_error", "invalid_api_key"),
     BodyTooLarge: (413, "invalid_request_error", "request_too_large"),
     ShuttingDown: (503, "server_error", "shutting_down"),

@@ -23,6 +23,14 @@ class OsdRequestOptions(BaseModel):
     draft: str | None = None  # serve with this draft (GET /v1/models lists them); unknown -> 404 draft_not_found
 
 
+class LearnerControl(BaseModel):
+    """POST /v1/osd/learner: pause (true) or resume (false) online learning; serving goes on either way."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    paused: bool
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
