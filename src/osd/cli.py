@@ -107,7 +107,8 @@ def cmd_replay(args) -> None:
     result = run_replay(config_from(args, ModelConfig), config_from(args, SpeculationConfig), config_from(args, LearnConfig),
                         args.stream, args.split, args.per_segment, args.max_new_tokens, not args.no_baseline,
                         progress=lambda it: tqdm(it, desc="replay", unit="req"), target_only=args.target_only,
-                        heldout=args.heldout, heldout_split=args.heldout_split, llama_cpp_target=args.llama_cpp_target)
+                        heldout=args.heldout, heldout_split=args.heldout_split, llama_cpp_target=args.llama_cpp_target,
+                        compare_every=args.compare_every)
     report_replay(result, args.out, args.markdown, args.window)
     report_live_comparison(result, args.out, args.markdown, args.window)
 
@@ -221,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-only", action="store_true", help="live: also decode each request with the target alone")
     p.add_argument("--llama-cpp-target", action="store_true", help="live: also decode each request with llama.cpp alone "
                    "on the target's GGUF (tokens/s side by side)")
+    p.add_argument("--compare-every", type=int, default=1, metavar="N", help="live: the control, --target-only and "
+                   "--llama-cpp-target decode every Nth request only (the online draft serves every one), so that a long "
+                   "stream fits in an hour; ratios to them use the online tok/s on the same requests")
     p.add_argument("--fast", action="store_true", help="greedy fast path from the target-output cache (exact; hundreds of requests)")
     p.add_argument("--route", action="store_true", help="--fast on an interleaved stream: one shared online draft, per-mode "
                    "drafts with the router, per-label drafts (oracle split) and the control, in one run (RouteConfig flags; "

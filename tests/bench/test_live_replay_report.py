@@ -27,14 +27,35 @@ def test_llama_cpp_target_takes_the_gguf_file(tmp_path):
 
 
 def test_start_vs_end_ratios():
-    first = ["first quarter", 0.3, 0.3, 1.5, 20.0, 20.0, 25.0, 30.0]
-    last = ["last quarter", 0.5, 0.3, 2.0, 33.0, 22.0, 25.0, 30.0]
-    line = start_vs_end(first, last, True, True, True)
+    first = {"online": 20.0, "online_compared": 20.0, "static": 20.0, "plain": 25.0, "llama": 30.0}
+    last = {"online": 33.0, "online_compared": 33.0, "static": 22.0, "plain": 25.0, "llama": 30.0}
+    line = start_vs_end(first, last)
     assert "last quarter / first quarter: 1.65x" in line
     assert "online / the control: 1.50x" in line
     assert "online / osd target-only: 1.32x" in line
     assert "online / llama.cpp target-only: 1.10x" in line
-    assert "llama.cpp" not in start_vs_end(first, last, True, True, False)
+    assert "llama.cpp" not in start_vs_end(first, {**last, "llama": None})
+
+
+def test_with_compare_every_the_ratios_to_other_arms_use_the_online_speed_on_the_same_requests(tmp_path):
+    rows = _rows(16, 20.0, 40.0)
+    for r in rows:
+        if r["i"] % 2:  # the other arms decoded the even requests only
+            for key in ("static_alpha", "static_tokens_per_step", "static_tokens_per_second",
+                        "target_only_tokens_per_second", "llama_cpp_target_tokens_per_second"):
+                del r[key]
+        elif r["i"] >= 8:
+            r["tokens_per_second"] = 50.0  # online on the compared requests of the second half
+    result = {"config": {"spec": {"k": 6}, "learn": {"loss": "forward_kl", "mode": "all", "every_requests": 8,
+                                                     "lr": 2e-4}, "stream": "code"},
+              "requests": rows,
+              "learner": {"updates_published": 1, "updates_rejected": 0, "version": 1, "train_seconds": 3.0}}
+    markdown = tmp_path / "B.md"
+    report_replay(result, str(tmp_path / "r.json"), str(markdown), window=2)
+    text = markdown.read_text()
+    assert "last quarter / first quarter: 2.25x" in text  # all 4 rows of each quarter: 20 -> (40+50+40+50)/4
+    assert "online / osd target-only: 2.00x" in text  # the compared rows only: 50 / 25, not 45 / 25
+    assert "decoded 8 of 16 requests" in text and "static 0 of 8" in text
 
 
 def test_report_has_the_llama_cpp_column_and_the_ratio(tmp_path):
@@ -99,3 +120,26 @@ def test_a_request_without_proposals_has_no_alpha_not_an_alpha_of_zero(tmp_path)
     assert "requests without proposals: online 0 of 8, static 2 of 8" in text
     curve = moving_average([None, 0.2, None, 0.4], 2)
     assert curve[0] != curve[0] and curve[1:] == [0.2, 0.2, 0.4]  # NaN, then the present values' means
+
+
+def test_live_replay_with_compare_every_runs_the_other_arms_on_every_nth_request_only(tmp_path):
+    from conftest import save_tiny_pair
+
+    from osd.bench.replay import run_replay
+    from osd.config import SpeculationConfig
+    from osd.learn.online import LearnConfig
+
+    save_tiny_pair(tmp_path, draft_layers=1)
+    models = ModelConfig(target=str(tmp_path / "target"), draft=str(tmp_path / "draft"), draft_quantize="none",
+                         prepack_target=False)
+    learn = LearnConfig(mode="all", every_requests=2, trainable="all", train_layers=0, guard=False, lr=1e-2,
+                        steps_per_update=1, batch_size=2)
+    result = run_replay(models, SpeculationConfig(k=3, adaptive=False), learn, "code", "test", 5, 6, baseline=False,
+                        target_only=True, compare_every=2)
+    rows = result["requests"]
+    assert [("static_tokens_per_second" in r, "target_only_tokens_per_second" in r) for r in rows] == \
+        [(True, True), (False, False), (True, True), (False, False), (True, True)]
+    assert all(r["tokens_per_second"] for r in rows) and all("online_alpha" in r for r in rows if r["positions"])
+    assert result["config"]["compare_every"] == 2
+    with pytest.raises(InvalidArgument, match="compare_every"):
+        run_replay(models, SpeculationConfig(k=3), learn, "code", "test", 5, 6, compare_every=0)

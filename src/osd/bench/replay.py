@@ -70,12 +70,16 @@ class RequestPositions:
 def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig, stream: str, split: str,
                per_segment: int, max_new_tokens: int, baseline: bool = True, progress=None,
                target_only: bool = False, heldout: int = 0, heldout_split: str = "test",
-               llama_cpp_target: bool = False) -> dict:
-    """baseline: also the offline drafts (10% / 100% of the stream, equal optimizer steps); the control always serves.
+               llama_cpp_target: bool = False, compare_every: int = 1) -> dict:
+    """compare_every: the other arms (the control served, osd and llama.cpp target-only) decode every this many
+    requests only (the first included); the online draft serves and learns from every one, and the teacher-forced
+    columns cover every request. baseline: also the offline drafts (10% / 100% of the stream, equal optimizer steps); the control always serves.
     llama_cpp_target: also decode each request with llama.cpp alone on the target's GGUF (refused for other targets).
     spec.adaptive: the online draft and the control serve with the adaptive k policy, as `osd serve` does (tokens/s as
     served); else at the fixed spec.k (the live alpha columns compare at one k). The teacher-forced columns are fair
     either way."""
+    if compare_every < 1:
+        raise InvalidArgument(f"compare_every must be >= 1, got {compare_every}")
     gguf = llama_cpp_gguf(models) if llama_cpp_target else None  # refused before anything loads
     system = build_system(models, spec)
     system.engine.calibrate()
@@ -115,14 +119,8 @@ def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig,
         s = result.stats
         row = {"i": i, "id": record["id"], "domain": record["domain"], "draft_version": result.draft[1],
                "alpha": s["alpha"], "tokens_per_step": s["tokens_per_step"], "tokens_per_second": s["wall_tokens_per_second"]}
-        if plain is not None:  # the target alone, same request, same machine state
-            row["target_only_tokens_per_second"] = plain.generate(ids, sampling).stats["wall_tokens_per_second"]
-        if llama_cpp is not None:  # llama.cpp alone, same request, same eos
-            timed = llama_cpp(ids)
-            row["llama_cpp_target_tokens_per_second"] = len(timed.tokens) / timed.seconds if timed.seconds else None
-        b = static.generate(ids, sampling).stats
-        row.update(static_alpha=b["alpha"], static_tokens_per_step=b["tokens_per_step"],
-                   static_tokens_per_second=b["wall_tokens_per_second"])
+        if i % compare_every == 0:
+            row.update(_other_arms(ids, sampling, static, plain, llama_cpp))
         items, online = measured.pop(result.request_id)
         request_items.append((items, online))
         rows.append(row)
@@ -148,12 +146,26 @@ def run_replay(models: ModelConfig, spec: SpeculationConfig, learn: LearnConfig,
                                           heldout_split, sampling, learn, split_at)
     return {"config": {"models": vars(models), "spec": vars(spec), "learn": vars(learn), "stream": stream, "split": split,
                        "per_segment": per_segment, "max_new_tokens": max_new_tokens, "target_only": target_only,
+                       "compare_every": compare_every,
                        "llama_cpp_target": llama_cpp_target, "k": spec.k, "overlap": 0.0, "heldout": heldout, "heldout_split": heldout_split,
                        "baseline_steps": "equal to the online draft's optimizer steps", "exactness": TEACHER_FORCED},
             "requests": rows, "variants": list(variants), "baselines": reports,
             "end_of_stream_alpha_on_heldout": on_heldout, "heldout_vs_control": vs_control,
             "learner": learner.stats(), "updates": learner.history,
             "metrics_by_draft_version": system.engine.metrics.snapshot()}
+
+
+def _other_arms(ids, sampling, static, plain, llama_cpp) -> dict:
+    """The same request decoded by the control and, when asked, the target alone (osd, llama.cpp: same eos)."""
+    row = {}
+    if plain is not None:
+        row["target_only_tokens_per_second"] = plain.generate(ids, sampling).stats["wall_tokens_per_second"]
+    if llama_cpp is not None:
+        timed = llama_cpp(ids)
+        row["llama_cpp_target_tokens_per_second"] = len(timed.tokens) / timed.seconds if timed.seconds else None
+    b = static.generate(ids, sampling).stats
+    return row | {"static_alpha": b["alpha"], "static_tokens_per_step": b["tokens_per_step"],
+                  "static_tokens_per_second": b["wall_tokens_per_second"]}
 
 
 WARM_UP_PROMPT = "Write a haiku about the sea."  # not from any stream
@@ -227,8 +239,8 @@ def _heldout(engine, tokenizer, variants, stream, split, per_segment, heldout, h
 def plot_replay(result: dict, path: str, window: int = 10) -> str | None:
     rows = result["requests"]
     curves = {"online (osd)": [r["alpha"] for r in rows]}  # None: no proposals (k = 0), a gap, not a 0
-    if rows and "static_alpha" in rows[0]:
-        curves["control (never trained, served)"] = [r["static_alpha"] for r in rows]
+    if any("static_alpha" in r for r in rows):  # None where it did not run (--compare-every) or proposed nothing
+        curves["control (never trained, served)"] = [r.get("static_alpha") for r in rows]
     return plot_alpha_curves(curves, domain_boundaries(rows), f"osd replay: {result['config']['stream']}", "alpha",
                              path, window)
 

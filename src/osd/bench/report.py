@@ -54,6 +54,8 @@ def report_speed(result: dict, out: str, markdown: str) -> None:
 
 
 def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> None:
+    """The live replay's table by quarter of the stream. With --compare-every N the other arms decode every Nth
+    request only: their columns, and the online column they are divided by, are over those requests."""
     from pathlib import Path
 
     from osd.bench.replay import plot_replay
@@ -63,28 +65,41 @@ def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> No
     rows = result["requests"]
     q = max(1, len(rows) // 4)
     mean = lambda key, part: mean_present(r.get(key) for r in part)
-    has_static = rows and "static_alpha" in rows[0]
-    has_plain = rows and "target_only_tokens_per_second" in rows[0]
-    has_llama = rows and "llama_cpp_target_tokens_per_second" in rows[0]
-    table_rows = []
+    compared = [r for r in rows if "static_tokens_per_second" in r]
+    has_static = bool(compared)
+    has_plain = any("target_only_tokens_per_second" in r for r in rows)
+    has_llama = any("llama_cpp_target_tokens_per_second" in r for r in rows)
+    sampled = len(compared) < len(rows)  # --compare-every > 1
+    table_rows, quarters = [], {}
     for name, part in (("first quarter", rows[:q]), ("last quarter", rows[-q:]), ("all", rows)):
+        same = [r for r in part if "static_tokens_per_second" in r]
+        figures = {"online": mean("tokens_per_second", part), "online_compared": mean("tokens_per_second", same),
+                   "static": mean("static_tokens_per_second", same) if has_static else None,
+                   "plain": mean("target_only_tokens_per_second", same) if has_plain else None,
+                   "llama": mean("llama_cpp_target_tokens_per_second", same) if has_llama else None}
+        quarters[name] = figures
         table_rows.append([name, mean("alpha", part), mean("static_alpha", part) if has_static else None,
-                           mean("tokens_per_step", part), mean("tokens_per_second", part),
-                           mean("static_tokens_per_second", part) if has_static else None,
-                           mean("target_only_tokens_per_second", part) if has_plain else None,
-                           mean("llama_cpp_target_tokens_per_second", part) if has_llama else None])
-    t = table(table_rows, ["requests", "alpha online", "alpha static", "tokens/step online", "tok/s online", "tok/s static",
-                           "tok/s osd target-only", "tok/s llama.cpp target-only"])
+                           mean("tokens_per_step", part), figures["online"]]
+                          + ([figures["online_compared"], len(same)] if sampled else [])
+                          + [figures["static"], figures["plain"], figures["llama"]])
+    header = (["requests", "alpha online", "alpha static", "tokens/step online", "tok/s online"]
+              + (["tok/s online (compared requests)", "compared requests"] if sampled else [])
+              + ["tok/s static", "tok/s osd target-only", "tok/s llama.cpp target-only"])
+    t = table(table_rows, header)
     learner = result["learner"]
     first_version = rows[0]["draft_version"] if rows else None
     notes = (f"updates published {learner['updates_published']}, rejected {learner['updates_rejected']}, "
              f"draft version at the first request {first_version} (> 0: resumed from a checkpoint), "
              f"final draft version {learner['version']}, train seconds {learner['train_seconds']:.0f}")
-    notes += "; " + start_vs_end(table_rows[0], table_rows[1], has_static, has_plain, has_llama)
-    silent = {name: sum(r.get(key) is None for r in rows) for name, key in (("online", "alpha"), ("static", "static_alpha"))
-              if name == "online" or has_static}
+    notes += "; " + start_vs_end(quarters["first quarter"], quarters["last quarter"])
+    if sampled:
+        notes += (f"; the other arms decoded {len(compared)} of {len(rows)} requests (--compare-every); each ratio to "
+                  "them divides the online tok/s on those same requests")
+    silent = {"online": (sum(r.get("alpha") is None for r in rows), len(rows))}
+    if has_static:
+        silent["static"] = (sum(r.get("static_alpha") is None for r in compared), len(compared))
     notes += ("; alpha columns average the requests where the draft proposed (k > 0); requests without proposals: "
-              + ", ".join(f"{name} {n} of {len(rows)}" for name, n in silent.items()))
+              + ", ".join(f"{name} {n} of {total}" for name, (n, total) in silent.items()))
     cfg = result["config"]
     emit_report("Online replay (`osd replay`)",
                 f"`{redacted_command(sys.argv[1:])}` k={cfg['spec']['k']} loss={cfg['learn']['loss']} "
@@ -100,16 +115,15 @@ def mean_present(values) -> float | None:
     return sum(present) / len(present) if present else None
 
 
-def start_vs_end(first: list, last: list, has_static: bool, has_plain: bool, has_llama: bool) -> str:
+def start_vs_end(first: dict, last: dict) -> str:
     """The live replay's headline: online tokens/s in the last quarter of the stream over the first, and over each
-    other arm in the last quarter (rows as report_replay's table: tok/s online, static, osd and llama.cpp target-only
-    in columns 4..7)."""
+    other arm in the last quarter, on the requests that arm decoded (dicts as report_replay's `quarters`: online,
+    online_compared, static, plain, llama; None: that arm did not run)."""
     ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "n/a"
-    parts = [f"online tok/s, last quarter / first quarter: {ratio(last[4], first[4])}"]
-    for has, col, name in ((has_static, 5, "the control"), (has_plain, 6, "osd target-only"),
-                           (has_llama, 7, "llama.cpp target-only")):
-        if has:
-            parts.append(f"last quarter online / {name}: {ratio(last[4], last[col])}")
+    parts = [f"online tok/s, last quarter / first quarter: {ratio(last['online'], first['online'])}"]
+    for key, name in (("static", "the control"), ("plain", "osd target-only"), ("llama", "llama.cpp target-only")):
+        if last.get(key) is not None:
+            parts.append(f"last quarter online / {name}: {ratio(last['online_compared'], last[key])}")
     return "; ".join(parts)
 
 
