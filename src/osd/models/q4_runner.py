@@ -289,16 +289,23 @@ def cache_path(gguf: Path, cache_dir: Path) -> Path:
     return cache_dir / f"{gguf.stem}-{digest[:16]}.pt"
 
 
-def load_weights(gguf: Path, cache: bool | None = None, cache_dir: str | Path | None = None) -> Q4Weights:
-    """The GGUF's weights for the kernel: from the cache when there (memory-mapped, ~1 s), else read and repacked
-    (then cached where `cache`; None = for files of at least CACHE_MIN_BYTES). The cache is keyed by the file's
-    path, size and mtime; a file of ~the GGUF's size (the 1.5B: 1.1 GB) under ~/.cache/osd/q4."""
+def load_weights(gguf: Path, cache: bool | None = None, cache_dir: str | Path | None = None,
+                 mmap: bool = False) -> Q4Weights:
+    """The GGUF's weights for the kernel: from the cache when there (read into process memory, ~1-2 s), else read
+    and repacked (then cached where `cache`; None = for files of at least CACHE_MIN_BYTES). The cache is keyed by the
+    file's path, size and mtime; a file of ~the GGUF's size (the 1.5B: 1.1 GB) under ~/.cache/osd/q4.
+
+    Read, not memory-mapped: decoding streams every weight once per token, and from a mapping of the cache file the
+    1.5B target decoded at 14.4 tokens/s against 17.9 from the same bytes in anonymous memory, on the same machine
+    minutes apart (Intel Xeon, 2 threads; BENCHMARKS.md, "Q4 weights: memory-mapped or read"). The cost: the weights count in
+    the process's anonymous RSS instead of the shared page cache. mmap=True maps the cache file instead
+    (scripts/bench_q4_weights.py compares the two)."""
     from osd.models.bundled import cache_root
 
     cache = gguf.stat().st_size >= CACHE_MIN_BYTES if cache is None else cache
     path = cache_path(gguf, Path(cache_dir) if cache_dir else cache_root() / "q4")
     if cache and path.exists():
-        stored = torch.load(path, mmap=True, weights_only=True)
+        stored = torch.load(path, mmap=mmap, weights_only=True)
         if stored.get("layout") == LAYOUT_VERSION:
             return Q4Weights.from_dict(stored)
     if cache:
@@ -340,13 +347,13 @@ class Q4Runner(PositionCache):
     max_rows = 9  # rows per feed checked bitwise equal to 1-row feeds: the pending token + 8 proposals
 
     def __init__(self, gguf_path: str | Path, n_ctx: int = 4096, chunk_rows: int = 64, cache: bool | None = None,
-                 cache_dir: str | Path | None = None):
+                 cache_dir: str | Path | None = None, mmap: bool = False):
         path = Path(gguf_path)
         if not path.is_file():
             raise ModelNotFound(f"GGUF file not found: {path}")
         self.path, self.chunk_rows = path, int(chunk_rows)
         self._glue, self._quantize = glue(), q4.kernel().quantize_q8k
-        w = load_weights(path, cache, cache_dir)
+        w = load_weights(path, cache, cache_dir, mmap)
         self.shape = s = w.shape
         v, m = w.vectors, w.matrices
         self.layers = [Layer(v[f"blk.{i}.attn_norm"], FusedLinear(m[f"blk.{i}.qkv"]), v[f"blk.{i}.qkv_bias"],
