@@ -15,6 +15,17 @@ def _rows(n: int, online: float, online_end: float) -> list[dict]:
              "llama_cpp_target_tokens_per_second": 30.0} for i in range(n)]
 
 
+def report_text(rows: list[dict], tmp_path) -> str:
+    """The BENCHMARKS.md block report_replay writes for these rows."""
+    result = {"config": {"spec": {"k": 6}, "learn": {"loss": "forward_kl", "mode": "all", "every_requests": 8,
+                                                     "lr": 2e-4}, "stream": "code"},
+              "requests": rows,
+              "learner": {"updates_published": 1, "updates_rejected": 0, "version": 1, "train_seconds": 3.0}}
+    markdown = tmp_path / "B.md"
+    report_replay(result, str(tmp_path / "r.json"), str(markdown), window=2)
+    return markdown.read_text()
+
+
 def test_llama_cpp_target_refused_without_a_gguf(tmp_path):
     with pytest.raises(InvalidArgument, match="needs a GGUF target"):
         llama_cpp_gguf(ModelConfig(target=str(tmp_path)))
@@ -46,26 +57,14 @@ def test_with_compare_every_the_ratios_to_other_arms_use_the_online_speed_on_the
                 del r[key]
         elif r["i"] >= 8:
             r["tokens_per_second"] = 50.0  # online on the compared requests of the second half
-    result = {"config": {"spec": {"k": 6}, "learn": {"loss": "forward_kl", "mode": "all", "every_requests": 8,
-                                                     "lr": 2e-4}, "stream": "code"},
-              "requests": rows,
-              "learner": {"updates_published": 1, "updates_rejected": 0, "version": 1, "train_seconds": 3.0}}
-    markdown = tmp_path / "B.md"
-    report_replay(result, str(tmp_path / "r.json"), str(markdown), window=2)
-    text = markdown.read_text()
+    text = report_text(rows, tmp_path)
     assert "last quarter / first quarter: 2.25x" in text  # all 4 rows of each quarter: 20 -> (40+50+40+50)/4
     assert "online / osd target-only: 2.00x" in text  # the compared rows only: 50 / 25, not 45 / 25
     assert "decoded 8 of 16 requests" in text and "static 0 of 8" in text
 
 
 def test_report_has_the_llama_cpp_column_and_the_ratio(tmp_path):
-    result = {"config": {"spec": {"k": 6}, "learn": {"loss": "forward_kl", "mode": "all", "every_requests": 8,
-                                                     "lr": 2e-4}, "stream": "code"},
-              "requests": _rows(8, 20.0, 40.0),
-              "learner": {"updates_published": 1, "updates_rejected": 0, "version": 1, "train_seconds": 3.0}}
-    markdown = tmp_path / "B.md"
-    report_replay(result, str(tmp_path / "r.json"), str(markdown), window=2)
-    text = markdown.read_text()
+    text = report_text(_rows(8, 20.0, 40.0), tmp_path)
     assert "tok/s llama.cpp target-only" in text
     assert "last quarter / first quarter: 2.00x" in text  # 2 of 8 rows per quarter: 20 at the start, 40 at the end
     assert "online / llama.cpp target-only: 1.33x" in text
@@ -106,13 +105,7 @@ def test_a_request_without_proposals_has_no_alpha_not_an_alpha_of_zero(tmp_path)
     for r in rows[:2]:
         r["static_alpha"] = None  # the policy chose k = 0 for the control on the first quarter's requests
     rows[2]["static_alpha"] = 0.5
-    result = {"config": {"spec": {"k": 6}, "learn": {"loss": "forward_kl", "mode": "all", "every_requests": 8,
-                                                     "lr": 2e-4}, "stream": "code"},
-              "requests": rows,
-              "learner": {"updates_published": 1, "updates_rejected": 0, "version": 1, "train_seconds": 3.0}}
-    markdown = tmp_path / "B.md"
-    report_replay(result, str(tmp_path / "r.json"), str(markdown), window=2)
-    text = markdown.read_text()
+    text = report_text(rows, tmp_path)
     all_row = next(line for line in text.splitlines() if line.startswith("| all"))
     assert all_row.split("|")[3].strip() == f"{(0.5 + 5 * 0.3) / 6:.3f}"  # alpha static over the 6 requests with proposals
     first = next(line for line in text.splitlines() if line.startswith("| first quarter"))
