@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from osd.bench.record import emit_report, write_result
+from osd.bench.record import emit_report, machine, write_result
 from osd.bench.report import table
 from osd.config import SamplingConfig
 from osd.data import load_records, prompt_ids
@@ -52,7 +52,8 @@ def main(argv=None) -> int:
     t = table(rows, ["weights", *[f"round {i}" for i in range(args.rounds)], "mean decode tok/s"])
     emit_report("Q4 weights: memory-mapped or read (`scripts/bench_q4_weights.py`)",
                 f"`python scripts/bench_q4_weights.py --rounds {args.rounds} --prompts {args.prompts} --max-new-tokens "
-                f"{args.max_new_tokens}`, target {args.target}, k = 0, greedy, arm order alternating by round",
+                f"{args.max_new_tokens}`, target {args.target}, k = 0, greedy, arm order alternating by round; machine: "
+                f"{machine()['cpu']} ({machine()['cpu_flags']}), {machine()['cores']} cores",
                 [t, f"read / mmap: {result['read_over_mmap']:.2f}x"], path, args.markdown)
     return 0
 

@@ -290,16 +290,13 @@ def cache_path(gguf: Path, cache_dir: Path) -> Path:
 
 
 def load_weights(gguf: Path, cache: bool | None = None, cache_dir: str | Path | None = None,
-                 mmap: bool = False) -> Q4Weights:
-    """The GGUF's weights for the kernel: from the cache when there (read into process memory, ~1-2 s), else read
-    and repacked (then cached where `cache`; None = for files of at least CACHE_MIN_BYTES). The cache is keyed by the
-    file's path, size and mtime; a file of ~the GGUF's size (the 1.5B: 1.1 GB) under ~/.cache/osd/q4.
-
-    Read, not memory-mapped: decoding streams every weight once per token, and from a mapping of the cache file the
-    1.5B target decoded at 14.4 tokens/s against 17.9 from the same bytes in anonymous memory, on the same machine
-    minutes apart (Intel Xeon, 2 threads; BENCHMARKS.md, "Q4 weights: memory-mapped or read"). The cost: the weights count in
-    the process's anonymous RSS instead of the shared page cache. mmap=True maps the cache file instead
-    (scripts/bench_q4_weights.py compares the two)."""
+                 mmap: bool = True) -> Q4Weights:
+    """The GGUF's weights for the kernel: from the cache when there (memory-mapped, ~1 s; mmap=False reads it into
+    process memory instead), else read and repacked (then cached where `cache`; None = for files of at least
+    CACHE_MIN_BYTES). The cache is keyed by the file's path, size and mtime; a file of ~the GGUF's size (the 1.5B:
+    1.1 GB) under ~/.cache/osd/q4. Mapped, because reading decoded no faster: 16.8 vs 17.1 tokens/s, alternating
+    rounds in one process (scripts/bench_q4_weights.py, BENCHMARKS.md), while it costs the weights' size in
+    anonymous memory instead of the shared page cache."""
     from osd.models.bundled import cache_root
 
     cache = gguf.stat().st_size >= CACHE_MIN_BYTES if cache is None else cache
@@ -347,7 +344,7 @@ class Q4Runner(PositionCache):
     max_rows = 9  # rows per feed checked bitwise equal to 1-row feeds: the pending token + 8 proposals
 
     def __init__(self, gguf_path: str | Path, n_ctx: int = 4096, chunk_rows: int = 64, cache: bool | None = None,
-                 cache_dir: str | Path | None = None, mmap: bool = False):
+                 cache_dir: str | Path | None = None, mmap: bool = True):
         path = Path(gguf_path)
         if not path.is_file():
             raise ModelNotFound(f"GGUF file not found: {path}")
