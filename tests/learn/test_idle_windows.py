@@ -113,3 +113,41 @@ def test_the_background_learner_publishes_on_a_server_that_is_never_idle(target_
     assert stats["chunks_under_load"] == chunks  # each ran once its wait budget was spent
     assert stats["idle_wait_seconds"] > 0  # it did wait for idle windows first
     assert stats["idle_wait_seconds"] <= (1 - share) * stats["train_seconds"] + chunks * POLL  # within the bound
+
+
+def test_a_pause_parks_an_update_in_flight_between_micro_batches_and_the_resume_finishes_it(target_model, tokenizer):
+    import threading
+
+    draft = tiny_qwen2(seed=1, layers=1)
+    engine, registry = make_engine(target_model, copy.deepcopy(draft), tokenizer, k=3)
+    publish = lambda master, version=None: registry.publish("draft", copy.deepcopy(master).eval(), None, version)
+    config = LearnConfig(mode="all", every_requests=100, schedule="background", trainable="all", guard=False, lr=1e-2,
+                         steps_per_update=3, batch_size=4)
+    learner = OnlineLearner(draft, publish, config).attach(engine)
+    for i in range(4):
+        engine.generate([5 + i, 9 + i, 20 + i], SamplingConfig(max_new_tokens=12))
+    first_chunk, go, chunks = threading.Event(), threading.Event(), []
+
+    def wait_for_idle():  # the learner's wait before each chunk of work: hold the first until the test says go
+        chunks.append(learner.counters["optimizer_steps"])
+        first_chunk.set()
+        assert go.wait(timeout=60)
+
+    learner.idle.wait = wait_for_idle
+    updating = threading.Thread(target=learner.update)
+    updating.start()
+    assert first_chunk.wait(timeout=60)
+    paused = []
+    pausing = threading.Thread(target=lambda: paused.append(learner.pause(timeout=60)))
+    pausing.start()
+    go.set()  # the first chunk runs; the learner parks before the next one
+    pausing.join(timeout=60)
+    assert paused == [True] and learner.stats()["parked"] == 1 and learner.training
+    parked_at = (len(chunks), learner.counters["optimizer_steps"])
+    time.sleep(0.2)  # parked means no work: nothing moves
+    assert (len(chunks), learner.counters["optimizer_steps"]) == parked_at and updating.is_alive()
+    assert parked_at[1] < 3 and learner.version == 0  # mid-update: neither finished nor published
+    learner.unpause()
+    updating.join(timeout=60)
+    assert not updating.is_alive() and learner.stats()["parked"] == 0
+    assert learner.counters["optimizer_steps"] == 3 and learner.version == 1  # the resumed update finished

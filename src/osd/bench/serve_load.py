@@ -142,10 +142,10 @@ def run_load(*args, **kwargs) -> dict:
 # Two servers measured minutes apart differ by more than learning costs (this machine drifts by tens of percent),
 # so the learning server itself alternates: rounds with its learner running and rounds with it paused
 # (POST /v1/osd/learner), in the order on/off, off/on, ... Each round pair gives one ratio of p50 TPOT; their
-# geometric mean and its 95% interval (Student t over the rounds' log ratios) are the cost. Traffic is still
-# observed while paused, so each resumed round starts with a catch-up update; on the other side, an update still
-# running when a learning round ends finishes inside the pause request, counted in neither round (its seconds are
-# recorded as the paused round's learner_before.switch_seconds).
+# geometric mean and its 95% interval (Student t over the rounds' log ratios) are the cost. An update in flight
+# parks at its next chunk of work when paused and goes on in the next learning round, so little learning work falls
+# outside the rounds: what does (the pause request's wait for that chunk) is recorded as the paused round's
+# learner_before.switch_seconds, summed in pause_wait_seconds.
 
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086]  # Student t 97.5% quantiles, df 1..20 (beyond: 1.96 + small)

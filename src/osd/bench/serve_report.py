@@ -61,7 +61,7 @@ def report_paired(result: dict, out: str, markdown: str) -> None:
                f"(95% interval {_fmt(ci[0]) if ci else '-'} .. {_fmt(ci[1]) if ci else '-'}; learning slower in "
                f"{ratio['on_slower_rounds']} of {ratio['rounds']} rounds); optimizer steps while learning "
                f"{result['optimizer_steps_learning']}, while paused {result['optimizer_steps_paused']}; "
-               f"{result['pause_wait_seconds']:.1f} s of updates finished inside pause requests (counted in no round) "
+               f"{result['pause_wait_seconds']:.1f} s of learning work finished inside pause requests (counted in no round) "
                f"against {result['learning_wall_seconds']:.1f} s of learning rounds")
     emit_report("Serving load (`osd bench serve`)",
                 f"`{redacted_command(sys.argv[1:])}` against {cfg['model']} at {cfg['url']}: one learning server, "

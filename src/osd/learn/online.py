@@ -156,7 +156,8 @@ class OnlineLearner:
         self.counters = {"requests": 0, "requests_since_update": 0, "updates_published": 0, "updates_rejected": 0,
                          "update_errors": 0,  # exceptions inside updates (not guard rejections)
                          "steps_skipped_nonfinite": 0, "optimizer_steps": 0, "train_seconds": 0.0,
-                         "rollbacks": 0, "resets": 0}  # drift guard: back to the best version / to the base
+                         "rollbacks": 0, "resets": 0,  # drift guard: back to the best version / to the base
+                         "parked_seconds": 0.0}  # updates parked by pause() (train_seconds, their wall time, includes it)
         self.last_update: dict = {}
         self.history: list[dict] = []  # one summary per update (bounded)
         self._lock = threading.RLock()  # one update (or checkpoint) at a time
@@ -167,7 +168,8 @@ class OnlineLearner:
         # background: before each chunk of work, wait for an idle engine (engine_busy, set by attach), within budget
         self.idle = IdleWindows(self.config.busy_share, lambda: self.engine_busy(), clock, sleep, stop=self._stop)
         self.training = False
-        self.paused = False  # an operator's switch (pause / unpause): no update starts while set
+        self.paused = False  # an operator's switch (pause / unpause): no update starts, one in flight parks
+        self._unpaused, self._parked = threading.Event(), threading.Event()
 
     # --- seam 1: observing the engine ---------------------------------------------------------
     def observe(self, record) -> None:
@@ -365,24 +367,40 @@ class OnlineLearner:
         return set(fresh[-n_hold:]) if n_hold else set()
 
     def _wait_idle(self) -> None:
-        """In background mode, let in-flight decoding finish before a chunk of work (within the busy_share budget)."""
+        """In background mode, before a chunk of work: park while paused, then let in-flight decoding finish (within
+        the busy_share budget)."""
         if self.config.schedule == "background":
+            self._park_while_paused()
             self.idle.wait()
 
     # --- pausing -------------------------------------------------------------------------------
     def pause(self, timeout: float = 120.0) -> bool:
-        """No update starts until unpause(); waits (up to timeout seconds) for the one in flight to finish, so
-        that once this returns True the learner takes no time from serving. Traffic is still observed (the
-        buffers keep filling): nothing is lost, the first update after unpause() trains on it."""
+        """No update starts until unpause(), and one in flight parks at its next chunk of work (before its next
+        micro-batch or evaluation chunk, background schedule: the one that pauses beside serving) and finishes after
+        unpause(). Returns True once the learner takes no time from serving (parked or idle), False if that did not
+        happen within timeout seconds. Traffic is still observed (the buffers keep filling): nothing is lost."""
         self.paused = True
-        if not self._lock.acquire(timeout=timeout):
-            return False
-        self._lock.release()
+        self._unpaused.clear()
+        deadline = time.monotonic() + timeout
+        while self.training and not self._parked.is_set():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
         return True
 
     def unpause(self) -> None:
         self.paused = False
+        self._unpaused.set()
         self._wake.set()
+
+    def _park_while_paused(self) -> None:
+        start = time.monotonic()
+        while self.paused and not self._stop.is_set():
+            self._parked.set()
+            self._unpaused.wait(timeout=0.5)
+        if self._parked.is_set():
+            self._parked.clear()
+            self.counters["parked_seconds"] += time.monotonic() - start
 
     # --- background thread --------------------------------------------------------------------
     def start(self) -> None:
@@ -410,6 +428,7 @@ class OnlineLearner:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        self._unpaused.set()  # a parked update finishes
         if self._thread is not None:
             self._thread.join(timeout=120)
             self._thread = None
@@ -451,6 +470,7 @@ class OnlineLearner:
         return {**self.memory(), "version": self.version, "buffer_positions": len(self.buffer),
                 "buffer_added": self.buffer.added, "buffer_evicted": self.buffer.evicted,
                 "rehearsal_items": len(self.reservoir) if self.reservoir is not None else 0,
-                "training": int(self.training), "paused": int(self.paused), **self.counters,
+                "training": int(self.training), "paused": int(self.paused),
+                "parked": int(self._parked.is_set()), **self.counters,
                 "idle_wait_seconds": self.idle.waited_total,  # background: waiting for idle windows
                 "chunks_under_load": self.idle.forced}  # ... and chunks run beside decoding once the wait budget was spent

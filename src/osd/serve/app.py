@@ -4,7 +4,8 @@ Endpoints: POST /v1/chat/completions, POST /v1/completions (stream or not), GET 
 drafts and their versions in the entry's `osd` field),
 GET /health, GET /metrics (Prometheus text, serve/prom.py; behind the API key with
 ServeSettings.metrics_require_key), GET / POST /v1/osd/learner (online learning's state; {"paused": true|false}
-pauses or resumes it, waiting for an update in flight; 404 learner_not_running without --learn). Every completion carries an `osd` extension field
+pauses or resumes it: an update in flight parks at its next chunk of work, and finishes after the resume; 404
+learner_not_running without --learn). Every completion carries an `osd` extension field
 with its own speculative decoding figures (accepted, proposed, alpha, tokens_per_step, draft, ...). A request
 may pin the draft that serves it with its own `osd` field, {"osd": {"draft": "<name>"}} (unknown: 404).
 
@@ -138,9 +139,8 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
         if learner is None:
             raise NoLearner("this server does not learn online (start it with --learn)")
         if control.paused:
-            finished = await asyncio.to_thread(learner.pause)
-            if not finished:  # still paused: the update in flight finishes, and no other starts
-                log.warning("learner paused, but the update in flight did not finish within the timeout")
+            if not await asyncio.to_thread(learner.pause):  # still paused: the update in flight parks when it can
+                log.warning("learner paused, but the update in flight did not reach a chunk boundary in time")
         else:
             learner.unpause()
         return _learner_state(learner)
@@ -164,7 +164,7 @@ def _learner_state(learner) -> dict:
     if learner is None:
         raise NoLearner("this server does not learn online (start it with --learn)")
     stats = learner.stats()
-    return {"paused": bool(learner.paused), "training": bool(stats.get("training")),
+    return {"paused": bool(learner.paused), "training": bool(stats.get("training")), "parked": bool(stats.get("parked")),
             **{key: stats.get(key) for key in ("version", "updates_published", "optimizer_steps", "train_seconds")}}
 
 

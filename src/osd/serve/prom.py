@@ -50,7 +50,7 @@ SPEC_COUNTERS = {  # SpecCounters field -> help
     "beta_n": "Positions summed in beta_sum.", "draft_seconds": "Seconds in draft proposals.",
     "target_seconds": "Seconds in target verification.",
 }
-LEARNER_GAUGES = {"version", "training", "paused", "buffer_positions", "requests_since_update", "rehearsal_items",
+LEARNER_GAUGES = {"version", "training", "paused", "parked", "buffer_positions", "requests_since_update", "rehearsal_items",
                   "memory_optimizer_bytes", "memory_versions_bytes", "memory_average_bytes", "memory_trainable_bytes",
                   "memory_buffers_bytes"}  # levels, not running counts
 
