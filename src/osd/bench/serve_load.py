@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -118,16 +119,26 @@ def summarise(samples: list[Sample], wall: float, concurrency: int) -> dict:
             "draft_versions": sorted({s.osd.get("draft_version") for s in ok if s.osd}, key=str)}
 
 
+def _client(url: str, api_key: str | None, timeout: float, connections: int) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout,
+                             limits=httpx.Limits(max_connections=connections))
+
+
+async def _model_and_warm_up(client: httpx.AsyncClient, model: str | None, prompt: str, max_tokens: int,
+                             chat: bool) -> tuple[str, Sample]:
+    """The model id (the server's first, unless given) and one warm-up request, not counted."""
+    if model is None:
+        r = await client.get("/v1/models")
+        r.raise_for_status()
+        model = r.json()["data"][0]["id"]
+    return model, await one_request(client, *_request_body(model, prompt, max_tokens, chat))
+
+
 async def run_load_async(url: str, prompts: list[str], max_tokens: int = 64, concurrency=(1, 2, 4), chat: bool = True,
                          api_key: str | None = None, model: str | None = None, timeout: float = 600.0) -> dict:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max(concurrency) + 1)
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout, limits=limits) as client:
-        if model is None:
-            r = await client.get("/v1/models")
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
-        warm = await one_request(client, *_request_body(model, prompts[0], max_tokens, chat))  # not counted
+    async with _client(url, api_key, timeout, max(concurrency) + 1) as client:
+        model, warm = await _model_and_warm_up(client, model, prompts[0], max_tokens, chat)
         levels = [await run_level(client, model, prompts, max_tokens, chat, c) for c in concurrency]
     return {"config": {"url": url, "model": model, "prompts": len(prompts), "max_tokens": max_tokens, "chat": chat,
                        "concurrency": list(concurrency), "temperature": 0},
@@ -157,8 +168,6 @@ def t975(df: int) -> float:
 
 def paired_ratio(on: list[float], off: list[float]) -> dict:
     """Geometric mean of on/off over paired rounds, with a 95% t interval (pure; on and off are per-round values)."""
-    import math
-
     logs = [math.log(a / b) for a, b in zip(on, off) if a and b]
     n = len(logs)
     if n == 0:
@@ -184,21 +193,16 @@ async def _set_learning(client: httpx.AsyncClient, learning: bool) -> dict:
 async def run_paired_learning_async(url: str, prompts: list[str], rounds: int, max_tokens: int = 64,
                                     concurrency: int = 1, chat: bool = True, api_key: str | None = None,
                                     model: str | None = None, timeout: float = 600.0, progress=None) -> dict:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout) as client:
-        if model is None:
-            r = await client.get("/v1/models")
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
-        warm = await one_request(client, *_request_body(model, prompts[0], max_tokens, chat))  # not counted
-        per_round, learner = [], None
+    async with _client(url, api_key, timeout, concurrency + 1) as client:
+        model, warm = await _model_and_warm_up(client, model, prompts[0], max_tokens, chat)
+        per_round = []
         try:
             for i in range(rounds):
                 order = (True, False) if i % 2 == 0 else (False, True)
                 row = {"round": i}
                 for learning in order:
                     asked = time.perf_counter()
-                    state = await _set_learning(client, learning)  # pausing waits for an update in flight
+                    state = await _set_learning(client, learning)  # pausing waits for an update in flight to park
                     state["switch_seconds"] = time.perf_counter() - asked
                     level = await run_level(client, model, prompts, max_tokens, chat, concurrency)
                     learner = await client.get("/v1/osd/learner")
@@ -210,10 +214,8 @@ async def run_paired_learning_async(url: str, prompts: list[str], rounds: int, m
         finally:
             await _set_learning(client, True)  # leave the server learning, as it started
     tpot = paired_ratio([r["learning"]["tpot_p50"] for r in per_round], [r["paused"]["tpot_p50"] for r in per_round])
-    steps = sum(r["learning"]["learner_after"]["optimizer_steps"] - r["learning"]["learner_before"]["optimizer_steps"]
-                for r in per_round)
-    steps_paused = sum(r["paused"]["learner_after"]["optimizer_steps"] - r["paused"]["learner_before"]["optimizer_steps"]
-                       for r in per_round)
+    steps = sum(optimizer_steps(r["learning"]) for r in per_round)
+    steps_paused = sum(optimizer_steps(r["paused"]) for r in per_round)
     uncounted = sum(r["paused"]["learner_before"]["switch_seconds"] for r in per_round)
     return {"config": {"url": url, "model": model, "prompts": len(prompts), "max_tokens": max_tokens, "chat": chat,
                        "concurrency": concurrency, "rounds": rounds, "temperature": 0, "paired_learning": True},
@@ -221,6 +223,11 @@ async def run_paired_learning_async(url: str, prompts: list[str], rounds: int, m
             "optimizer_steps_learning": steps, "optimizer_steps_paused": steps_paused,
             "pause_wait_seconds": uncounted,
             "learning_wall_seconds": sum(r["learning"]["wall_seconds"] for r in per_round)}
+
+
+def optimizer_steps(arm: dict) -> int:
+    """The learner's optimizer steps during one arm of a round (run_paired_learning's rows)."""
+    return arm["learner_after"]["optimizer_steps"] - arm["learner_before"]["optimizer_steps"]
 
 
 def run_paired_learning(*args, **kwargs) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 
 from osd.bench.record import emit_report, machine, redacted_command, write_result
+from osd.bench.serve_load import optimizer_steps
 
 COLUMNS = [("concurrency", "concurrency"), ("requests", "requests"), ("errors", "errors"),
            ("tokens_per_second", "tokens/s"), ("requests_per_second", "req/s"), ("ttft_p50", "TTFT p50 s"),
@@ -35,7 +36,7 @@ def _fmt(x, spec=".3f") -> str:
 def print_round(row: dict) -> None:
     on, off = row["learning"], row["paused"]
     print(f"round {row['round']}: TPOT p50 learning {_fmt(on['tpot_p50'])} s, paused {_fmt(off['tpot_p50'])} s; "
-          f"optimizer steps in the learning round {on['learner_after']['optimizer_steps'] - on['learner_before']['optimizer_steps']}",
+          f"optimizer steps in the learning round {optimizer_steps(on)}",
           flush=True)
 
 
@@ -45,10 +46,9 @@ def paired_table(result: dict) -> str:
     rows = []
     for r in result["rounds"]:
         on, off = r["learning"], r["paused"]
-        steps = on["learner_after"]["optimizer_steps"] - on["learner_before"]["optimizer_steps"]
         rows.append([r["round"], "learning first" if r["round"] % 2 == 0 else "paused first", on["tpot_p50"],
                      off["tpot_p50"], on["tpot_p50"] / off["tpot_p50"] if on["tpot_p50"] and off["tpot_p50"] else None,
-                     steps, on["acceptance_rate"], off["acceptance_rate"], on["errors"] + off["errors"]])
+                     optimizer_steps(on), on["acceptance_rate"], off["acceptance_rate"], on["errors"] + off["errors"]])
     return table(rows, ["round", "order", "TPOT p50 learning s", "TPOT p50 paused s", "ratio", "optimizer steps",
                         "acceptance learning", "acceptance paused", "errors"])
 

@@ -136,13 +136,11 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
     @app.post("/v1/osd/learner", dependencies=auth)
     async def learner_control(request: Request):
         control = await _parse(request, LearnerControl)
-        if learner is None:
-            raise NoLearner("this server does not learn online (start it with --learn)")
         if control.paused:
-            if not await asyncio.to_thread(learner.pause):  # still paused: the update in flight parks when it can
+            if not await asyncio.to_thread(_learning(learner).pause):  # still paused: the update in flight parks when it can
                 log.warning("learner paused, but the update in flight did not reach a chunk boundary in time")
         else:
-            learner.unpause()
+            _learning(learner).unpause()
         return _learner_state(learner)
 
     @app.get("/health")
@@ -160,10 +158,15 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
     return app
 
 
-def _learner_state(learner) -> dict:
+def _learning(learner):
+    """The server's learner; 404 learner_not_running when it has none."""
     if learner is None:
         raise NoLearner("this server does not learn online (start it with --learn)")
-    stats = learner.stats()
+    return learner
+
+
+def _learner_state(learner) -> dict:
+    stats = _learning(learner).stats()
     return {"paused": bool(learner.paused), "training": bool(stats.get("training")), "parked": bool(stats.get("parked")),
             **{key: stats.get(key) for key in ("version", "updates_published", "optimizer_steps", "train_seconds")}}
 
