@@ -167,7 +167,8 @@ def cmd_replay_routed(args) -> None:
                                    args.split, args.per_segment, DecodeSettings(max_new_tokens=args.max_new_tokens,
                                                                                 top_k=learn.top_k), args.k,
                                    args.heldout, args.heldout_split, args.batch_size_generate, args.cache_dir, tqdm,
-                                   seed=learn.seed, on_row=on_row, fork_at=args.fork_at)
+                                   seed=learn.seed, on_row=on_row, fork_at=args.fork_at,
+                                   residual=args.residual)
     report_routed_replay(result, args.out, args.markdown, args.window)
 
 
@@ -248,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fork-at", type=int, default=0, help="--route: the shared draft serves every arm for this many "
                    "requests, then the per-mode and per-label drafts start as copies of it (a split); 0 = they start "
                    "from the base")
+    p.add_argument("--residual", action="store_true", help="--route: the per-label and per-mode drafts are residuals "
+                   "on the shared draft (each = the shared draft plus its own steps on its traffic; learn/residual.py); "
+                   "adds one shared draft with the same total optimizer steps as a control")
     p.add_argument("--out", default="benchmarks/replay.json", help="result JSON (and PNG beside it); --fast also writes "
                    "each request's row to <out>.rows.jsonl as it is measured, so a run cut short keeps them")
     p.add_argument("--markdown", default="BENCHMARKS.md")

@@ -125,3 +125,29 @@ def test_a_fork_serves_every_arm_with_the_shared_draft_then_starts_each_draft_as
     assert result["router"]["explored_share"] == 0.0 and "d0" in result["router"]["label_to_draft"].values()
     with pytest.raises(InvalidArgument, match="fork"):
         routed_replay(ordered, domains, base, LEARN, route, featurizer(ToyTokenizer(), route), fork_at=60)
+
+
+def test_residual_drafts_carry_the_shared_drafts_learning_and_an_equal_steps_arm_runs_beside(tmp_path_factory, tmp_path):
+    """--residual: every per-label and per-mode draft is the shared draft plus its own steps. Here the per-mode drafts
+    see 30 requests each and never reach an update of their own (every 40), while the shared draft updates once (at
+    request 40): so every arm must read exactly the shared draft's alpha on every request, also after its update
+    (measured before any arm learns from the request). Drafts not following it would stay at the control."""
+    ordered, domains, held = _stream(tmp_path_factory)
+    route = RouteConfig(score_share=1.0, explore=0.0, route_warmup=16)
+    learn = LearnConfig(every_requests=40, steps_per_update=4, batch_size=8, lr=1e-2, train_layers=1, guard=False)
+    result = routed_replay(ordered, domains, tiny_qwen2(seed=1, layers=2), learn, route,
+                           featurizer(ToyTokenizer(), route), k=3, max_new_tokens=10, heldout=held, residual=True)
+    rows = result["requests"]
+    assert result["arms"] == ["control", "shared", "oracle", "routed", "shared_steps"]
+    assert all(r["oracle_alpha"] == r["routed_alpha"] == r["shared_alpha"] for r in rows)
+    assert any(r["shared_alpha"] != r["control_alpha"] for r in rows[40:])  # the shared draft did learn
+    learners = result["learners"]
+    assert learners["shared"]["optimizer_steps"] == 4 and learners["shared_steps"]["optimizer_steps"] == 8
+    assert all(s["optimizer_steps"] == 0 for s in learners["routed"].values())
+    pooled = result["heldout"]["pooled"]
+    assert pooled["oracle"] == pooled["routed"] == pooled["shared"] and "shared_steps" in pooled
+    result["config"] = {"stream": "a,b", "per_segment": 30, "k": 3, "heldout": 6, "learn": vars(learn),
+                        "route": vars(route), "models": {"draft": "tiny"}, "exactness": "tiny", "residual": True}
+    report_routed_replay(result, str(tmp_path / "r.json"), str(tmp_path / "B.md"))
+    text = (tmp_path / "B.md").read_text()
+    assert "Residual drafts" in text and "equal-steps shared draft 8" in text and "routed vs shared steps" in text

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -33,6 +33,7 @@ from osd.bench.baselines import draft_copy
 from osd.distill.evaluate import position_stats, sample_item
 from osd.errors import InvalidArgument
 from osd.learn.online import LearnConfig, OnlineLearner
+from osd.learn.residual import Residuals
 from osd.learn.trainable import split_index
 from osd.route.config import RouteConfig
 from osd.route.feedback import ScoreBudget, acceptance
@@ -82,8 +83,12 @@ def per_mode_learners(start, learn: LearnConfig, labels: list[str], names: list[
 
 def routed_replay(samples: list, domains: list[str], base, learn: LearnConfig, route: RouteConfig, featurize,
                   k: int = 4, max_new_tokens: int | None = None, heldout: dict[str, list] | None = None,
-                  progress=None, on_row=None, fork_at: int = 0) -> dict:
+                  progress=None, on_row=None, fork_at: int = 0, residual: bool = False) -> dict:
     """The four arms over target samples in stream order; `base` is left unchanged.
+
+    residual: the per-label and per-mode drafts are residuals on the shared draft (learn/residual.py): each is the
+    shared draft plus its own steps on its traffic; adds the arm "shared_steps", one shared draft with as many
+    optimizer steps as the shared draft and a mode draft together.
 
     fork_at > 0: a split instead of drafts created equal. The first `fork_at` requests are served by the one shared
     draft in every arm (the oracle's and the router's columns are the shared draft's; only it learns; the router
@@ -101,6 +106,13 @@ def routed_replay(samples: list, domains: list[str], base, learn: LearnConfig, r
     names = route.names() or [f"d{j}" for j in range(len(labels))]
     shared = online_learner(base, learn, learn.seed)
     oracle, routed = per_mode_learners(base, learn, labels, names) if fork_at <= 0 else ({}, {})
+    residuals = Residuals(shared) if residual and fork_at <= 0 else None
+    # residual: the per-mode drafts' own steps come on top of the shared draft's; the same number of steps in one
+    # shared draft is the control of what the split adds (steps_per_update doubled: each mode draft updates as often
+    # on its mode as the shared draft does on the stream)
+    shared_steps = online_learner(base, replace(learn, steps_per_update=2 * learn.steps_per_update), learn.seed) \
+        if residual else None
+    arms = ARMS + (("shared_steps",) if residual else ())
     router, budget = Router(names, route, featurize), ScoreBudget(route.score_share, route.route_seed + 1)
     matches = lambda model, i: position_stats(model, [items[i]], [samples[i]], split)[0]["matches"]
     rows, seconds = [], {"route": 0.0, "score": 0.0, "replay": 0.0}
@@ -113,6 +125,7 @@ def routed_replay(samples: list, domains: list[str], base, learn: LearnConfig, r
         row.update(_alpha_columns("control", control, k, max_new_tokens))
         if fork_at > 0 and i == fork_at:
             oracle, routed = per_mode_learners(shared.master, learn, labels, names)
+            residuals = Residuals(shared) if residual else None
         t0 = time.perf_counter()
         decision = router.route(sample.prompt_ids)  # before the fork too: the clustering warms up on the prompts
         router.commit(decision)
@@ -122,14 +135,18 @@ def routed_replay(samples: list, domains: list[str], base, learn: LearnConfig, r
             for arm in ("shared", "oracle", "routed"):
                 row.update(_alpha_columns(arm, got, k, max_new_tokens, control))
             _learn(shared, sample, item, got, k, rid, max_new_tokens)
+            if shared_steps:
+                got = matches(shared_steps.master, i)
+                row.update(_alpha_columns("shared_steps", got, k, max_new_tokens, control))
+                _learn(shared_steps, sample, item, got, k, rid, max_new_tokens)
             row.update(routed_draft="shared", routed_owner=decision.owner, route_reason=BEFORE_FORK, scored=False)
-        else:
-            for arm, learner in (("shared", shared), ("oracle", oracle[domain])):
-                got = matches(learner.master, i)
-                row.update(_alpha_columns(arm, got, k, max_new_tokens, control))
-                _learn(learner, sample, item, got, k, rid, max_new_tokens)
+        else:  # every arm measured on the request before any learns from it (a residual moves with the shared draft)
+            got = {arm: matches(learner.master, i) for arm, learner in (("shared", shared), ("oracle", oracle[domain]),
+                                                                        ("shared_steps", shared_steps)) if learner}
             every = {decision.draft: matches(routed[decision.draft].master, i)}
-            row.update(_alpha_columns("routed", every[decision.draft], k, max_new_tokens, control))
+            got["routed"] = every[decision.draft]
+            for arm, m in got.items():
+                row.update(_alpha_columns(arm, m, k, max_new_tokens, control))
             row.update(routed_draft=decision.draft, routed_owner=decision.owner, route_reason=decision.reason,
                        scored=budget.take())
             if row["scored"]:
@@ -140,20 +157,27 @@ def routed_replay(samples: list, domains: list[str], base, learn: LearnConfig, r
                 seconds["score"] += time.perf_counter() - t0
                 row["served_best"] = rewards[decision.draft] >= max(rewards.values())  # before learning from this one
             owned = every[decision.owner] if decision.owner in every else matches(routed[decision.owner].master, i)
+            _learn(shared, sample, item, got["shared"], k, rid, max_new_tokens)
+            if shared_steps:
+                _learn(shared_steps, sample, item, got["shared_steps"], k, rid, max_new_tokens)
+            if residuals:
+                residuals.sync([*oracle.values(), *routed.values()])
+            _learn(oracle[domain], sample, item, got["oracle"], k, rid, max_new_tokens)
             _learn(routed[decision.owner], sample, item, owned, k, rid, max_new_tokens)
         rows.append(row)
         if on_row:
             on_row(row)
     seconds["replay"] = time.perf_counter() - start
     matched = label_map(rows, "routed_draft")
-    held = _heldout(heldout or {}, base, shared, oracle, routed, router, matched, split)
-    return {"requests": rows, "arms": list(ARMS), "drafts": names, "labels": labels,
-            "stream_alpha": stream_alpha(rows), "router": {"label_to_draft": matched, **router_accuracy(rows, matched),
+    singles = {"shared": shared, "shared_steps": shared_steps} if residual else {"shared": shared}
+    held = _heldout(heldout or {}, base, singles, oracle, routed, router, matched, split)
+    return {"requests": rows, "arms": list(arms), "drafts": names, "labels": labels, "residual": residual,
+            "stream_alpha": stream_alpha(rows, arms), "router": {"label_to_draft": matched, **router_accuracy(rows, matched),
                                                            "label_to_owner": label_map(rows, "routed_owner"),
                                                            "owner_accuracy": router_accuracy(
                                                                rows, label_map(rows, "routed_owner"), "routed_owner")["accuracy"],
                                                            **router.stats()},
-            "heldout": held, "learners": {"shared": shared.stats(), "oracle": {d: l.stats() for d, l in oracle.items()},
+            "heldout": held, "learners": {**{arm: learner.stats() for arm, learner in singles.items()}, "oracle": {d: l.stats() for d, l in oracle.items()},
                                           "routed": {n: l.stats() for n, l in routed.items()}},
             "timings": seconds}
 
@@ -186,47 +210,55 @@ def router_accuracy(rows: list[dict], matched: dict[str, str], key: str = "route
             "served_best_share": sum(r["served_best"] for r in scored) / len(scored) if scored else None}
 
 
-def stream_alpha(rows: list[dict]) -> dict:
+def stream_alpha(rows: list[dict], arms=ARMS) -> dict:
     """Per arm: position-weighted alpha over the stream and its second half."""
     out = {}
-    for arm in ARMS:
+    for arm in arms:
         for name, part in (("all", rows), ("second_half", rows[len(rows) // 2:])):
             positions = sum(r["positions"] for r in part)
             out.setdefault(arm, {})[name] = sum(r[f"{arm}_alpha"] * r["positions"] for r in part) / max(1, positions)
     return out
 
 
-def _heldout(unseen: dict[str, list], base, shared, oracle, routed, router, matched, split) -> dict:
-    """Every arm on each label's held-out requests; pooled; paired differences routed - shared, oracle - routed."""
-    per, pooled = {}, {arm: [] for arm in ARMS}
+def _heldout(unseen: dict[str, list], base, singles: dict, oracle, routed, router, matched, split) -> dict:
+    """Every arm on each label's held-out requests; pooled; paired differences routed - shared, oracle - routed
+    (and routed - shared_steps when that arm runs). singles: the one-draft arms' learners by arm name."""
+    arms = ("control", *singles, "oracle", "routed")
+    per, pooled = {}, {arm: [] for arm in arms}
     hits = total = 0
     for domain, samples in unseen.items():
-        got = {arm: [] for arm in ARMS}
+        got = {arm: [] for arm in arms}
         for s in samples:
             item = sample_item(s)
             stats = lambda model: position_stats(model, [item], [s], split)[0]["matches"]
             choice = router.choose(router.featurize(s.prompt_ids), explore=False).draft
             hits += choice == matched.get(domain)
             total += 1
-            for arm, model in (("control", base), ("shared", shared.master), ("oracle", oracle[domain].master),
-                               ("routed", routed[choice].master)):
+            models = {"control": base, **{arm: learner.master for arm, learner in singles.items()},
+                      "oracle": oracle[domain].master, "routed": routed[choice].master}
+            for arm, model in models.items():
                 got[arm] += stats(model)
         per[domain] = {arm: acceptance(m) for arm, m in got.items()}
-        for arm in ARMS:
+        for arm in arms:
             pooled[arm] += got[arm]
     if not total:
         return {}
-    return {"by_label": per, "pooled": {arm: acceptance(m) for arm, m in pooled.items()},
-            "routed_vs_shared": paired_difference(pooled["shared"], pooled["routed"]),
-            "oracle_vs_routed": paired_difference(pooled["routed"], pooled["oracle"]),
-            "router_accuracy": hits / total,
-            "targets": {"routed_minus_shared": acceptance(pooled["routed"]) - acceptance(pooled["shared"]),
-                        "oracle_minus_routed": acceptance(pooled["oracle"]) - acceptance(pooled["routed"])}}
+    out = {"by_label": per, "pooled": {arm: acceptance(m) for arm, m in pooled.items()},
+           "routed_vs_shared": paired_difference(pooled["shared"], pooled["routed"]),
+           "oracle_vs_routed": paired_difference(pooled["routed"], pooled["oracle"]),
+           "router_accuracy": hits / total,
+           "targets": {"routed_minus_shared": acceptance(pooled["routed"]) - acceptance(pooled["shared"]),
+                       "oracle_minus_routed": acceptance(pooled["oracle"]) - acceptance(pooled["routed"])}}
+    if "shared_steps" in pooled:
+        out["routed_vs_shared_steps"] = paired_difference(pooled["shared_steps"], pooled["routed"])
+        out["targets"]["routed_minus_shared_steps"] = acceptance(pooled["routed"]) - acceptance(pooled["shared_steps"])
+    return out
 
 
 def run_routed_replay(models, learn: LearnConfig, route: RouteConfig, stream: str, split: str, per_segment: int,
                       settings, k: int = 4, heldout: int = 0, heldout_split: str = "test", batch_size_generate: int = 16,
-                      cache_dir=None, progress=None, seed: int = 0, on_row=None, fork_at: int = 0) -> dict:
+                      cache_dir=None, progress=None, seed: int = 0, on_row=None, fork_at: int = 0,
+                      residual: bool = False) -> dict:
     """Target outputs from the teacher cache (filled once), the stream interleaved, the four arms."""
     from osd.distill.target_outputs import dataset_samples
     from osd.models.loading import load_model
@@ -252,9 +284,9 @@ def run_routed_replay(models, learn: LearnConfig, route: RouteConfig, stream: st
         cursor[j] += 1
     base = load_model(models.draft, models.draft_dtype)
     result = routed_replay(samples, domains, base, learn, route, featurizer(tokenizer, route), k,
-                           settings.max_new_tokens, unseen, progress, on_row, fork_at)
+                           settings.max_new_tokens, unseen, progress, on_row, fork_at, residual)
     return {"config": {"models": asdict(models), "learn": asdict(learn), "route": asdict(route),
                        "teacher": asdict(settings), "stream": stream, "split": split, "per_segment": per_segment,
                        "k": k, "heldout": heldout, "heldout_split": heldout_split, "order": "interleaved",
-                       "order_seed": seed, "fork_at": fork_at, "mode": "fast (greedy), routed",
+                       "order_seed": seed, "fork_at": fork_at, "residual": residual, "mode": "fast (greedy), routed",
                        "exactness": EXACTNESS}, **result}

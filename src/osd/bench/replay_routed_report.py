@@ -8,9 +8,8 @@ from pathlib import Path
 from osd.bench.plots import plot_alpha_panels
 from osd.bench.record import emit_report, machine, redacted_command, write_result
 from osd.bench.report import table
-from osd.bench.replay_routed import ARMS
-
 LABELS = {"control": "control (never trained)", "shared": "one shared online draft",
+          "shared_steps": "one shared draft, the residual system's optimizer steps",
           "oracle": "per-label drafts, oracle split", "routed": "per-mode drafts, router"}
 TARGETS = {"routed_minus_shared": (">=", 0.03), "oracle_minus_routed": ("<=", 0.01)}
 
@@ -19,7 +18,7 @@ def stream_rows(result: dict) -> list[list]:
     rows = result["requests"]
     labels = result["labels"]
     out = []
-    for arm in ARMS:
+    for arm in result["arms"]:
         per_label = []
         for d in labels:
             part = [r for r in rows if r["domain"] == d]
@@ -32,7 +31,7 @@ def stream_rows(result: dict) -> list[list]:
 
 def heldout_rows(result: dict) -> list[list]:
     held = result["heldout"]
-    return [[LABELS[arm], held["pooled"][arm], *[held["by_label"][d][arm] for d in result["labels"]]] for arm in ARMS]
+    return [[LABELS[arm], held["pooled"][arm], *[held["by_label"][d][arm] for d in result["labels"]]] for arm in result["arms"]]
 
 
 def target_lines(result: dict) -> list[str]:
@@ -45,7 +44,11 @@ def target_lines(result: dict) -> list[str]:
         value = held["targets"][key]
         ok = value >= bound if op == ">=" else value <= bound
         lines.append(f"- held-out {key.replace('_', ' ')}: {value:+.4f} (target {op} {bound}: {'met' if ok else 'NOT met'})")
-    for key in ("routed_vs_shared", "oracle_vs_routed"):
+    if "routed_minus_shared_steps" in held["targets"]:
+        lines.append(f"- held-out routed minus the equal-steps shared draft: {held['targets']['routed_minus_shared_steps']:+.4f}")
+    for key in ("routed_vs_shared", "oracle_vs_routed", "routed_vs_shared_steps"):
+        if key not in held:
+            continue
         d = held[key]
         lines.append(f"- paired positions, {key.replace('_', ' ')}: gained {d['gained']}, lost {d['lost']}, z {d['z']:.2f}")
     t = result["timings"]
@@ -56,7 +59,7 @@ def target_lines(result: dict) -> list[str]:
 def label_curves(result: dict) -> dict[str, dict[str, list[float]]]:
     """Per label (the paper's per-topic figures): each arm's alpha on that label's requests, in stream order."""
     rows = result["requests"]
-    return {d: {LABELS[arm]: [r[f"{arm}_alpha"] for r in rows if r["domain"] == d] for arm in ARMS}
+    return {d: {LABELS[arm]: [r[f"{arm}_alpha"] for r in rows if r["domain"] == d] for arm in result["arms"]}
             for d in result["labels"]}
 
 
@@ -78,6 +81,12 @@ def report_routed_replay(result: dict, out: str, markdown: str | None, window: i
     if c.get("fork_at"):
         blocks.append(f"Split: the shared draft served every arm for the first {c['fork_at']} requests; then each per-label "
                       "and per-mode draft started as a copy of it (router accuracy counts the requests after the split).")
+    if c.get("residual"):
+        steps = {arm: result["learners"][arm]["optimizer_steps"] for arm in ("shared", "shared_steps")}
+        modes = sum(s["optimizer_steps"] for s in result["learners"]["routed"].values())
+        blocks.append(f"Residual drafts: each per-label and per-mode draft is the shared draft plus its own steps on its "
+                      f"traffic (learn/residual.py). Optimizer steps: shared draft {steps['shared']}, per-mode drafts "
+                      f"{modes} on top of it, the equal-steps shared draft {steps['shared_steps']}.")
     blocks.append(f"Exactness: {c['exactness']}")
     emit_report("Routed replay: several drafts and a router (`osd replay --fast --route`)",
                 f"`{redacted_command(sys.argv[1:])}`; draft={c['models']['draft']}, k={c['k']}, drafts {result['drafts']}, "

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from osd.learn.memory import tensor_bytes
+from osd.learn.residual import add_difference
 
 
 class VersionStore:
@@ -66,6 +67,15 @@ class VersionStore:
         _load(self.params, weights)
         if weights is self.base:
             self.best = None
+
+    def shift(self, after: list[torch.Tensor], before: list[torch.Tensor]) -> None:
+        """A residual follower's reference moves with its leader (learn/residual.py): base and best get the leader's
+        change too, so the guard compares the follower with the leader plus what the follower had then; the
+        cached correctness of the old references is dropped."""
+        add_difference(self.base, after, before)
+        if self.best is not None:
+            add_difference(self._best_slot, after, before)
+        self._correct = {}
 
     @contextmanager
     def swapped(self, weights: list[torch.Tensor]):

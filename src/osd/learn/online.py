@@ -48,6 +48,7 @@ from osd.learn.idle import IdleWindows
 from osd.learn.losses import LOSSES
 from osd.learn.memory import items_bytes, optimizer_state_bytes, reserve_optimizer_state, tensor_bytes
 from osd.learn.rehearsal import Reservoir, mixed_batch
+from osd.learn.residual import add_difference
 from osd.learn.restore import RestorePoint
 from osd.learn.trainable import configure_trainable, split_index
 from osd.learn.triggers import UpdateTrigger
@@ -220,7 +221,7 @@ class OnlineLearner:
         with self._lock:
             self.training = True
             start = self.clock()
-            self._restore_point = RestorePoint(self._restorable(), self.optimizer)
+            self._restore_point = RestorePoint(self.weights(), self.optimizer)
             self.idle.begin()
             try:
                 report = self._update(reason)
@@ -326,12 +327,24 @@ class OnlineLearner:
         """Publish the master; it now matches what serves, so a later failure in this update returns to it."""
         self.version = self.publish(self.master).version
         self._restore_point = None  # (never two restore points in memory at once)
-        self._restore_point = RestorePoint(self._restorable(), self.optimizer)
+        self._restore_point = RestorePoint(self.weights(), self.optimizer)
 
-    def _restorable(self) -> list[torch.Tensor]:
+    def weights(self) -> list[torch.Tensor]:
         """What an update changes besides the optimizer: the master's trainable weights (and, when averaging, the
-        trajectory kept beside them)."""
+        trajectory kept beside them). Moved together with a leader by learn/residual.py (under `lock()`)."""
         return self.params + (self.average.trajectory if self.average is not None else [])
+
+    def move_with(self, after: list[torch.Tensor], before: list[torch.Tensor]) -> None:
+        """A residual follower (learn/residual.py): add a leader's weight change (`weights()` lists, same layout)
+        to this learner's weights, and to the drift guard's base and best versions. Hold `lock()`."""
+        add_difference(self.weights(), after, before)
+        if self.versions is not None:
+            n = len(self.params)
+            self.versions.shift(after[:n], before[:n])
+
+    def lock(self) -> threading.RLock:
+        """Held by an update (and a checkpoint): hold it to change `weights()` from outside."""
+        return self._lock
 
     def _accumulate_gradients(self, batch: list) -> float | None:
         """Gradients of the batch's mean loss over positions, one micro-batch at a time (the idle wait before
