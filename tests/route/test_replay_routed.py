@@ -151,3 +151,11 @@ def test_residual_drafts_carry_the_shared_drafts_learning_and_an_equal_steps_arm
     report_routed_replay(result, str(tmp_path / "r.json"), str(tmp_path / "B.md"))
     text = (tmp_path / "B.md").read_text()
     assert "Residual drafts" in text and "equal-steps shared draft 8" in text and "routed vs shared steps" in text
+
+
+def test_residual_drafts_refuse_lora_factors(tmp_path_factory):
+    ordered, domains, _ = _stream(tmp_path_factory)
+    route = RouteConfig(score_share=1.0, explore=0.0, route_warmup=16)
+    with pytest.raises(InvalidArgument, match="residual"):
+        routed_replay(ordered, domains, tiny_qwen2(seed=1, layers=2), LearnConfig(trainable="lora", guard=False), route,
+                      featurizer(ToyTokenizer(), route), residual=True)

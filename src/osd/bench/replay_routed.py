@@ -100,6 +100,9 @@ def routed_replay(samples: list, domains: list[str], base, learn: LearnConfig, r
     if fork_at > 0 and learn.trainable == "lora":
         raise InvalidArgument("--fork-at copies the shared draft's trainable layers; with --trainable lora that would "
                               "stack adapters on adapters: use a layer trainable set (no_embeddings)")
+    if residual and learn.trainable == "lora":
+        raise InvalidArgument("--residual adds the shared draft's weight changes to each draft's; LoRA factors do not "
+                              "add that way: use a layer trainable set (no_embeddings)")
     split = split_index(base, learn.train_layers)
     items = [sample_item(s) for s in samples]
     labels = list(dict.fromkeys(domains))
