@@ -223,12 +223,16 @@ class AdapterDrafts:
         return out
 
     def tensor_bytes(self) -> dict:
-        """Bytes of distinct tensor storage: the master (base + every adapter), the serving copies, and both."""
+        """Bytes of distinct tensor storage: the master (base + every adapter), the serving copies, and both;
+        one_draft: what one draft without adapters holds (the base's master weights and its serving copy), so
+        total / one_draft is what the drafts cost against serving one (issue 18: <= 1.5x for five)."""
         served = [self.registry.get(n).model for n in self.registry.names()]
-        return {"master": tensor_bytes(self.master if self.peft is not None else self.base),
-                "adapters": {n: sum(p.numel() * p.element_size() for p in self.parameters(n)) for n in self.names()},
+        master = self.master if self.peft is not None else self.base
+        adapters = {n: sum(p.numel() * p.element_size() for p in self.parameters(n)) for n in self.names()}
+        return {"master": tensor_bytes(master), "adapters": adapters,
                 "serving": tensor_bytes(self.serving_base, *served),
-                "total": tensor_bytes(self.master if self.peft is not None else self.base, self.serving_base, *served)}
+                "total": tensor_bytes(master, self.serving_base, *served),
+                "one_draft": tensor_bytes(master, self.serving_base) - sum(adapters.values())}
 
 
 def serving_form(linear: nn.Linear, like: nn.Module) -> nn.Module:

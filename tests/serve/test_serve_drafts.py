@@ -107,3 +107,29 @@ def test_a_server_with_one_draft_takes_its_name_as_a_pin_and_refuses_others():
         with pytest.raises(openai.NotFoundError):
             s.client().completions.create(model=MODEL, prompt="ab", max_tokens=4, extra_body={"osd": {"draft": "x"}})
         assert s.client().models.list().data[0].model_extra["osd"]["drafts"] == [{"id": "draft", "version": 0}]
+
+
+def test_bench_serve_reads_a_routing_servers_seconds_and_drafts_memory(served, tmp_path, monkeypatch):
+    """`osd bench serve` against a routing server: routing and scoring seconds per level from /metrics (what the
+    router's own counters say the level cost) and the drafts' bytes against one draft's; a plain server has neither."""
+    from osd.bench.serve_load import run_load
+    from osd.bench.serve_report import report_load
+
+    url, _, routing = served
+    before = routing.feedback.stats()["score_seconds"] + routing.router.stats()["route_seconds"]
+    result = run_load(url, ["abc", "defg", "hij", "klm"], max_tokens=N, concurrency=(1,))
+    level = result["levels"][0]
+    spent = level["routing"]["route_seconds"] + level["routing"]["score_seconds"]
+    after = routing.feedback.stats()["score_seconds"] + routing.router.stats()["route_seconds"]
+    assert 0 < spent <= after - before + 1e-9 and level["routing"]["route_seconds"] > 0
+    assert level["routing"]["share"] == pytest.approx(spent / level["wall_seconds"])
+    memory, sizes = result["drafts_memory"], routing.drafts.tensor_bytes()
+    assert memory["total_bytes"] == sizes["total"] and memory["one_draft_bytes"] == sizes["one_draft"]
+    assert 1.0 < memory["ratio"] < 1.5  # two adapter drafts on one base (and its serving copy)
+    monkeypatch.setattr("sys.argv", ["osd", "bench", "serve"])
+    report_load(result, str(tmp_path / "load.json"), str(tmp_path / "B.md"))
+    text = (tmp_path / "B.md").read_text()
+    assert "Routing server (from its /metrics)" in text and "x one draft" in text
+    with tiny_server() as plain:
+        single = run_load(plain.url, ["abc"], max_tokens=4, concurrency=(1,))
+    assert "routing" not in single["levels"][0] and "drafts_memory" not in single

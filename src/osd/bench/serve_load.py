@@ -96,9 +96,54 @@ async def run_level(client: httpx.AsyncClient, model: str, prompts: list[str], m
         while not todo.empty():
             samples.append(await one_request(client, *_request_body(model, todo.get_nowait(), max_tokens, chat)))
 
+    before = await server_counters(client)
     start = time.perf_counter()
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-    return summarise(samples, time.perf_counter() - start, concurrency)
+    wall = time.perf_counter() - start
+    level = summarise(samples, wall, concurrency)
+    routing = routing_share(before, await server_counters(client), wall)
+    return {**level, "routing": routing} if routing else level
+
+
+# a routing server's own seconds (route/metrics.py), read from /metrics around each level
+ROUTE_SECONDS = {"osd_route_seconds_total": "route_seconds", "osd_route_score_seconds_total": "score_seconds"}
+
+
+async def server_counters(client: httpx.AsyncClient) -> dict[str, float]:
+    """The server's routing seconds and drafts' bytes from /metrics; empty when it does not route (or /metrics is
+    closed to this client)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = await client.get("/metrics")
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name in ROUTE_SECONDS:
+                out[ROUTE_SECONDS[sample.name]] = sample.value
+            elif sample.name == "osd_drafts_bytes":
+                out["bytes_" + sample.labels["part"]] = sample.value
+    return out
+
+
+def routing_share(before: dict, after: dict, wall: float) -> dict | None:
+    """Seconds the server spent routing and scoring drafts during a level, and their share of its wall time (issue
+    18: <= 2% at concurrency 1). Scoring runs after a request ends, so the last request's may fall after the level."""
+    if not all(k in before and k in after for k in ROUTE_SECONDS.values()):
+        return None
+    spent = {k: after[k] - before[k] for k in ROUTE_SECONDS.values()}
+    return {**spent, "share": (spent["route_seconds"] + spent["score_seconds"]) / wall if wall else None}
+
+
+def drafts_memory(counters: dict) -> dict | None:
+    """A routing server's drafts' bytes and their ratio to one draft (issue 18: five drafts <= 1.5x one)."""
+    if "bytes_total" not in counters or not counters.get("bytes_one_draft"):
+        return None
+    return {"total_bytes": counters["bytes_total"], "one_draft_bytes": counters["bytes_one_draft"],
+            "ratio": counters["bytes_total"] / counters["bytes_one_draft"]}
 
 
 def summarise(samples: list[Sample], wall: float, concurrency: int) -> dict:
@@ -140,9 +185,10 @@ async def run_load_async(url: str, prompts: list[str], max_tokens: int = 64, con
     async with _client(url, api_key, timeout, max(concurrency) + 1) as client:
         model, warm = await _model_and_warm_up(client, model, prompts[0], max_tokens, chat)
         levels = [await run_level(client, model, prompts, max_tokens, chat, c) for c in concurrency]
+        memory = drafts_memory(await server_counters(client))
     return {"config": {"url": url, "model": model, "prompts": len(prompts), "max_tokens": max_tokens, "chat": chat,
                        "concurrency": list(concurrency), "temperature": 0},
-            "warmup_ok": warm.ok, "levels": levels}
+            "warmup_ok": warm.ok, "levels": levels, **({"drafts_memory": memory} if memory else {})}
 
 
 def run_load(*args, **kwargs) -> dict:

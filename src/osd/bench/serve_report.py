@@ -19,14 +19,29 @@ def load_table(result: dict) -> str:
     return table(rows, [title for _, title in COLUMNS])
 
 
+def routing_lines(result: dict) -> list[str]:
+    """A routing server: its routing + scoring seconds per level (share of the level's wall time) and the drafts'
+    memory against one draft."""
+    lines = [f"- concurrency {lv['concurrency']}: routing {lv['routing']['route_seconds']:.2f} s + scoring "
+             f"{lv['routing']['score_seconds']:.2f} s of {lv['wall_seconds']:.1f} s wall = {100 * lv['routing']['share']:.2f}%"
+             for lv in result["levels"] if lv.get("routing")]
+    memory = result.get("drafts_memory")
+    if memory:
+        lines.append(f"- drafts' tensor memory {memory['total_bytes'] / 2**30:.2f} GiB = {memory['ratio']:.3f}x one draft "
+                     f"({memory['one_draft_bytes'] / 2**30:.2f} GiB: its master weights and serving copy)")
+    return lines
+
+
 def report_load(result: dict, out: str, markdown: str) -> None:
     path = write_result(result, out)
     t = load_table(result)
+    routing = routing_lines(result)
     cfg, m = result["config"], machine()
     emit_report("Serving load (`osd bench serve`)",
                 f"`{redacted_command(sys.argv[1:])}` against {cfg['model']} at {cfg['url']}: {cfg['prompts']} prompts per "
                 f"level, max_tokens={cfg['max_tokens']}, greedy, {'chat' if cfg['chat'] else 'completions'} endpoint, "
-                f"streaming, warm-up excluded; machine (client side): {m['cpu']}, {m['cores']} cores", [t], path, markdown)
+                f"streaming, warm-up excluded; machine (client side): {m['cpu']}, {m['cores']} cores",
+                [t, "Routing server (from its /metrics):\n" + "\n".join(routing)] if routing else [t], path, markdown)
 
 
 def _fmt(x, spec=".3f") -> str:

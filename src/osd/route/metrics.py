@@ -9,6 +9,7 @@
   osd_route_served_best_total                       ... of which the serving draft scored best (router accuracy)
   osd_route_regret_sum_total                        sum over scored requests of best - served acceptance
   osd_route_score_seconds_total, osd_route_scores_dropped_total
+  osd_drafts_bytes{part}                            master / serving / total / one_draft tensor bytes
   osd_draft_scored_acceptance_sum_total{draft}, osd_draft_scored_requests_total{draft}   mean = sum / requests
   osd_draft_learner_<stat>{draft}                   each draft's learner counters (version, buffer, updates, ...)
 Live acceptance per draft and version is osd_spec_*{draft,draft_version} (serve/prom.py): the served draft's
@@ -62,6 +63,12 @@ class RouteCollector:
             counts.add_metric([name], n)
         yield sums
         yield counts
+        sizes = GaugeMetricFamily("osd_drafts_bytes", "Tensor bytes of the drafts: master (base + adapters), serving "
+                                  "copies, total, and one_draft (one draft without adapters, for the ratio).", labels=["part"])
+        for part, value in sorted(r.drafts.tensor_bytes().items()):
+            if isinstance(value, (int, float)):
+                sizes.add_metric([part], value)
+        yield sizes
         if r.learners is not None:
             yield from learner_families_by_draft(r.learners.stats()["by_draft"])
 
