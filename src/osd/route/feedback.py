@@ -8,8 +8,8 @@ its adapted top layers (AdapterDrafts.use), so scoring D drafts costs about trun
 prefill over prompt + output.
 
 Budget (RouteConfig): a `score_share` of requests, drawn at random (a periodic choice would alias with an
-interleaved stream), never more than share x requests + 1; and no scoring while scoring seconds exceed
-`score_time_share` of serving seconds. schedule "background" scores in idle windows on its own thread (the
+interleaved stream), never more than share x requests + 1; and no scoring job starts unless the scoring seconds
+so far plus a job's mean stay within `score_time_share` of serving seconds (checked when queued and when taken). schedule "background" scores in idle windows on its own thread (the
 queue keeps the newest `MAX_PENDING`; older ones are dropped and counted).
 Limitations: scores the fp32 masters (a server proposes with their serving copies: int8 by default); for a
 sampled request (T > 0) greedy agreement with the sampled output is a proxy for acceptance, not its value.
@@ -102,7 +102,7 @@ class RouteFeedback:
         with self._lock:
             self.counters["requests"] += 1
             self.counters["serving_seconds"] += result.seconds
-            over_time = self.counters["score_seconds"] > self.config.score_time_share * self.counters["serving_seconds"]
+            over_time = not self._within_time_budget()
         if not result.token_ids or not self.budget.take():
             return
         if over_time:
@@ -122,16 +122,34 @@ class RouteFeedback:
         else:
             self._wake.set()
 
-    def drain(self) -> int:
-        """Score every queued request now; returns how many."""
-        n = 0
-        while True:
-            with self._lock:
-                if not self.pending:
-                    return n
+    def _within_time_budget(self) -> bool:
+        """(Under the lock.) One more scoring job fits: the seconds scoring took so far plus what a job takes on
+        average stay within score_time_share of serving seconds. Checked when a job is queued and again when it is
+        taken, so jobs queued while the engine was busy cannot overrun the budget together."""
+        c = self.counters
+        if self.config.score_time_share <= 0:
+            return False
+        expected = c["score_seconds"] / c["scored"] if c["scored"] else 0.0
+        return c["score_seconds"] + expected <= self.config.score_time_share * c["serving_seconds"]
+
+    def _take_job(self) -> _Job | None:
+        """The oldest queued job that still fits the time budget (the ones that no longer fit are dropped and
+        counted in over_time_budget), or None."""
+        with self._lock:
+            while self.pending:
                 job = self.pending.popleft()
+                if self._within_time_budget():
+                    return job
+                self.counters["over_time_budget"] += 1
+            return None
+
+    def drain(self) -> int:
+        """Score every queued request that fits the time budget now; returns how many."""
+        n = 0
+        while (job := self._take_job()) is not None:
             self.score(job)
             n += 1
+        return n
 
     def score(self, job: _Job) -> dict[str, float]:
         t0 = self.clock()
@@ -167,8 +185,7 @@ class RouteFeedback:
             while not self._stop.is_set() and self.pending:
                 while self.engine_busy() and not self._stop.is_set():  # idle windows only
                     time.sleep(0.005)
-                with self._lock:
-                    job = self.pending.popleft() if self.pending else None
+                job = self._take_job()
                 if job is not None:
                     try:
                         self.score(job)

@@ -1,0 +1,74 @@
+"""The router's scoring stays within its time budget (RouteConfig.score_time_share), also when jobs queue up while
+the engine is busy (background schedule)."""
+from types import SimpleNamespace
+
+import pytest
+
+import osd.route.feedback as feedback
+from osd.route.config import RouteConfig
+from osd.route.feedback import RouteFeedback
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class Router:
+    def featurize(self, prompt_ids):
+        return None
+
+    def names(self):
+        return ["a", "b"]
+
+    def learn(self, features, rewards):
+        self.last = rewards
+
+
+class Drafts:
+    def names(self):
+        return ["a", "b"]
+
+
+def request(seconds=1.0):
+    return SimpleNamespace(draft=("a", 0), prompt_ids=[1, 2], token_ids=[3, 4], seconds=seconds)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+
+    def score_drafts(drafts, names, prompt_ids, output_ids, max_tokens):  # one scoring job: 1 s of the clock
+        clock.t += 1.0
+        return {n: [True, n == "a"] for n in names}
+
+    monkeypatch.setattr(feedback, "score_drafts", score_drafts)
+    return clock
+
+
+@pytest.mark.parametrize("schedule", ["background", "sync"])
+def test_scoring_seconds_stay_within_the_time_share_of_serving(clock, schedule):
+    """50 requests of 1 s, 10% for scoring: 5 s. In the background schedule all 50 jobs are queued before any is
+    scored (a busy engine); taking them must still stop at the budget. Without the check at take time, 50 s."""
+    fb = RouteFeedback(Router(), Drafts(), RouteConfig(score_share=1.0, score_time_share=0.1, score_schedule=schedule),
+                       clock=clock)
+    for _ in range(50):
+        fb.after_request(request())
+    fb.drain()
+    c = fb.counters
+    assert c["score_seconds"] <= 0.1 * c["serving_seconds"] == pytest.approx(5.0)
+    assert c["scored"] == 5 and c["over_time_budget"] == 45
+    for _ in range(20):  # more serving makes room again
+        fb.after_request(request())
+    fb.drain()
+    assert c["scored"] == 7 and c["score_seconds"] <= 0.1 * c["serving_seconds"]
+
+
+def test_a_zero_time_share_scores_nothing(clock):
+    fb = RouteFeedback(Router(), Drafts(), RouteConfig(score_share=1.0, score_time_share=0.0), clock=clock)
+    for _ in range(10):
+        fb.after_request(request())
+    assert fb.counters["scored"] == 0 and fb.counters["over_time_budget"] == 10
