@@ -96,6 +96,7 @@ class AdapterDrafts:
         self.serving_base, self.vocab_ids = make_serving_draft(base, quantize, draft_vocab, list(keep_ids))
         self.peft = None  # the peft model, made with the first adapter
         self.lock = threading.RLock()
+        self._names: tuple[str, ...] = ()  # sorted; replaced whole (under the lock) by create / retire
         self._created = 0
 
     # --- adapters -------------------------------------------------------------------------------
@@ -107,8 +108,8 @@ class AdapterDrafts:
         return self.peft.base_model.model
 
     def names(self) -> list[str]:
-        with self.lock:
-            return sorted(draft_name(k) for k in self.peft.peft_config) if self.peft is not None else []
+        """Without the lock (a learner's update holds it for seconds): the names as of the last create / retire."""
+        return list(self._names)
 
     def lora_config(self):
         from peft import LoraConfig
@@ -135,6 +136,7 @@ class AdapterDrafts:
                 else:
                     self.peft.add_adapter(adapter_key(name), self.lora_config())
             self._created += 1
+            self._names = tuple(sorted(draft_name(k) for k in self.peft.peft_config))
             if copy_from is not None:
                 self.load_state(name, self.state(copy_from))
             return self.publish(name) if publish else None
@@ -148,6 +150,7 @@ class AdapterDrafts:
             if self.peft.active_adapter == adapter_key(name):
                 self.peft.set_adapter(adapter_key(next(n for n in self.names() if n != name)))
             self.peft.delete_adapter(adapter_key(name))
+            self._names = tuple(sorted(draft_name(k) for k in self.peft.peft_config))
             if name in self.registry.names():
                 self.registry.remove(name)
 

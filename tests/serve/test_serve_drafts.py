@@ -1,5 +1,6 @@
 """The server with several drafts: a pinned draft is honoured, a bad name is an OpenAI-style 404, /v1/models
 lists the drafts, /metrics has per-draft and route series."""
+import threading
 from contextlib import contextmanager
 
 import httpx
@@ -20,10 +21,10 @@ N = 8
 
 
 @contextmanager
-def routed_server():
+def routed_server(**route):
     target, tokenizer = tiny_qwen2(seed=0), ToyTokenizer()
-    routing = Routing.build(tiny_qwen2(seed=1, layers=2), RouteConfig(drafts="a,b", adapter_layers=1, score_share=1.0,
-                                                                        score_time_share=1e9), tokenizer=tokenizer)
+    config = RouteConfig(**{"drafts": "a,b", "adapter_layers": 1, "score_share": 1.0, "score_time_share": 1e9, **route})
+    routing = Routing.build(tiny_qwen2(seed=1, layers=2), config, tokenizer=tokenizer)
     engine = SpeculativeEngine(target, tokenizer, routing.proposer, SpeculationConfig(k=4, adaptive=False))
     routing.attach(engine)
     app = create_app(engine, tokenizer, MODEL, settings=ServeSettings(default_max_tokens=N), routing=routing)
@@ -133,3 +134,28 @@ def test_bench_serve_reads_a_routing_servers_seconds_and_drafts_memory(served, t
     with tiny_server() as plain:
         single = run_load(plain.url, ["abc"], max_tokens=4, concurrency=(1,))
     assert "routing" not in single["levels"][0] and "drafts_memory" not in single
+
+
+def test_requests_do_not_wait_for_a_draft_update():
+    """A draft's learner holds the drafts' master lock for a whole update (seconds on a real draft); serving must not
+    need it: pinned and routed requests and /v1/models answer while it is held (scoring, background, waits)."""
+    with routed_server(score_schedule="background") as (url, _, routing):
+        held, release = threading.Event(), threading.Event()
+
+        def update():
+            with routing.drafts.lock:
+                held.set()
+                release.wait(60)
+
+        holder = threading.Thread(target=update)
+        holder.start()
+        held.wait()
+        try:
+            for body in ({"prompt": "ab", "max_tokens": 4, "osd": {"draft": "b"}}, {"prompt": "cd", "max_tokens": 4}):
+                r = httpx.post(url + "/v1/completions", json=body, timeout=10)
+                assert r.status_code == 200 and r.json()["osd"]["draft"] in ("a", "b")
+            models = httpx.get(url + "/v1/models", timeout=10).json()
+            assert holder.is_alive() and "a" in str(models)
+        finally:
+            release.set()
+            holder.join()

@@ -80,8 +80,16 @@ class Routing:
         return self.drafts.names()
 
     def versions(self) -> dict[str, int]:
-        registry = self.drafts.registry
-        return {n: registry.get(n).version for n in self.names() if n in registry.names()}
+        """Published drafts and their versions, from the registry alone: every request asks (to check a pinned
+        draft), and the drafts' master lock is held by a learner's update for seconds."""
+        registry, names, out = self.drafts.registry, set(self.names()), {}
+        for n in registry.names():
+            try:
+                if n in names:
+                    out[n] = registry.get(n).version
+            except KeyError:  # retired meanwhile
+                pass
+        return out
 
     def create(self, name: str, copy_from: str | None = None) -> None:
         self.drafts.create(name, copy_from)
