@@ -1,5 +1,7 @@
 """The router's scoring stays within its time budget (RouteConfig.score_time_share), also when jobs queue up while
 the engine is busy (background schedule)."""
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -29,6 +31,8 @@ class Router:
 
 
 class Drafts:
+    lock = threading.RLock()
+
     def names(self):
         return ["a", "b"]
 
@@ -72,3 +76,28 @@ def test_a_zero_time_share_scores_nothing(clock):
     for _ in range(10):
         fb.after_request(request())
     assert fb.counters["scored"] == 0 and fb.counters["over_time_budget"] == 10
+
+
+def test_waiting_for_a_draft_update_is_not_counted_as_scoring(clock):
+    """Scoring needs the drafts' lock, which a learner's update holds for seconds: that wait is not scoring's cost
+    (it would eat the time budget and stop the router's feedback for nothing)."""
+    drafts = Drafts()
+    fb = RouteFeedback(Router(), drafts, RouteConfig(score_share=1.0, score_time_share=0.5), clock=clock)
+    held, release = threading.Event(), threading.Event()
+
+    def update():
+        with drafts.lock:
+            held.set()
+            release.wait(10)
+            clock.t += 30.0  # the update's 30 s pass while scoring waits
+
+    holder = threading.Thread(target=update)
+    holder.start()
+    held.wait()
+    scorer = threading.Thread(target=fb.after_request, args=(request(10.0),))
+    scorer.start()
+    time.sleep(0.3)  # the scorer reaches the lock and waits
+    release.set()
+    holder.join()
+    scorer.join()
+    assert fb.counters["scored"] == 1 and fb.counters["score_seconds"] == pytest.approx(1.0)

@@ -152,13 +152,15 @@ class RouteFeedback:
         return n
 
     def score(self, job: _Job) -> dict[str, float]:
-        t0 = self.clock()
-        names = [n for n in self.router.names() if n in self.drafts.names()]
-        matches = score_drafts(self.drafts, names, job.prompt_ids, job.output_ids, self.config.score_max_tokens)
-        rewards = {n: acceptance(m) for n, m in matches.items()}
-        self.router.learn(job.features, rewards)
+        with self.drafts.lock:  # a draft's update holds it for seconds: waiting for it is not scoring's cost
+            t0 = self.clock()
+            names = [n for n in self.router.names() if n in self.drafts.names()]
+            matches = score_drafts(self.drafts, names, job.prompt_ids, job.output_ids, self.config.score_max_tokens)
+            rewards = {n: acceptance(m) for n, m in matches.items()}
+            self.router.learn(job.features, rewards)
+            spent = self.clock() - t0
         with self._lock:
-            self.counters["score_seconds"] += self.clock() - t0
+            self.counters["score_seconds"] += spent
             self.counters["scored"] += 1
             if job.served in rewards:
                 best = max(rewards.values())
