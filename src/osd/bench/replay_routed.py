@@ -138,14 +138,14 @@ def routed_replay(samples: list, domains: list[str], base, learn: LearnConfig, r
             for arm in ("shared", "oracle", "routed"):
                 row.update(_alpha_columns(arm, got, k, max_new_tokens, control))
             _learn(shared, sample, item, got, k, rid, max_new_tokens)
-            if shared_steps:
+            if shared_steps is not None:
                 got = matches(shared_steps.master, i)
                 row.update(_alpha_columns("shared_steps", got, k, max_new_tokens, control))
                 _learn(shared_steps, sample, item, got, k, rid, max_new_tokens)
             row.update(routed_draft="shared", routed_owner=decision.owner, route_reason=BEFORE_FORK, scored=False)
         else:  # every arm measured on the request before any learns from it (a residual moves with the shared draft)
             got = {arm: matches(learner.master, i) for arm, learner in (("shared", shared), ("oracle", oracle[domain]),
-                                                                        ("shared_steps", shared_steps)) if learner}
+                                                                        ("shared_steps", shared_steps)) if learner is not None}
             every = {decision.draft: matches(routed[decision.draft].master, i)}
             got["routed"] = every[decision.draft]
             for arm, m in got.items():
@@ -161,9 +161,9 @@ def routed_replay(samples: list, domains: list[str], base, learn: LearnConfig, r
                 row["served_best"] = rewards[decision.draft] >= max(rewards.values())  # before learning from this one
             owned = every[decision.owner] if decision.owner in every else matches(routed[decision.owner].master, i)
             _learn(shared, sample, item, got["shared"], k, rid, max_new_tokens)
-            if shared_steps:
+            if shared_steps is not None:
                 _learn(shared_steps, sample, item, got["shared_steps"], k, rid, max_new_tokens)
-            if residuals:
+            if residuals is not None:
                 residuals.sync([*oracle.values(), *routed.values()])
             _learn(oracle[domain], sample, item, got["oracle"], k, rid, max_new_tokens)
             _learn(routed[decision.owner], sample, item, owned, k, rid, max_new_tokens)
