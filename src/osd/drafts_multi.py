@@ -111,6 +111,10 @@ class AdapterDrafts:
         """Without the lock (a learner's update holds it for seconds): the names as of the last create / retire."""
         return list(self._names)
 
+    def _refresh_names(self) -> None:
+        """(Under the lock, after peft's adapters changed.)"""
+        self._names = tuple(sorted(draft_name(k) for k in self.peft.peft_config))
+
     def lora_config(self):
         from peft import LoraConfig
 
@@ -136,7 +140,7 @@ class AdapterDrafts:
                 else:
                     self.peft.add_adapter(adapter_key(name), self.lora_config())
             self._created += 1
-            self._names = tuple(sorted(draft_name(k) for k in self.peft.peft_config))
+            self._refresh_names()
             if copy_from is not None:
                 self.load_state(name, self.state(copy_from))
             return self.publish(name) if publish else None
@@ -150,7 +154,7 @@ class AdapterDrafts:
             if self.peft.active_adapter == adapter_key(name):
                 self.peft.set_adapter(adapter_key(next(n for n in self.names() if n != name)))
             self.peft.delete_adapter(adapter_key(name))
-            self._names = tuple(sorted(draft_name(k) for k in self.peft.peft_config))
+            self._refresh_names()
             if name in self.registry.names():
                 self.registry.remove(name)
 

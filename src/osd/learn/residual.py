@@ -50,12 +50,12 @@ class Residuals:
         self.leader = leader
         self.last = [w.detach().clone() for w in leader.weights()]
         self.seen = fingerprint(leader)
-        self.syncs = 0
 
     @torch.no_grad()
     def sync(self, followers: Iterable) -> bool:
         """True when the leader had changed and the followers were moved with it."""
-        if fingerprint(self.leader) == self.seen:
+        seen = fingerprint(self.leader)
+        if seen == self.seen:
             return False
         now = self.leader.weights()
         for follower in followers:
@@ -63,6 +63,5 @@ class Residuals:
                 follower.move_with(now, self.last)
         for last, w in zip(self.last, now):
             last.copy_(w)
-        self.seen = fingerprint(self.leader)
-        self.syncs += 1
+        self.seen = seen
         return True

@@ -9,8 +9,9 @@ prefill over prompt + output.
 
 Budget (RouteConfig): a `score_share` of requests, drawn at random (a periodic choice would alias with an
 interleaved stream), never more than share x requests + 1; and no scoring job starts unless the scoring seconds
-so far plus a job's mean stay within `score_time_share` of serving seconds (checked when queued and when taken). schedule "background" scores in idle windows on its own thread (the
-queue keeps the newest `MAX_PENDING`; older ones are dropped and counted).
+so far plus a job's mean stay within `score_time_share` of serving seconds (checked when queued and when taken).
+schedule "background" scores in idle windows on its own thread (the queue keeps the newest `MAX_PENDING`; older
+ones are dropped and counted).
 Limitations: scores the fp32 masters (a server proposes with their serving copies: int8 by default); for a
 sampled request (T > 0) greedy agreement with the sampled output is a proxy for acceptance, not its value.
 """
