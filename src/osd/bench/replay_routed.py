@@ -81,6 +81,69 @@ def per_mode_learners(start, learn: LearnConfig, labels: list[str], names: list[
     return oracle, routed
 
 
+class _Arms:
+    """The learning arms' drafts: the shared draft (and with `residual` its equal-steps twin), the oracle's per-label
+    and the router's per-mode drafts (empty before a fork), and the residual sync between them."""
+
+    def __init__(self, base, learn: LearnConfig, labels: list[str], names: list[str], residual: bool, forked: bool):
+        self.learn, self.labels, self.names, self.residual = learn, labels, names, residual
+        self.shared = online_learner(base, learn, learn.seed)
+        # residual: the per-mode drafts' own steps come on top of the shared draft's; the same number of steps in one
+        # shared draft is the control of what the split adds (steps_per_update doubled: each mode draft updates as
+        # often on its mode as the shared draft does on the stream)
+        self.shared_steps = online_learner(base, replace(learn, steps_per_update=2 * learn.steps_per_update),
+                                           learn.seed) if residual else None
+        self.oracle, self.routed, self.residuals = {}, {}, None
+        if forked:
+            self.fork(base)
+
+    def fork(self, start) -> None:
+        """Every per-label and per-mode draft starts as a copy of `start`."""
+        self.oracle, self.routed = per_mode_learners(start, self.learn, self.labels, self.names)
+        self.residuals = Residuals(self.shared) if self.residual else None
+
+    def singles(self) -> dict[str, OnlineLearner]:
+        """The one-draft arms by name."""
+        return {"shared": self.shared, **({"shared_steps": self.shared_steps} if self.residual else {})}
+
+    def measure(self, matches, domain: str, draft: str) -> dict[str, list]:
+        """Each arm's matches on the request, before any arm learns from it; `draft`: the routed draft serving it."""
+        shared = matches(self.shared.master)
+        got = {"shared": shared, "oracle": shared, "routed": shared}  # before the fork the shared draft serves all
+        if self.routed:
+            got.update(oracle=matches(self.oracle[domain].master), routed=matches(self.routed[draft].master))
+        if self.shared_steps is not None:
+            got["shared_steps"] = matches(self.shared_steps.master)
+        return got
+
+    def learn_from(self, sample, item, got: dict, owned, domain: str, owner: str, k: int, rid: str,
+                   max_new_tokens) -> None:
+        """The one-draft arms, then (after syncing residuals with the shared draft's update) the request's label
+        draft and its owner learn from the request; before the fork only the one-draft arms learn."""
+        for arm, learner in self.singles().items():
+            _learn(learner, sample, item, got[arm], k, rid, max_new_tokens)
+        if not self.routed:
+            return
+        if self.residuals is not None:
+            self.residuals.sync([*self.oracle.values(), *self.routed.values()])
+        _learn(self.oracle[domain], sample, item, got["oracle"], k, rid, max_new_tokens)
+        _learn(self.routed[owner], sample, item, owned, k, rid, max_new_tokens)
+
+    def stats(self) -> dict:
+        return {**{arm: learner.stats() for arm, learner in self.singles().items()},
+                "oracle": {d: l.stats() for d, l in self.oracle.items()},
+                "routed": {n: l.stats() for n, l in self.routed.items()}}
+
+
+def _score(router: Router, decision, every: dict, routed: dict, matches) -> bool:
+    """Full-information feedback: every routed draft measured on the request (`every` gains the missing ones), the
+    router learns each one's acceptance; whether the served draft scored best (before learning from it)."""
+    every.update({n: matches(m.master) for n, m in routed.items() if n not in every})
+    rewards = {n: acceptance(m) for n, m in every.items()}
+    router.learn(decision.features, rewards)
+    return rewards[decision.draft] >= max(rewards.values())
+
+
 def routed_replay(samples: list, domains: list[str], base, learn: LearnConfig, route: RouteConfig, featurize,
                   k: int = 4, max_new_tokens: int | None = None, heldout: dict[str, list] | None = None,
                   progress=None, on_row=None, fork_at: int = 0, residual: bool = False) -> dict:
@@ -107,82 +170,52 @@ def routed_replay(samples: list, domains: list[str], base, learn: LearnConfig, r
     items = [sample_item(s) for s in samples]
     labels = list(dict.fromkeys(domains))
     names = route.names() or [f"d{j}" for j in range(len(labels))]
-    shared = online_learner(base, learn, learn.seed)
-    oracle, routed = per_mode_learners(base, learn, labels, names) if fork_at <= 0 else ({}, {})
-    residuals = Residuals(shared) if residual and fork_at <= 0 else None
-    # residual: the per-mode drafts' own steps come on top of the shared draft's; the same number of steps in one
-    # shared draft is the control of what the split adds (steps_per_update doubled: each mode draft updates as often
-    # on its mode as the shared draft does on the stream)
-    shared_steps = online_learner(base, replace(learn, steps_per_update=2 * learn.steps_per_update), learn.seed) \
-        if residual else None
-    arms = ARMS + (("shared_steps",) if residual else ())
+    arms = _Arms(base, learn, labels, names, residual, forked=fork_at <= 0)
     router, budget = Router(names, route, featurize), ScoreBudget(route.score_share, route.route_seed + 1)
-    matches = lambda model, i: position_stats(model, [items[i]], [samples[i]], split)[0]["matches"]
     rows, seconds = [], {"route": 0.0, "score": 0.0, "replay": 0.0}
     start = time.perf_counter()
     iterator = progress(range(len(samples)), desc="routed replay", unit="req") if progress else range(len(samples))
     for i in iterator:
         sample, item, domain, rid = samples[i], items[i], domains[i], f"req-{i}"
+        matches = lambda model: position_stats(model, [item], [sample], split)[0]["matches"]
         row = {"i": i, "domain": domain, "positions": len(sample.response_ids)}
-        control = matches(base, i)
+        control = matches(base)
         row.update(_alpha_columns("control", control, k, max_new_tokens))
         if fork_at > 0 and i == fork_at:
-            oracle, routed = per_mode_learners(shared.master, learn, labels, names)
-            residuals = Residuals(shared) if residual else None
+            arms.fork(arms.shared.master)
         t0 = time.perf_counter()
         decision = router.route(sample.prompt_ids)  # before the fork too: the clustering warms up on the prompts
         router.commit(decision)
         seconds["route"] += time.perf_counter() - t0
-        if not routed:  # before the fork: one draft serves every arm, and only it learns
-            got = matches(shared.master, i)
-            for arm in ("shared", "oracle", "routed"):
-                row.update(_alpha_columns(arm, got, k, max_new_tokens, control))
-            _learn(shared, sample, item, got, k, rid, max_new_tokens)
-            if shared_steps is not None:
-                got = matches(shared_steps.master, i)
-                row.update(_alpha_columns("shared_steps", got, k, max_new_tokens, control))
-                _learn(shared_steps, sample, item, got, k, rid, max_new_tokens)
+        got = arms.measure(matches, domain, decision.draft)  # every arm before any learns from the request
+        for arm, m in got.items():
+            row.update(_alpha_columns(arm, m, k, max_new_tokens, control))
+        owned = None
+        if not arms.routed:
             row.update(routed_draft="shared", routed_owner=decision.owner, route_reason=BEFORE_FORK, scored=False)
-        else:  # every arm measured on the request before any learns from it (a residual moves with the shared draft)
-            got = {arm: matches(learner.master, i) for arm, learner in (("shared", shared), ("oracle", oracle[domain]),
-                                                                        ("shared_steps", shared_steps)) if learner is not None}
-            every = {decision.draft: matches(routed[decision.draft].master, i)}
-            got["routed"] = every[decision.draft]
-            for arm, m in got.items():
-                row.update(_alpha_columns(arm, m, k, max_new_tokens, control))
+        else:
+            every = {decision.draft: got["routed"]}
             row.update(routed_draft=decision.draft, routed_owner=decision.owner, route_reason=decision.reason,
                        scored=budget.take())
             if row["scored"]:
                 t0 = time.perf_counter()
-                every.update({n: matches(m.master, i) for n, m in routed.items() if n not in every})
-                rewards = {n: acceptance(m) for n, m in every.items()}
-                router.learn(decision.features, rewards)
+                row["served_best"] = _score(router, decision, every, arms.routed, matches)
                 seconds["score"] += time.perf_counter() - t0
-                row["served_best"] = rewards[decision.draft] >= max(rewards.values())  # before learning from this one
-            owned = every[decision.owner] if decision.owner in every else matches(routed[decision.owner].master, i)
-            _learn(shared, sample, item, got["shared"], k, rid, max_new_tokens)
-            if shared_steps is not None:
-                _learn(shared_steps, sample, item, got["shared_steps"], k, rid, max_new_tokens)
-            if residuals is not None:
-                residuals.sync([*oracle.values(), *routed.values()])
-            _learn(oracle[domain], sample, item, got["oracle"], k, rid, max_new_tokens)
-            _learn(routed[decision.owner], sample, item, owned, k, rid, max_new_tokens)
+            owned = every[decision.owner] if decision.owner in every else matches(arms.routed[decision.owner].master)
+        arms.learn_from(sample, item, got, owned, domain, decision.owner, k, rid, max_new_tokens)
         rows.append(row)
         if on_row:
             on_row(row)
     seconds["replay"] = time.perf_counter() - start
     matched = label_map(rows, "routed_draft")
-    singles = {"shared": shared, "shared_steps": shared_steps} if residual else {"shared": shared}
-    held = _heldout(heldout or {}, base, singles, oracle, routed, router, matched, split)
-    return {"requests": rows, "arms": list(arms), "drafts": names, "labels": labels, "residual": residual,
-            "stream_alpha": stream_alpha(rows, arms), "router": {"label_to_draft": matched, **router_accuracy(rows, matched),
-                                                           "label_to_owner": label_map(rows, "routed_owner"),
-                                                           "owner_accuracy": router_accuracy(
-                                                               rows, label_map(rows, "routed_owner"), "routed_owner")["accuracy"],
-                                                           **router.stats()},
-            "heldout": held, "learners": {**{arm: learner.stats() for arm, learner in singles.items()}, "oracle": {d: l.stats() for d, l in oracle.items()},
-                                          "routed": {n: l.stats() for n, l in routed.items()}},
-            "timings": seconds}
+    held = _heldout(heldout or {}, base, arms.singles(), arms.oracle, arms.routed, router, matched, split)
+    routing = {"label_to_draft": matched, **router_accuracy(rows, matched), "label_to_owner": label_map(rows, "routed_owner"),
+               "owner_accuracy": router_accuracy(rows, label_map(rows, "routed_owner"), "routed_owner")["accuracy"],
+               **router.stats()}
+    names_of_arms = list(ARMS) + (["shared_steps"] if residual else [])
+    return {"requests": rows, "arms": names_of_arms, "drafts": names, "labels": labels, "residual": residual,
+            "stream_alpha": stream_alpha(rows, names_of_arms), "router": routing, "heldout": held,
+            "learners": arms.stats(), "timings": seconds}
 
 
 def label_map(rows: list[dict], key: str = "routed_draft") -> dict[str, str]:
