@@ -80,6 +80,12 @@ def cmd_bench_rows(args) -> None:
     report_rows(run_rows(args.target, args.threads, args.context, args.repeats, backends), args.out, args.markdown)
 
 
+def cmd_bench_evidence(args) -> None:
+    from osd.bench.evidence import report_evidence
+
+    report_evidence(args.results, args.out, args.markdown)
+
+
 def cmd_bench_train_step(args) -> None:
     from tqdm import tqdm
 
@@ -290,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="benchmarks/bench-rows.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
     p.set_defaults(func=cmd_bench_rows)
+    p = bench.add_parser("evidence", help="held-out table of finished fast replays (control, online, equal-step offline "
+                         "drafts, paired z) with the learning targets' verdicts and a bar chart; re-measures nothing")
+    p.add_argument("results", nargs="+", help="result JSON files of `osd replay --fast --heldout N`")
+    p.add_argument("--out", default="benchmarks/evidence.json")
+    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.set_defaults(func=cmd_bench_evidence)
     p = bench.add_parser("train-step", help="seconds per draft distillation step: whole last layer vs rows only")
     p.add_argument("--dataset", default="spider")
     p.add_argument("--split", default="train")

@@ -198,3 +198,38 @@ def test_the_report_header_names_offline_baselines_only_when_the_run_measured_th
     assert "optimizer steps" in baselines_note(result)
     assert baselines_note({**result, "baselines": {}}) == "none in this run (--no-baseline)"
     assert "offline baselines: the online draft's optimizer steps" in (replayed[4] / "BENCH.md").read_text()
+
+
+def test_evidence_reads_a_replays_json_and_pairs_every_number_with_its_source(replayed, tmp_path):
+    """`osd bench evidence` re-measures nothing: its rows are the replay JSON's held-out figures and paired z."""
+    from osd.bench.evidence import report_evidence
+
+    result, tmp = replayed[0], replayed[4]
+    out = report_evidence([str(tmp / "replay.json")], str(tmp_path / "ev.json"), str(tmp_path / "B.md"))
+    rows = {r["dataset"]: r for r in out["rows"]}
+    assert set(rows) == {"a", "b"}
+    for d, row in rows.items():
+        end = result["end_of_stream_alpha_on_heldout"][d]
+        assert row["alpha"] == {arm: end[arm] for arm in ("original", "offline_10pct", "offline_100pct", "online")}
+        assert row["gain"] == end["online"] - end["original"] and row["gap"] == end["online"] - end["offline_100pct"]
+        assert row["z_vs_control"]["online"] == result["heldout_vs_control"][d]["online"]["z"]
+        assert row["online_vs_offline_z"] == result["heldout_online_vs_offline_100pct"][d]["z"]
+        assert row["steps"]["online"] == row["steps"]["offline_100pct"] == result["learner"]["optimizer_steps"]
+    assert out["verdicts"]["streams"] == 0  # a shift (a,b) is not a single-domain stream
+    text = (tmp_path / "B.md").read_text()
+    assert "online - offline 100% (z)" in text and "| replay " in text and (tmp_path / "ev.png").stat().st_size > 1000
+
+
+def test_evidence_verdicts_apply_the_issues_targets():
+    from osd.bench.evidence import Evidence, verdicts
+
+    def row(stream, control, online, offline, z):
+        return Evidence("r", stream, "d", 500, stream, {"original": control, "offline_10pct": None,
+                                                          "offline_100pct": offline, "online": online},
+                        {"offline_10pct": None, "offline_100pct": None, "online": z}, None,
+                        {"online": 8, "offline_100pct": 8 if offline is not None else None})
+
+    rows = [row("code", 0.2, 0.35, 0.355, 9.0), row("gsm8k", 0.5, 0.59, 0.62, 5.0), row("chat", 0.3, 0.28, None, -2.0),
+            row("a,b", 0.1, 0.05, None, -3.0)]
+    v = verdicts(rows)
+    assert v == {"streams": 3, "gain_met": 1, "gap_met": 1, "gap_measured": 2, "worse_than_control": ["r:chat", "r:a,b"]}

@@ -1,0 +1,140 @@
+"""`osd bench evidence`: issue 17's held-out table across finished fast replays, with each target's verdict.
+
+Reads the JSON that `osd replay --fast` wrote (nothing is re-measured): per stream and held-out dataset, the
+never-trained control, the online draft and the offline drafts given the online draft's optimizer steps, each paired
+with the control on the same positions (gained / lost / z), and the online draft against the offline draft that saw
+the whole stream. The verdicts apply the issue's targets as stated; a grouped bar chart shows the same numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+GAIN_OVER_CONTROL = 0.10  # online >= control + 0.10 (on at least three of five single-domain streams)
+GAP_TO_OFFLINE = -0.01  # online >= offline-100% (equal steps) - 0.01
+NEVER_WORSE_Z = -1.64  # online vs control: never significantly below it
+ARMS = ("original", "offline_10pct", "offline_100pct", "online")
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One held-out dataset of one replay."""
+    run: str
+    stream: str
+    draft: str
+    requests: int
+    dataset: str
+    alpha: dict[str, float | None]  # by arm (ARMS); None: the arm was not run
+    z_vs_control: dict[str, float | None]
+    online_vs_offline_z: float | None
+    steps: dict[str, int | None]  # optimizer steps: online, offline_100pct
+
+    @property
+    def gain(self) -> float:
+        return self.alpha["online"] - self.alpha["original"]
+
+    @property
+    def gap(self) -> float | None:
+        offline = self.alpha["offline_100pct"]
+        return None if offline is None else self.alpha["online"] - offline
+
+    @property
+    def equal_steps(self) -> bool | None:
+        return None if self.steps["offline_100pct"] is None else self.steps["online"] == self.steps["offline_100pct"]
+
+
+def evidence_of(result: dict, run: str) -> list[Evidence]:
+    """Every held-out dataset of one fast-replay result (empty when it measured none)."""
+    heldout = result.get("end_of_stream_alpha_on_heldout") or {}
+    paired, versus = result.get("heldout_vs_control") or {}, result.get("heldout_online_vs_offline_100pct") or {}
+    baselines = result.get("baselines") or {}
+    config = result.get("config", {})
+    out = []
+    for dataset, alpha in heldout.items():
+        z = {arm: (paired.get(dataset, {}).get(arm) or {}).get("z") for arm in ARMS if arm != "original"}
+        offline = baselines.get("offline_100pct") or {}
+        out.append(Evidence(run=run, stream=str(config.get("stream", "?")),
+                            draft=str(config.get("models", {}).get("draft", "?")), requests=len(result.get("requests", [])),
+                            dataset=dataset, alpha={arm: alpha.get(arm) for arm in ARMS}, z_vs_control=z,
+                            online_vs_offline_z=(versus.get(dataset) or {}).get("z"),
+                            steps={"online": result.get("learner", {}).get("optimizer_steps"),
+                                   "offline_100pct": offline.get("optimizer_steps")}))
+    return out
+
+
+def verdicts(rows: list[Evidence]) -> dict:
+    """The issue's targets over single-domain streams (one held-out dataset each): how many reach control + 0.10, which
+    are within 0.01 of the equal-step offline draft, and whether any is significantly below the control."""
+    single = [r for r in rows if "," not in r.stream]
+    with_offline = [r for r in single if r.gap is not None]
+    return {"streams": len(single),
+            "gain_met": sum(r.gain >= GAIN_OVER_CONTROL for r in single),
+            "gap_met": sum(r.gap >= GAP_TO_OFFLINE for r in with_offline), "gap_measured": len(with_offline),
+            "worse_than_control": [f"{r.run}:{r.dataset}" for r in rows
+                                   if (r.z_vs_control["online"] or 0.0) <= NEVER_WORSE_Z]}
+
+
+def evidence_table(rows: list[Evidence]) -> str:
+    from osd.bench.report import table
+
+    header = ["run", "draft", "requests", "held-out", "control", "online", "online - control (z)", "offline 10%",
+              "offline 100%", "online - offline 100% (z)", "steps online / offline"]
+    fmt = lambda v, z: "-" if v is None else f"{v:+.3f}" + ("" if z is None else f" ({z:.1f})")
+    body = [[r.run, r.draft.replace("derived:", ""), r.requests, r.dataset, r.alpha["original"], r.alpha["online"],
+             fmt(r.gain, r.z_vs_control["online"]), r.alpha["offline_10pct"], r.alpha["offline_100pct"],
+             fmt(r.gap, r.online_vs_offline_z), f"{r.steps['online']} / {r.steps['offline_100pct'] or '-'}"]
+            for r in rows]
+    return table(body, header)
+
+
+def plot_evidence(rows: list[Evidence], path: str) -> str | None:
+    """Grouped bars per (run, held-out dataset): control, online, offline 100% (equal steps)."""
+    from osd.bench.plots import _pyplot, _save
+
+    plt = _pyplot()
+    if plt is None or not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows)), 4.2))
+    bars = (("original", "control (never trained)"), ("online", "online"),
+            ("offline_100pct", "offline 100% (equal steps)"))
+    width = 0.8 / len(bars)
+    for j, (arm, label) in enumerate(bars):
+        xs = [i + (j - 1) * width for i in range(len(rows))]
+        ax.bar(xs, [r.alpha[arm] or 0.0 for r in rows], width, label=label)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{r.dataset}\n{r.requests} req" + ("\n(shift)" if "," in r.stream else "") for r in rows])
+    ax.set_ylabel("held-out greedy acceptance")
+    ax.set_title("End of stream, requests no draft trained on")
+    ax.legend()
+    return _save(plt, fig, path, dpi=120)
+
+
+def report_evidence(paths: list[str], out: str, markdown: str | None) -> dict:
+    import json
+
+    from osd.bench.record import emit_report, write_result
+    from osd.errors import InvalidArgument
+
+    rows: list[Evidence] = []
+    for p in paths:
+        try:
+            result = json.loads(Path(p).read_text())
+        except (OSError, ValueError) as e:
+            raise InvalidArgument(f"{p}: not a replay result JSON ({e})") from e
+        rows += evidence_of(result, Path(p).stem)
+    if not rows:
+        raise InvalidArgument("none of these results measured held-out requests (osd replay --fast --heldout N)")
+    summary = verdicts(rows)
+    result = {"sources": paths, "rows": [{**vars(r), "gain": r.gain, "gap": r.gap} for r in rows],
+              "verdicts": summary, "targets": {"gain_over_control": GAIN_OVER_CONTROL, "gap_to_offline": GAP_TO_OFFLINE,
+                                               "never_worse_z": NEVER_WORSE_Z}}
+    path = write_result(result, out)
+    plot = plot_evidence(rows, str(path.with_suffix(".png")))
+    caption = (f"single-domain streams reaching control + {GAIN_OVER_CONTROL:.2f}: {summary['gain_met']} of "
+               f"{summary['streams']}; within {-GAP_TO_OFFLINE:.2f} of the equal-step offline-100% draft: "
+               f"{summary['gap_met']} of {summary['gap_measured']}; significantly below the control (z <= "
+               f"{NEVER_WORSE_Z}): {', '.join(summary['worse_than_control']) or 'none'}")
+    emit_report("Learning evidence across streams (`osd bench evidence`)",
+                f"`osd bench evidence {' '.join(paths)}`; numbers read from those JSON files (each names its command, "
+                "machine and revision)", [evidence_table(rows), caption], path, markdown, plot)
+    return result
