@@ -233,3 +233,16 @@ def test_evidence_verdicts_apply_the_issues_targets():
             row("a,b", 0.1, 0.05, None, -3.0)]
     v = verdicts(rows)
     assert v == {"streams": 3, "gain_met": 1, "gap_met": 1, "gap_measured": 2, "worse_than_control": ["r:chat", "r:a,b"]}
+
+
+def test_recovery_is_measured_against_the_offline_drafts_held_out_level_when_the_run_has_one():
+    """In-stream the offline-100% draft is measured on requests it trained on (0.9 here); the online draft only ever on
+    requests it has not seen. With held-out requests the bound is the offline draft on those (0.5)."""
+    rows = [{"online_alpha": o, "original_alpha": 0.1, "offline_100pct_alpha": 0.9, "domain": "x", "positions": 4}
+            for o in (0.1, 0.46, 0.5, 0.9)]
+    result = {"variants": ["original", "offline_100pct", "online"], "requests": rows}
+    assert "(0.900, in-stream, on requests it trained on) after 4 requests online" in recovery_notes(result, window=1)[0]
+    result["end_of_stream_alpha_on_heldout"] = {"x": {"original": 0.1, "offline_100pct": 0.5, "online": 0.48}}
+    assert "(0.500, held-out) after 2 requests online, never for the control" in recovery_notes(result, window=1)[0]
+    table_rows, _ = summary(result, window=1)
+    assert [r[9] for r in table_rows if r[2] in ("online", "control (never trained)")] == ["never", 2]
