@@ -246,3 +246,14 @@ def test_recovery_is_measured_against_the_offline_drafts_held_out_level_when_the
     assert "(0.500, held-out) after 2 requests online, never for the control" in recovery_notes(result, window=1)[0]
     table_rows, _ = summary(result, window=1)
     assert [r[9] for r in table_rows if r[2] in ("online", "control (never trained)")] == ["never", 2]
+
+
+def test_recovery_counts_only_a_return_that_lasts():
+    """A noisy curve that touches the bound once and falls back has not recovered; one that dips after reaching it
+    recovers from its last return."""
+    touch = [{"online_alpha": a} for a in (0.2, 0.9, 0.2, 0.2, 0.2)]
+    assert recovery(touch, 0.9, window=1) is None
+    dip = [{"online_alpha": a} for a in (0.2, 0.9, 0.3, 0.9, 0.95)]
+    assert recovery(dip, 0.9, window=1) == 4
+    assert recovery(dip, 0.9, window=2) == 5  # averages 0.55, 0.6, 0.6, 0.925 from request 2: the last is within
+    assert recovery(dip + [{"online_alpha": 0.5}], 0.9, window=2) is None  # then 0.725: fell back out

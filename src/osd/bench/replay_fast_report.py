@@ -33,10 +33,14 @@ def segments(rows: list[dict]) -> list[tuple[str, list[dict]]]:
 
 
 def recovery(part: list[dict], bound: float, window: int, tolerance: float = 0.05, key: str = "online_alpha") -> int | None:
-    """Requests into a segment until `key`'s moving average is within `tolerance` of `bound` (None: never).
+    """Requests into a segment from which on `key`'s moving average stays within `tolerance` of `bound` to the
+    segment's end (None: never, or it fell back out): a noisy curve touching the bound once is not a recovery.
     Applied to the control too: a figure counts as recovery only where the control's stays out (`recovery_verdict`)."""
     curve = moving_average([r[key] for r in part], window)
-    return next((i + 1 for i, a in enumerate(curve) if i + 1 >= min(window, len(part)) and a >= bound - tolerance), None)
+    reached = None
+    for i, a in enumerate(curve[min(window, len(part)) - 1:], start=min(window, len(part))):
+        reached = (reached or i) if a >= bound - tolerance else None
+    return reached
 
 
 def recovery_verdict(online: int | None, control: int | None) -> str:
@@ -96,7 +100,7 @@ def recovery_notes(result: dict, window: int) -> list[str]:
     for n, (domain, part) in enumerate(segments(result["requests"])):
         bound, basis = recovery_bound(result, domain, part)
         online, control = (recovery(part, bound, window, key=f"{v}_alpha") for v in ("online", CONTROL))
-        notes.append(f"{'after the switch to ' if n else 'first segment '}{domain}: within 0.05 of offline 100% "
+        notes.append(f"{'after the switch to ' if n else 'first segment '}{domain}: within 0.05 of offline 100% for good "
                      f"({bound:.3f}, {basis}) after {_requests(online)} requests online, {_requests(control)} for the control: "
                      f"{recovery_verdict(online, control)}")
     return notes
