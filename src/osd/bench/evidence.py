@@ -38,9 +38,6 @@ class Evidence:
         offline = self.alpha["offline_100pct"]
         return None if offline is None else self.alpha["online"] - offline
 
-    @property
-    def equal_steps(self) -> bool | None:
-        return None if self.steps["offline_100pct"] is None else self.steps["online"] == self.steps["offline_100pct"]
 
 
 def evidence_of(result: dict, run: str) -> list[Evidence]:
@@ -49,16 +46,15 @@ def evidence_of(result: dict, run: str) -> list[Evidence]:
     paired, versus = result.get("heldout_vs_control") or {}, result.get("heldout_online_vs_offline_100pct") or {}
     baselines = result.get("baselines") or {}
     config = result.get("config", {})
+    steps = {"online": result.get("learner", {}).get("optimizer_steps"),
+             "offline_100pct": (baselines.get("offline_100pct") or {}).get("optimizer_steps")}
     out = []
     for dataset, alpha in heldout.items():
         z = {arm: (paired.get(dataset, {}).get(arm) or {}).get("z") for arm in ARMS if arm != "original"}
-        offline = baselines.get("offline_100pct") or {}
         out.append(Evidence(run=run, stream=str(config.get("stream", "?")),
                             draft=str(config.get("models", {}).get("draft", "?")), requests=len(result.get("requests", [])),
                             dataset=dataset, alpha={arm: alpha.get(arm) for arm in ARMS}, z_vs_control=z,
-                            online_vs_offline_z=(versus.get(dataset) or {}).get("z"),
-                            steps={"online": result.get("learner", {}).get("optimizer_steps"),
-                                   "offline_100pct": offline.get("optimizer_steps")}))
+                            online_vs_offline_z=(versus.get(dataset) or {}).get("z"), steps=steps))
     return out
 
 
@@ -89,24 +85,13 @@ def evidence_table(rows: list[Evidence]) -> str:
 
 def plot_evidence(rows: list[Evidence], path: str) -> str | None:
     """Grouped bars per (run, held-out dataset): control, online, offline 100% (equal steps)."""
-    from osd.bench.plots import _pyplot, _save
+    from osd.bench.plots import plot_grouped_bars
 
-    plt = _pyplot()
-    if plt is None or not rows:
-        return None
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows)), 4.2))
-    bars = (("original", "control (never trained)"), ("online", "online"),
-            ("offline_100pct", "offline 100% (equal steps)"))
-    width = 0.8 / len(bars)
-    for j, (arm, label) in enumerate(bars):
-        xs = [i + (j - 1) * width for i in range(len(rows))]
-        ax.bar(xs, [r.alpha[arm] or 0.0 for r in rows], width, label=label)
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"{r.dataset}\n{r.requests} req" + ("\n(shift)" if "," in r.stream else "") for r in rows])
-    ax.set_ylabel("held-out greedy acceptance")
-    ax.set_title("End of stream, requests no draft trained on")
-    ax.legend()
-    return _save(plt, fig, path, dpi=120)
+    groups = [f"{r.dataset}\n{r.requests} req" + ("\n(shift)" if "," in r.stream else "") for r in rows]
+    series = {label: [r.alpha[arm] for r in rows] for arm, label in (
+        ("original", "control (never trained)"), ("online", "online"), ("offline_100pct", "offline 100% (equal steps)"))}
+    return plot_grouped_bars(groups, series, "End of stream, requests no draft trained on",
+                             "held-out greedy acceptance", path)
 
 
 def report_evidence(paths: list[str], out: str, markdown: str | None) -> dict:

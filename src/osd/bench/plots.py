@@ -1,5 +1,5 @@
 """Moving-average alpha curves vs requests (the paper's figures), shared by both replay modes; a resource series
-over time (the soak's server RSS)."""
+over time (the soak's server RSS); grouped bars (the learning evidence across replays)."""
 from __future__ import annotations
 
 
@@ -70,6 +70,26 @@ def plot_alpha_panels(panels: dict[str, dict[str, list[float]]], title: str, yla
     axes[0][0].legend(fontsize=8)
     fig.suptitle(title)
     return _save(plt, fig, path, dpi=110)
+
+
+def plot_grouped_bars(groups: list[str], series: dict[str, list[float | None]], title: str, ylabel: str,
+                      path: str) -> str | None:
+    """One group of bars per label in `groups`, one bar per series (a missing value draws no bar); None without
+    matplotlib or groups."""
+    plt = _pyplot()
+    if plt is None or not groups:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(groups)), 4.2))
+    width = 0.8 / len(series)
+    for j, (label, values) in enumerate(series.items()):
+        offset = (j - (len(series) - 1) / 2) * width
+        ax.bar([i + offset for i in range(len(groups))], [v or 0.0 for v in values], width, label=label)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    return _save(plt, fig, path, dpi=120)
 
 
 def domain_boundaries(rows: list[dict]) -> list[int]:

@@ -36,9 +36,9 @@ def recovery(part: list[dict], bound: float, window: int, tolerance: float = 0.0
     """Requests into a segment from which on `key`'s moving average stays within `tolerance` of `bound` to the
     segment's end (None: never, or it fell back out): a noisy curve touching the bound once is not a recovery.
     Applied to the control too: a figure counts as recovery only where the control's stays out (`recovery_verdict`)."""
-    curve = moving_average([r[key] for r in part], window)
+    curve, first = moving_average([r[key] for r in part], window), min(window, len(part))
     reached = None
-    for i, a in enumerate(curve[min(window, len(part)) - 1:], start=min(window, len(part))):
+    for i, a in enumerate(curve[first - 1:], start=first):
         reached = (reached or i) if a >= bound - tolerance else None
     return reached
 
