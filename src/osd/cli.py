@@ -102,6 +102,14 @@ def cmd_bench_train_step(args) -> None:
 def cmd_replay(args) -> None:
     from tqdm import tqdm
 
+    if args.from_result:  # re-render a finished live replay's report and plots; measures nothing
+        from osd.bench.record import read_result
+        from osd.bench.replay import report_live_comparison
+        from osd.bench.report import report_replay
+
+        result = read_result(args.from_result, needs=("config", "requests", "learner", "metrics_by_draft_version"))
+        report_replay(result, args.from_result, args.markdown, args.window)
+        return report_live_comparison(result, args.from_result, args.markdown, args.window)
     if args.route:
         return cmd_replay_routed(args)
     if args.fast:
@@ -232,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-every", type=int, default=1, metavar="N", help="live: the control, --target-only and "
                    "--llama-cpp-target decode every Nth request only (the online draft serves every one), so that a long "
                    "stream fits in an hour; ratios to them use the online tok/s on the same requests")
+    p.add_argument("--from-result", default="", metavar="JSON", help="live: measure nothing; re-render a finished "
+                   "replay's report, plots and BENCHMARKS.md blocks from its JSON (the recorded command, revision and "
+                   "machine are kept)")
     p.add_argument("--fast", action="store_true", help="greedy fast path from the target-output cache (exact; hundreds of requests)")
     p.add_argument("--route", action="store_true", help="--fast on an interleaved stream: one shared online draft, per-mode "
                    "drafts with the router, per-label drafts (oracle split) and the control, in one run (RouteConfig flags; "

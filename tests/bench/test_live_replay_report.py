@@ -136,3 +136,60 @@ def test_live_replay_with_compare_every_runs_the_other_arms_on_every_nth_request
     assert result["config"]["compare_every"] == 2
     with pytest.raises(InvalidArgument, match="compare_every"):
         run_replay(models, SpeculationConfig(k=3), learn, "code", "test", 5, 6, compare_every=0)
+
+
+def _live_result(rows: list[dict]) -> dict:
+    return {"config": {"spec": {"k": 6}, "learn": {"loss": "forward_kl", "mode": "all", "every_requests": 8, "lr": 2e-4},
+                       "stream": "code"},
+            "requests": rows, "metrics_by_draft_version": {},
+            "learner": {"updates_published": 1, "updates_rejected": 0, "version": 1, "train_seconds": 3.0}}
+
+
+def test_speed_plot_draws_every_arm_on_the_requests_they_all_decoded(tmp_path, monkeypatch):
+    import osd.bench.replay as replay
+
+    rows = _rows(6, 20.0, 40.0)
+    for r in rows[1::2]:  # --compare-every 2: the other arms skipped the odd requests
+        for key in ("static_tokens_per_second", "target_only_tokens_per_second", "llama_cpp_target_tokens_per_second"):
+            del r[key]
+    drawn = {}
+    monkeypatch.setattr(replay, "plot_alpha_curves", lambda curves, boundaries, title, ylabel, path, window, x:
+                        drawn.update(curves=curves, x=x, ylabel=ylabel) or path)
+    assert replay.plot_live_speed(_live_result(rows), str(tmp_path / "s.png")) == str(tmp_path / "s.png")
+    assert drawn["x"] == [0, 2, 4] and drawn["ylabel"] == "tokens/s"
+    assert drawn["curves"] == {"online (osd, learning)": [20.0, 20.0, 40.0], "control (never trained)": [20.0] * 3,
+                               "osd target-only": [25.0] * 3, "llama.cpp target-only": [30.0] * 3}
+    for r in rows:  # no request decoded by the other arms: nothing to compare, no plot
+        r.pop("static_tokens_per_second", None)
+    assert replay.plot_live_speed(_live_result(rows), str(tmp_path / "t.png")) is None
+
+
+def test_from_result_re_renders_the_report_with_the_recorded_command_and_measures_nothing(tmp_path, monkeypatch):
+    import json
+
+    import osd.bench.replay as replay
+    from osd.cli import main
+
+    monkeypatch.setattr(replay, "run_replay", lambda *a, **k: pytest.fail("--from-result must not measure"))
+    result = {**_live_result(_rows(8, 20.0, 40.0)), "command": "osd replay --stream code --per-segment 8",
+              "git_revision": "abc1234", "timestamp": "2026-11-26T06:00:00Z", "machine": {"cpu": "Some CPU"}}
+    source = tmp_path / "live.json"
+    source.write_text(json.dumps(result))
+    markdown = tmp_path / "B.md"
+    assert main(["replay", "--from-result", str(source), "--markdown", str(markdown), "--window", "2"]) == 0
+    text = markdown.read_text()
+    assert "`osd replay --stream code --per-segment 8` (measured at rev abc1234, 2026-11-26T06:00:00Z)" in text
+    assert "machine: Some CPU" in text and "last quarter / first quarter: 2.00x" in text
+    assert json.loads(source.read_text())["git_revision"] == "abc1234"  # the recorded provenance is kept
+    assert "live.speed.png" in text
+
+
+def test_from_result_refuses_a_file_that_is_not_a_live_replay(tmp_path, capsys):
+    from osd.cli import main
+
+    fast = tmp_path / "fast.json"
+    fast.write_text('{"config": {}, "requests": [], "learner": {}}')  # a fast replay has no engine metrics
+    assert main(["replay", "--from-result", str(fast), "--markdown", ""]) == 2
+    assert "not the result this command reads (no metrics_by_draft_version)" in capsys.readouterr().err
+    assert main(["replay", "--from-result", str(tmp_path / "missing.json"), "--markdown", ""]) == 2
+    assert "not a result JSON" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from osd.engine import StepRecord
 from osd.errors import InvalidArgument
 from osd.learn.buffer import item_from_step
 from osd.learn.online import LearnConfig, OnlineLearner
-from osd.learn.rehearsal import Reservoir, mixed_batch
+from osd.learn.rehearsal import Reservoir, history_share, mixed_batch
 
 
 def test_reservoir_keeps_a_uniform_sample_of_everything_offered():
@@ -44,6 +44,24 @@ def test_mixed_batch_draws_its_share_from_older_items():
     assert sum(kind == "old" for kind, _ in mixed_batch(rng, recent, older[:1], 8, 0.5)) == 1  # as many as there are
     assert sum(kind == "old" for kind, _ in mixed_batch(rng, recent[:3], older, 8, 0.25)) == 5  # too few recent: filled
     assert len(mixed_batch(rng, recent, [], 8, 0.5)) == 8
+
+
+def test_history_share_makes_every_item_seen_equally_likely():
+    assert history_share(0, 10, 0.9) == 0.0 and history_share(0, 0, 0.9) == 0.0
+    assert history_share(30, 10, 0.9) == 0.75  # 30 older items, 10 recent: 3 in 4 draws from the older ones
+    assert history_share(990, 10, 0.9) == 0.9  # capped
+    # drawn with that share, an older item (1 of 30, share 0.75) and a recent one (1 of 10, share 0.25) are as likely
+    assert history_share(30, 10, 1.0) / 30 == (1 - history_share(30, 10, 1.0)) / 10
+
+
+def test_stochastic_mixed_batch_meets_a_share_between_multiples_of_one_over_the_batch():
+    """A share of 0.3 with batches of 4: rounding always takes 1 older item (0.25); drawn per slot, 0.3 on average."""
+    recent, older = [("new", i) for i in range(50)], [("old", i) for i in range(50)]
+    rng = random.Random(0)
+    assert {sum(k == "old" for k, _ in mixed_batch(rng, recent, older, 4, 0.3)) for _ in range(50)} == {1}
+    counts = [sum(k == "old" for k, _ in mixed_batch(rng, recent, older, 4, 0.3, stochastic=True)) for _ in range(4000)]
+    assert abs(sum(counts) / (4 * 4000) - 0.3) < 0.015 and len(set(counts)) > 2
+    assert all(len(mixed_batch(rng, recent, older, 4, 0.3, stochastic=True)) == 4 for _ in range(20))
 
 
 def _item(request: int, logits):
@@ -80,3 +98,21 @@ def test_learner_trains_on_evicted_traffic_only_with_rehearsal(share):
 def test_rehearsal_share_is_checked():
     with pytest.raises(InvalidArgument):
         LearnConfig(rehearsal=1.5)
+
+
+def test_uniform_rehearsal_draws_older_traffic_by_its_share_of_all_traffic():
+    """12 requests, the FIFO keeps the last 4, 8 were evicted: with rehearsal_uniform each batch slot is an older
+    item with probability 8 / 12 (not the fixed 0.5), so old and recent requests are drawn equally often per item."""
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    config = LearnConfig(capacity=4, batch_size=4, steps_per_update=300, guard=False, every_requests=0,
+                         rehearsal=0.9, rehearsal_uniform=True, rehearsal_capacity=16, train_layers=0)
+    learner = OnlineLearner(tiny_qwen2(seed=1, layers=1), lambda master, version=None: SimpleNamespace(version=1),
+                            config)
+    batches = []
+    learner._accumulate_gradients = lambda batch: batches.append([it.request_id for it in batch]) or 0.0
+    for r in range(12):
+        learner.observe_item(_item(r, logits))
+    learner.update("test")
+    recent = {f"r{r}" for r in range(8, 12)}
+    old = sum(rid not in recent for b in batches for rid in b) / sum(len(b) for b in batches)
+    assert abs(old - 8 / 12) < 0.04  # fixed rehearsal would give 0.9 x 4 = 3.6 -> 4 of 4 (rounded), i.e. 1.0

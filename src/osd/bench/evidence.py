@@ -95,18 +95,12 @@ def plot_evidence(rows: list[Evidence], path: str) -> str | None:
 
 
 def report_evidence(paths: list[str], out: str, markdown: str | None) -> dict:
-    import json
-
-    from osd.bench.record import emit_report, write_result
+    from osd.bench.record import emit_report, read_result, write_result
     from osd.errors import InvalidArgument
 
     rows: list[Evidence] = []
     for p in paths:
-        try:
-            result = json.loads(Path(p).read_text())
-        except (OSError, ValueError) as e:
-            raise InvalidArgument(f"{p}: not a replay result JSON ({e})") from e
-        rows += evidence_of(result, Path(p).stem)
+        rows += evidence_of(read_result(p), Path(p).stem)
     if not rows:
         raise InvalidArgument("none of these results measured held-out requests (osd replay --fast --heldout N)")
     summary = verdicts(rows)

@@ -36,14 +36,15 @@ def _save(plt, fig, path: str, dpi: int) -> str:
 
 
 def plot_alpha_curves(curves: dict[str, list[float]], boundaries: list[int], title: str, ylabel: str, path: str,
-                      window: int) -> str | None:
-    """One line per curve (moving average), dotted lines at segment boundaries; None without matplotlib."""
+                      window: int, x: list[int] | None = None) -> str | None:
+    """One line per curve (moving average), dotted lines at segment boundaries; None without matplotlib.
+    x: the request index of each value (default 0, 1, ...), for curves measured on some requests only."""
     plt = _pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for label, values in curves.items():
-        ax.plot(moving_average(values, window), label=label)
+        ax.plot(x if x is not None else range(len(values)), moving_average(values, window), label=label)
     for i in boundaries:
         ax.axvline(i, color="grey", linestyle=":")
     ax.set_xlabel("request")

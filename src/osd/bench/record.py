@@ -76,6 +76,21 @@ def write_result(result: dict, out: str | Path) -> Path:
     return out
 
 
+def read_result(path: str | Path, needs: tuple[str, ...] = ()) -> dict:
+    """A result JSON a benchmark command wrote, with the top-level keys `needs`; InvalidArgument names the file and
+    what is wrong with it."""
+    from osd.errors import InvalidArgument
+
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidArgument(f"{path}: not a result JSON ({e})") from e
+    missing = [key for key in needs if not isinstance(result, dict) or key not in result]
+    if missing:
+        raise InvalidArgument(f"{path}: not the result this command reads (no {', '.join(missing)})")
+    return result
+
+
 def append_markdown(section: str, lines: list[str], path: str | Path = "BENCHMARKS.md") -> None:
     """Append a dated block under a section heading of BENCHMARKS.md."""
     path = Path(path)

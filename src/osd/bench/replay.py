@@ -16,7 +16,6 @@ masters on bf16-cached trunk features (replay_fast.TEACHER_FORCED); the live alp
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from osd.bench.baselines import SHARES, draft_copy, offline_trainer, train_equal_steps
@@ -245,12 +244,29 @@ def plot_replay(result: dict, path: str, window: int = 10) -> str | None:
                              path, window)
 
 
+SPEED_ARMS = (("tokens_per_second", "online (osd, learning)"), ("static_tokens_per_second", "control (never trained)"),
+              ("target_only_tokens_per_second", "osd target-only"),
+              ("llama_cpp_target_tokens_per_second", "llama.cpp target-only"))
+
+
+def plot_live_speed(result: dict, path: str, window: int = 5) -> str | None:
+    """Tokens/s against the request index on the requests every arm decoded (--compare-every), one line per arm:
+    the live stream's headline as a curve. None without compared requests (or matplotlib)."""
+    rows = [r for r in result["requests"] if "static_tokens_per_second" in r]
+    if not rows:
+        return None
+    curves = {label: [r.get(key) for r in rows] for key, label in SPEED_ARMS if any(key in r for r in rows)}
+    return plot_alpha_curves(curves, domain_boundaries(result["requests"]),
+                             f"osd replay: {result['config']['stream']}, tokens/s on the {len(rows)} requests every arm "
+                             "decoded", "tokens/s", path, window, x=[r["i"] for r in rows])
+
+
 def report_live_comparison(result: dict, out: str, markdown: str, window: int = 10) -> None:
     """The fair-comparison block of a live replay: every draft against the control on the same positions (per segment,
     recovery side by side, held-out with z) and the figure of the four drafts."""
-    from osd.bench.record import emit_report, redacted_command
+    from osd.bench.record import emit_report
     from osd.bench.replay_fast_report import heldout_rows, plot, recovery_notes, summary
-    from osd.bench.report import table
+    from osd.bench.report import measured_command, table
 
     rows = [r for r in result["requests"] if "original_alpha" in r and "online_alpha" in r]
     if not rows:
@@ -270,5 +286,5 @@ def report_live_comparison(result: dict, out: str, markdown: str, window: int = 
                       for n, b in result.get("baselines", {}).items())
     blocks += [f"online: {result['learner']['optimizer_steps']} optimizer steps, {result['learner'].get('rollbacks', 0)} "
                f"rollbacks, {result['learner'].get('resets', 0)} resets; {steps}", f"Exactness: {TEACHER_FORCED}"]
-    emit_report("Online replay (`osd replay`), drafts against the control", f"`{redacted_command(sys.argv[1:])}`",
+    emit_report("Online replay (`osd replay`), drafts against the control", measured_command(result),
                 blocks, Path(out), markdown, plot=png)

@@ -106,6 +106,10 @@ class _Arms:
         """The one-draft arms by name."""
         return {"shared": self.shared, **({"shared_steps": self.shared_steps} if self.residual else {})}
 
+    def arm_names(self) -> list[str]:
+        """The report's arms: the four of every run, then the one-draft arms only this run has (shared_steps)."""
+        return list(ARMS) + [name for name in self.singles() if name not in ARMS]
+
     def measure(self, matches, domain: str, draft: str) -> dict[str, list]:
         """Each arm's matches on the request, before any arm learns from it; `draft`: the routed draft serving it."""
         shared = matches(self.shared.master)
@@ -212,7 +216,7 @@ def routed_replay(samples: list, domains: list[str], base, learn: LearnConfig, r
     routing = {"label_to_draft": matched, **router_accuracy(rows, matched), "label_to_owner": label_map(rows, "routed_owner"),
                "owner_accuracy": router_accuracy(rows, label_map(rows, "routed_owner"), "routed_owner")["accuracy"],
                **router.stats()}
-    names_of_arms = list(ARMS) + (["shared_steps"] if residual else [])
+    names_of_arms = arms.arm_names()
     return {"requests": rows, "arms": names_of_arms, "drafts": names, "labels": labels, "residual": residual,
             "stream_alpha": stream_alpha(rows, names_of_arms), "router": routing, "heldout": held,
             "learners": arms.stats(), "timings": seconds}

@@ -58,10 +58,11 @@ def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> No
     request only: their columns, and the online column they are divided by, are over those requests."""
     from pathlib import Path
 
-    from osd.bench.replay import plot_replay
+    from osd.bench.replay import plot_live_speed, plot_replay
 
     path = write_result(result, out)
     png = plot_replay(result, str(Path(out).with_suffix(".png")), window)
+    speed_png = plot_live_speed(result, str(Path(out).with_suffix(".speed.png")), max(2, window // 2))
     rows = result["requests"]
     q = max(1, len(rows) // 4)
     mean = lambda key, part: mean_present(r.get(key) for r in part)
@@ -100,12 +101,22 @@ def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> No
         silent["static"] = (sum(r.get("static_alpha") is None for r in compared), len(compared))
     notes += ("; alpha columns average the requests where the draft proposed (k > 0); requests without proposals: "
               + ", ".join(f"{name} {n} of {total}" for name, (n, total) in silent.items()))
+    if speed_png:
+        notes += f"; tokens/s of every arm along the stream: `{speed_png}`"
     cfg = result["config"]
     emit_report("Online replay (`osd replay`)",
-                f"`{redacted_command(sys.argv[1:])}` k={cfg['spec']['k']} loss={cfg['learn']['loss']} "
+                f"{measured_command(result)} k={cfg['spec']['k']} loss={cfg['learn']['loss']} "
                 f"mode={cfg['learn']['mode']} every_requests={cfg['learn']['every_requests']} lr={cfg['learn']['lr']}; "
-                f"machine: {machine()['cpu']}",
+                f"machine: {result.get('machine', machine())['cpu']}",
                 [t, notes], path, markdown, plot=png)
+
+
+def measured_command(result: dict) -> str:
+    """The command that measured `result`: this process's own, or, for a report re-rendered from a finished JSON
+    (`osd replay --from-result`), the recorded one with the revision and time it ran at."""
+    if "command" not in result:
+        return f"`{redacted_command(sys.argv[1:])}`"
+    return f"`{result['command']}` (measured at rev {result.get('git_revision')}, {result.get('timestamp')})"
 
 
 def mean_present(values) -> float | None:

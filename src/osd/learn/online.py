@@ -12,7 +12,8 @@ A rejected update restores the weights and the optimizer's state (its Adam momen
 (learn/restore.py RestorePoint); so does an update that an exception cuts short: the master is never left
 half-updated (it returns to its state when the update began, or when this update last published).
 Rehearsal (rehearsal > 0): a share of each batch comes from a uniform sample of the older traffic the buffer
-evicted (learn/rehearsal.py), so that learning a new domain does not erase an old one. The learner's fixed memory
+evicted (learn/rehearsal.py), so that learning a new domain does not erase an old one; with rehearsal_uniform
+that share is the older traffic's share of all traffic seen, so batches sample the whole history uniformly. The learner's fixed memory
 (Adam moments, the drift guard's weight copies) is taken when it is built (learn/memory.py).
 Averaging (average > 0): the master holds an exponential moving average of the optimizer's weights, which is what
 the guard judges and what is published and checkpointed; the optimizer steps its own trajectory, swapped in for
@@ -47,7 +48,7 @@ from osd.learn.guard import drift_action, is_worse, paired_flips, paired_z
 from osd.learn.idle import IdleWindows
 from osd.learn.losses import LOSSES
 from osd.learn.memory import items_bytes, optimizer_state_bytes, reserve_optimizer_state, tensor_bytes
-from osd.learn.rehearsal import Reservoir, mixed_batch
+from osd.learn.rehearsal import Reservoir, history_share, mixed_batch
 from osd.learn.residual import add_difference
 from osd.learn.restore import RestorePoint
 from osd.learn.trainable import configure_trainable, split_index
@@ -78,6 +79,10 @@ class LearnConfig:
         "learn/rehearsal.py), against forgetting after a shift (cheap draft, gsm8k -> spider -> code: gsm8k held-out "
         "-0.103 below the never-trained draft without it, +0.043 with 0.5; BENCHMARKS.md); 0 = the buffer alone")})
     rehearsal_capacity: int = 256  # items (about one request each) kept in that sample
+    rehearsal_uniform: bool = field(default=False, metadata={"help": (
+        "the older traffic's share of each batch follows its share of all traffic seen, at most --rehearsal: "
+        "batches sample the whole history uniformly, as an offline draft trained on everything so far does "
+        "(learn/rehearsal.py history_share); for a stable domain, slower to follow a shift")})
     max_context: int = 384  # tokens of context kept per item
     trainable: str = "no_embeddings"  # all | no_embeddings | lora (learn/trainable.py)
     train_layers: int = 4  # 0 = all decoder layers train; N = only the top N (the rest frozen, outputs cached)
@@ -256,8 +261,10 @@ class OnlineLearner:
         self.master.train()
         losses = []
         with self.average.training() if self.average is not None else nullcontext():
+            share = cfg.rehearsal if not cfg.rehearsal_uniform or self.reservoir is None else \
+                history_share(self.reservoir.offered, len(train), cfg.rehearsal)
             for _ in range(cfg.steps_per_update):
-                batch = mixed_batch(self.rng, train, older, cfg.batch_size, cfg.rehearsal)
+                batch = mixed_batch(self.rng, train, older, cfg.batch_size, share, stochastic=cfg.rehearsal_uniform)
                 loss = self._accumulate_gradients(batch)
                 if loss is None:
                     self.counters["steps_skipped_nonfinite"] += 1

@@ -59,10 +59,22 @@ class Reservoir:
             self.rng.setstate(state["rng"])
 
 
-def mixed_batch(rng: random.Random, recent: list, older: list, size: int, share: float) -> list:
+def history_share(evicted: int, recent: int, cap: float) -> float:
+    """The older traffic's share of all traffic seen, at most `cap`: drawn with this share (stochastic=True below),
+    a batch is a uniform sample over the whole history (each of the `evicted` older items as likely as each of the
+    `recent` ones), as an offline draft trained on everything seen so far samples it."""
+    total = evicted + recent
+    return min(cap, evicted / total) if total else 0.0
+
+
+def mixed_batch(rng: random.Random, recent: list, older: list, size: int, share: float,
+                stochastic: bool = False) -> list:
     """A training batch of up to `size` items: round(size * share) drawn from `older` (as many as it holds), the
-    rest from `recent`; without replacement within each. share = 0 or no older items: `recent` alone."""
-    n_old = min(len(older), round(size * share))
+    rest from `recent`; without replacement within each. share = 0 or no older items: `recent` alone.
+    stochastic: each slot is older with probability `share` (a binomial count), so that a share between two
+    multiples of 1 / size is met on average rather than rounded."""
+    n_old = sum(rng.random() < share for _ in range(size)) if stochastic else round(size * share)
+    n_old = min(len(older), n_old)
     n_new = min(len(recent), size - n_old)
     if n_new < size - n_old:  # too few recent items: fill from the older ones
         n_old = min(len(older), size - n_new)
