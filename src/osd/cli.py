@@ -22,7 +22,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, skip=()) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if isinstance(default, bool):
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=f.metadata.get("help"))
         elif isinstance(default, list):
             group.add_argument(flag, dest=f.name, action="append", default=None, help=f"(repeatable) default {default}")
         else:

@@ -193,3 +193,26 @@ def test_from_result_refuses_a_file_that_is_not_a_live_replay(tmp_path, capsys):
     assert "not the result this command reads (no metrics_by_draft_version)" in capsys.readouterr().err
     assert main(["replay", "--from-result", str(tmp_path / "missing.json"), "--markdown", ""]) == 2
     assert "not a result JSON" in capsys.readouterr().err
+
+
+def test_ratio_interval_pairs_requests_decoded_by_both_arms():
+    """Online = 1.5x the control on every request, request speeds spread 10-40 tok/s: pairing the same requests
+    gives exactly 1.5; resampling each arm on its own (what unpaired would do) spreads around it."""
+    from osd.bench.report import ratio_interval
+
+    control = [10.0 + 30.0 * (i % 7) / 6 for i in range(21)]
+    online = [1.5 * c for c in control]
+    lo, hi = ratio_interval(online, control, paired=True)
+    assert lo == pytest.approx(1.5) and hi == pytest.approx(1.5)
+    lo, hi = ratio_interval(online, control, paired=False)
+    assert lo < 1.4 and hi > 1.6
+    assert ratio_interval([1.0], [1.0, 2.0], paired=False) is None
+
+
+def test_report_states_each_headline_ratio_with_its_interval(tmp_path):
+    rows = _rows(16, 20.0, 40.0)
+    for r in rows:
+        r["static_tokens_per_second"] = r["tokens_per_second"] / 1.25  # online 1.25x the control on every request
+    text = report_text(rows, tmp_path)
+    assert "online / the control: 1.25x (95% CI 1.25-1.25)" in text
+    assert "last quarter / first quarter: 2.00x (95% CI 2.00-2.00)" in text  # constant within each quarter

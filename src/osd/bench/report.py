@@ -87,12 +87,13 @@ def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> No
               + (["tok/s online (compared requests)", "compared requests"] if sampled else [])
               + ["tok/s static", "tok/s osd target-only", "tok/s llama.cpp target-only"])
     t = table(table_rows, header)
+    intervals = speed_intervals(rows[:q], rows[-q:])
     learner = result["learner"]
     first_version = rows[0]["draft_version"] if rows else None
     notes = (f"updates published {learner['updates_published']}, rejected {learner['updates_rejected']}, "
              f"draft version at the first request {first_version} (> 0: resumed from a checkpoint), "
              f"final draft version {learner['version']}, train seconds {learner['train_seconds']:.0f}")
-    notes += "; " + start_vs_end(quarters["first quarter"], quarters["last quarter"])
+    notes += "; " + start_vs_end(quarters["first quarter"], quarters["last quarter"], intervals)
     if sampled:
         notes += (f"; the other arms decoded {len(compared)} of {len(rows)} requests (--compare-every); each ratio to "
                   "them divides the online tok/s on those same requests")
@@ -126,15 +127,56 @@ def mean_present(values) -> float | None:
     return sum(present) / len(present) if present else None
 
 
-def start_vs_end(first: dict, last: dict) -> str:
+ARM_SPEED_KEYS = {"static": "static_tokens_per_second", "plain": "target_only_tokens_per_second",
+                  "llama": "llama_cpp_target_tokens_per_second"}
+
+
+def ratio_interval(numerators: list[float], denominators: list[float], paired: bool, draws: int = 2000,
+                   seed: int = 0) -> tuple[float, float] | None:
+    """95% bootstrap interval of mean(numerators) / mean(denominators) (pure, seeded): paired resamples request
+    indices once for both (the same requests decoded by two arms), unpaired resamples each list on its own (two
+    parts of the stream). None with fewer than 2 values on a side."""
+    import random
+
+    if min(len(numerators), len(denominators)) < 2:
+        return None
+    rng, ratios = random.Random(seed), []
+    for _ in range(draws):
+        a = [rng.randrange(len(numerators)) for _ in numerators]
+        b = a if paired else [rng.randrange(len(denominators)) for _ in denominators]
+        den = sum(denominators[i] for i in b)
+        if den > 0:
+            ratios.append(sum(numerators[i] for i in a) / len(a) / (den / len(b)))
+    ratios.sort()
+    return (ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios)) - 1]) if ratios else None
+
+
+def speed_intervals(first: list[dict], last: list[dict]) -> dict:
+    """95% intervals of the headline ratios: online last quarter / first quarter (every request of each), and online
+    / each other arm on the last quarter's requests that arm decoded (paired)."""
+    speeds = lambda part, key: [r[key] for r in part if r.get(key)]
+    out = {"quarters": ratio_interval(speeds(last, "tokens_per_second"), speeds(first, "tokens_per_second"), paired=False)}
+    for arm, key in ARM_SPEED_KEYS.items():
+        both = [r for r in last if r.get(key) and r.get("tokens_per_second")]
+        out[arm] = ratio_interval(speeds(both, "tokens_per_second"), speeds(both, key), paired=True)
+    return out
+
+
+def start_vs_end(first: dict, last: dict, intervals: dict | None = None) -> str:
     """The live replay's headline: online tokens/s in the last quarter of the stream over the first, and over each
     other arm in the last quarter, on the requests that arm decoded (dicts as report_replay's `quarters`: online,
-    online_compared, static, plain, llama; None: that arm did not run)."""
-    ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "n/a"
-    parts = [f"online tok/s, last quarter / first quarter: {ratio(last['online'], first['online'])}"]
+    online_compared, static, plain, llama; None: that arm did not run); `intervals` (speed_intervals) adds each
+    ratio's 95% interval."""
+    def ratio(a, b, key):
+        if not (a and b):
+            return "n/a"
+        ci = (intervals or {}).get(key)
+        return f"{a / b:.2f}x" + (f" (95% CI {ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
+
+    parts = [f"online tok/s, last quarter / first quarter: {ratio(last['online'], first['online'], 'quarters')}"]
     for key, name in (("static", "the control"), ("plain", "osd target-only"), ("llama", "llama.cpp target-only")):
         if last.get(key) is not None:
-            parts.append(f"last quarter online / {name}: {ratio(last['online_compared'], last[key])}")
+            parts.append(f"last quarter online / {name}: {ratio(last['online_compared'], last[key], key)}")
     return "; ".join(parts)
 
 
