@@ -10,7 +10,7 @@ from osd.engine import StepRecord
 from osd.errors import InvalidArgument
 from osd.learn.buffer import item_from_step
 from osd.learn.online import LearnConfig, OnlineLearner
-from osd.learn.rehearsal import Reservoir, history_share, mixed_batch
+from osd.learn.rehearsal import Reservoir, Sweeps, history_share, mixed_batch
 
 
 def test_reservoir_keeps_a_uniform_sample_of_everything_offered():
@@ -70,22 +70,29 @@ def _item(request: int, logits):
     return item_from_step(step, "all", top_k=8)
 
 
-@pytest.mark.parametrize("share", [0.0, 0.5])
-def test_learner_trains_on_evicted_traffic_only_with_rehearsal(share):
-    """A FIFO of 4 positions keeps the last 4 requests; with rehearsal the batches also draw from the earlier ones
-    it evicted (half of each batch), without it never."""
+def _batches_after_12_requests(**learn) -> tuple[OnlineLearner, list[list[str]]]:
+    """A learner whose FIFO keeps the last 4 of 12 one-position requests, after one update: the request ids of
+    each batch it trained on (no real step is taken)."""
     logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
-    config = LearnConfig(capacity=4, batch_size=4, steps_per_update=6, guard=False, every_requests=0,
-                         rehearsal=share, rehearsal_capacity=16, train_layers=0)
+    config = LearnConfig(**{"capacity": 4, "batch_size": 4, "guard": False, "every_requests": 0,
+                            "rehearsal_capacity": 16, "train_layers": 0, **learn})
     learner = OnlineLearner(tiny_qwen2(seed=1, layers=1), lambda master, version=None: SimpleNamespace(version=1),
                             config)
     batches = []
     learner._accumulate_gradients = lambda batch: batches.append([it.request_id for it in batch]) or 0.0
     for r in range(12):
         learner.observe_item(_item(r, logits))
+    learner.update("test")
+    return learner, batches
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_learner_trains_on_evicted_traffic_only_with_rehearsal(share):
+    """A FIFO of 4 positions keeps the last 4 requests; with rehearsal the batches also draw from the earlier ones
+    it evicted (half of each batch), without it never."""
+    learner, batches = _batches_after_12_requests(steps_per_update=6, rehearsal=share)
     recent = {f"r{r}" for r in range(8, 12)}
     assert {it.request_id for it in learner.buffer.snapshot()} == recent
-    learner.update("test")
     assert len(batches) == 6
     evicted = [[rid for rid in b if rid not in recent] for b in batches]
     if share:
@@ -103,16 +110,31 @@ def test_rehearsal_share_is_checked():
 def test_uniform_rehearsal_draws_older_traffic_by_its_share_of_all_traffic():
     """12 requests, the FIFO keeps the last 4, 8 were evicted: with rehearsal_uniform each batch slot is an older
     item with probability 8 / 12 (not the fixed 0.5), so old and recent requests are drawn equally often per item."""
-    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
-    config = LearnConfig(capacity=4, batch_size=4, steps_per_update=300, guard=False, every_requests=0,
-                         rehearsal=0.9, rehearsal_uniform=True, rehearsal_capacity=16, train_layers=0)
-    learner = OnlineLearner(tiny_qwen2(seed=1, layers=1), lambda master, version=None: SimpleNamespace(version=1),
-                            config)
-    batches = []
-    learner._accumulate_gradients = lambda batch: batches.append([it.request_id for it in batch]) or 0.0
-    for r in range(12):
-        learner.observe_item(_item(r, logits))
-    learner.update("test")
+    _, batches = _batches_after_12_requests(steps_per_update=300, rehearsal=0.9, rehearsal_uniform=True)
     recent = {f"r{r}" for r in range(8, 12)}
     old = sum(rid not in recent for b in batches for rid in b) / sum(len(b) for b in batches)
     assert abs(old - 8 / 12) < 0.04  # fixed rehearsal would give 0.9 x 4 = 3.6 -> 4 of 4 (rounded), i.e. 1.0
+
+
+def test_sweeps_draw_every_item_once_before_any_twice():
+    """Pool of 8, batches of 3: the first 8 draws are the 8 items (a permutation), as an epoch would be; a batch
+    never repeats an item; an item that leaves the pool is never drawn again, one that joins waits for a new sweep."""
+    sweeps, pool = Sweeps(random.Random(0)), list(range(8))
+    draws = [sweeps.take(pool, 3) for _ in range(8)]
+    flat = [i for batch in draws for i in batch]
+    assert all(len(set(b)) == 3 for b in draws)
+    assert sorted(flat[:8]) == pool and sorted(flat[8:16]) == pool  # two whole sweeps in the first 16 draws
+    sweeps = Sweeps(random.Random(1))
+    first = sweeps.take(pool, 4)
+    pool2 = [i for i in pool if i not in first[:1]] + [99]  # one drawn item left, a new one joined
+    rest = sweeps.take(pool2, 3)
+    assert first[0] not in rest and 99 not in rest and sorted(first + rest) == sorted(set(first + rest))
+
+
+def test_learner_with_sweeps_trains_on_each_recent_item_once_per_sweep():
+    """Four recent requests, batches of 2, no rehearsal: with sweeps, 2 steps cover the 4 once; independent batches
+    repeat an item within those 2 steps (on this seed)."""
+    _, batches = _batches_after_12_requests(steps_per_update=2, rehearsal=0.0, sweep=True, batch_size=2)
+    assert sorted(batches[0] + batches[1]) == sorted(f"r{r}" for r in range(8, 12))
+    _, independent = _batches_after_12_requests(steps_per_update=2, rehearsal=0.0, batch_size=2)
+    assert len(set(independent[0] + independent[1])) < 4

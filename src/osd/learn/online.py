@@ -48,7 +48,7 @@ from osd.learn.guard import drift_action, is_worse, paired_flips, paired_z
 from osd.learn.idle import IdleWindows
 from osd.learn.losses import LOSSES
 from osd.learn.memory import items_bytes, optimizer_state_bytes, reserve_optimizer_state, tensor_bytes
-from osd.learn.rehearsal import Reservoir, history_share, mixed_batch
+from osd.learn.rehearsal import Reservoir, Sweeps, history_share, mixed_batch
 from osd.learn.residual import add_difference
 from osd.learn.restore import RestorePoint
 from osd.learn.trainable import configure_trainable, split_index
@@ -84,6 +84,10 @@ class LearnConfig:
         "batches sample the whole history uniformly, as an offline draft trained on everything so far does "
         "(learn/rehearsal.py history_share); slower to follow a shift. Measured on a 600-request code stream: "
         "held-out alpha 0.565 against 0.576 with the fixed share (BENCHMARKS.md), so it is off by default")})
+    sweep: bool = field(default=False, metadata={"help": (
+        "draw each batch's recent and older items in shuffled sweeps (every item once before any twice, as offline "
+        "epochs do; learn/rehearsal.py Sweeps) instead of independently per step; a resumed --fast replay starts "
+        "new sweeps")})
     max_context: int = 384  # tokens of context kept per item
     trainable: str = "no_embeddings"  # all | no_embeddings | lora (learn/trainable.py)
     train_layers: int = 4  # 0 = all decoder layers train; N = only the top N (the rest frozen, outputs cached)
@@ -159,6 +163,7 @@ class OnlineLearner:
         # the drift guard's base / best versions and the requests ever trained on (None: no drift guard)
         self.versions = VersionStore(self.params) if self.config.guard and self.config.drift_guard else None
         self.rng = random.Random(self.config.seed)
+        self.sweeps = (Sweeps(self.rng), Sweeps(self.rng)) if self.config.sweep else None  # recent, older
         self.version = 0
         self.counters = {"requests": 0, "requests_since_update": 0, "updates_published": 0, "updates_rejected": 0,
                          "update_errors": 0,  # exceptions inside updates (not guard rejections)
@@ -265,7 +270,8 @@ class OnlineLearner:
             share = cfg.rehearsal if not cfg.rehearsal_uniform or self.reservoir is None else \
                 history_share(self.reservoir.offered, len(train), cfg.rehearsal)
             for _ in range(cfg.steps_per_update):
-                batch = mixed_batch(self.rng, train, older, cfg.batch_size, share, stochastic=cfg.rehearsal_uniform)
+                batch = mixed_batch(self.rng, train, older, cfg.batch_size, share, stochastic=cfg.rehearsal_uniform,
+                                    sweeps=self.sweeps)
                 loss = self._accumulate_gradients(batch)
                 if loss is None:
                     self.counters["steps_skipped_nonfinite"] += 1

@@ -59,6 +59,33 @@ class Reservoir:
             self.rng.setstate(state["rng"])
 
 
+class Sweeps:
+    """Draws from a changing pool in shuffled sweeps: every item once before any twice (random reshuffling, as the
+    epochs of offline training do), where independent batches let an item return in the very next step."""
+
+    def __init__(self, rng: random.Random):
+        self.rng, self._queue = rng, []
+
+    def take(self, pool: list, n: int) -> list:
+        """min(n, len(pool)) distinct items: the rest of the current sweep first (items that left the pool are
+        dropped), then a new shuffled sweep of the pool as it is now (items that joined it wait for that)."""
+        present = {id(item) for item in pool}
+        self._queue = [item for item in self._queue if id(item) in present]
+        out, chosen, again = [], set(), []
+        while len(out) < min(n, len(pool)):
+            if not self._queue:
+                self._queue = list(pool)
+                self.rng.shuffle(self._queue)
+            item = self._queue.pop()
+            if id(item) in chosen:  # already in this batch from the sweep before: it stays for this sweep
+                again.append(item)
+                continue
+            out.append(item)
+            chosen.add(id(item))
+        self._queue.extend(again)
+        return out
+
+
 def history_share(evicted: int, recent: int, cap: float) -> float:
     """The older traffic's share of all traffic seen, at most `cap`: drawn with this share (stochastic=True below),
     a batch is a uniform sample over the whole history (each of the `evicted` older items as likely as each of the
@@ -68,14 +95,17 @@ def history_share(evicted: int, recent: int, cap: float) -> float:
 
 
 def mixed_batch(rng: random.Random, recent: list, older: list, size: int, share: float,
-                stochastic: bool = False) -> list:
+                stochastic: bool = False, sweeps: tuple[Sweeps, Sweeps] | None = None) -> list:
     """A training batch of up to `size` items: round(size * share) drawn from `older` (as many as it holds), the
     rest from `recent`; without replacement within each. share = 0 or no older items: `recent` alone.
     stochastic: each slot is older with probability `share` (a binomial count), so that a share between two
-    multiples of 1 / size is met on average rather than rounded."""
+    multiples of 1 / size is met on average rather than rounded. sweeps: (recent's, older's) draw each part in
+    shuffled sweeps (Sweeps) instead of independently per batch."""
     n_old = sum(rng.random() < share for _ in range(size)) if stochastic else round(size * share)
     n_old = min(len(older), n_old)
     n_new = min(len(recent), size - n_old)
     if n_new < size - n_old:  # too few recent items: fill from the older ones
         n_old = min(len(older), size - n_new)
+    if sweeps is not None:
+        return sweeps[0].take(recent, n_new) + sweeps[1].take(older, n_old)
     return rng.sample(recent, n_new) + rng.sample(older, n_old)
