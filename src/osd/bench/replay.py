@@ -244,9 +244,8 @@ def plot_replay(result: dict, path: str, window: int = 10) -> str | None:
                              path, window)
 
 
-SPEED_ARMS = (("tokens_per_second", "online (osd, learning)"), ("static_tokens_per_second", "control (never trained)"),
-              ("target_only_tokens_per_second", "osd target-only"),
-              ("llama_cpp_target_tokens_per_second", "llama.cpp target-only"))
+SPEED_LABELS = {"online": "online (osd, learning)", "static": "control (never trained)", "plain": "osd target-only",
+                "llama": "llama.cpp target-only"}  # the arms of report.ARM_SPEED_KEYS, and the online draft
 
 
 def plot_live_speed(result: dict, path: str, window: int = 5) -> str | None:
@@ -255,10 +254,13 @@ def plot_live_speed(result: dict, path: str, window: int = 5) -> str | None:
     rows = [r for r in result["requests"] if "static_tokens_per_second" in r]
     if not rows:
         return None
-    curves = {label: [r.get(key) for r in rows] for key, label in SPEED_ARMS if any(key in r for r in rows)}
-    return plot_alpha_curves(curves, domain_boundaries(result["requests"]),
-                             f"osd replay: {result['config']['stream']}, tokens/s on the {len(rows)} requests every arm "
-                             "decoded", "tokens/s", path, window, x=[r["i"] for r in rows])
+    from osd.bench.report import ARM_SPEED_KEYS
+
+    keys = {"online": "tokens_per_second", **ARM_SPEED_KEYS}
+    curves = {SPEED_LABELS[arm]: [r.get(key) for r in rows] for arm, key in keys.items() if any(key in r for r in rows)}
+    title = f"osd replay: {result['config']['stream']}, tokens/s on the {len(rows)} requests every arm decoded"
+    return plot_alpha_curves(curves, domain_boundaries(result["requests"]), title, "tokens/s", path, window,
+                             x=[r["i"] for r in rows])
 
 
 def report_live_comparison(result: dict, out: str, markdown: str, window: int = 10) -> None:

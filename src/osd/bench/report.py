@@ -155,7 +155,8 @@ def speed_intervals(first: list[dict], last: list[dict]) -> dict:
     """95% intervals of the headline ratios: online last quarter / first quarter (every request of each), and online
     / each other arm on the last quarter's requests that arm decoded (paired)."""
     speeds = lambda part, key: [r[key] for r in part if r.get(key)]
-    out = {"quarters": ratio_interval(speeds(last, "tokens_per_second"), speeds(first, "tokens_per_second"), paired=False)}
+    out = {"quarters": ratio_interval(speeds(last, "tokens_per_second"), speeds(first, "tokens_per_second"),
+                                      paired=False)}
     for arm, key in ARM_SPEED_KEYS.items():
         both = [r for r in last if r.get(key) and r.get("tokens_per_second")]
         out[arm] = ratio_interval(speeds(both, "tokens_per_second"), speeds(both, key), paired=True)

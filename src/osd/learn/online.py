@@ -13,8 +13,9 @@ A rejected update restores the weights and the optimizer's state (its Adam momen
 half-updated (it returns to its state when the update began, or when this update last published).
 Rehearsal (rehearsal > 0): a share of each batch comes from a uniform sample of the older traffic the buffer
 evicted (learn/rehearsal.py), so that learning a new domain does not erase an old one; with rehearsal_uniform
-that share is the older traffic's share of all traffic seen, so batches sample the whole history uniformly. The learner's fixed memory
-(Adam moments, the drift guard's weight copies) is taken when it is built (learn/memory.py).
+that share is the older traffic's share of all traffic seen, so batches sample the whole history uniformly.
+The learner's fixed memory (Adam moments, the drift guard's weight copies) is taken when it is built
+(learn/memory.py).
 Averaging (average > 0): the master holds an exponential moving average of the optimizer's weights, which is what
 the guard judges and what is published and checkpointed; the optimizer steps its own trajectory, swapped in for
 the steps only (learn/average.py).
