@@ -152,7 +152,8 @@ def cmd_replay_fast(args) -> None:
                                  not args.no_baseline, args.baseline_epochs, args.baseline_lr, args.overlap,
                                  batch_size_generate=args.batch_size_generate, cache_dir=args.cache_dir, progress=tqdm,
                                  heldout=args.heldout, heldout_split=args.heldout_split, on_row=on_row,
-                                 state_path=state_path, save_every=args.save_every)
+                                 state_path=state_path, save_every=args.save_every,
+                                 baseline_arrival=args.baseline_arrival)
     rows_path.write_text("".join(json.dumps(r) + "\n" for r in result["requests"]))  # now with the baselines' columns
     report_fast_replay(result, args.out, args.markdown, args.window)
     state_path.unlink(missing_ok=True)  # finished: the result JSON holds everything
@@ -250,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "name@lang streams one language: multilingual_qa@de)")
     p.add_argument("--baseline-epochs", type=int, default=0, help="> 0: also the epochs recipe on 100%% of the stream "
                    "(its own, labelled draft; not equal steps)")
+    p.add_argument("--baseline-arrival", action="store_true", help="--fast: also an equal-step offline draft on 100%% of "
+                   "the stream whose step t draws only from the requests that had arrived by then (what the online "
+                   "setting costs, apart from the online learner's recipe)")
     p.add_argument("--baseline-lr", type=float, default=1e-5, help="learning rate of the epochs recipe (the equal-step "
                    "baselines use --lr)")
     p.add_argument("--overlap", type=float, default=0.0, help="--fast: 0 = sharp switches; > 0 = gradual drift over this many segments")

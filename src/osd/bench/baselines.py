@@ -6,12 +6,17 @@
   size, loss and weight averaging (`train_equal_steps`). The online learner's count is every optimizer step it
   took, including those of updates the guard rejected or rolled back, so the offline drafts get at least the
   online draft's effective training: a comparison that favours them.
+- offline_arrival (optional, labelled): all of the stream with the same steps, but step t draws only from the
+  requests that had arrived by then (`arrival_batches`), as the online learner must. It separates what the online
+  setting costs (data arrives over time) from what the online learner's own recipe costs (buffer, guard, batches).
 - offline_100pct_epochs (optional, labelled): the older recipe, whole epochs at its own learning rate;
   its step count differs from the online draft's.
 """
 from __future__ import annotations
 
 import copy
+import math
+import random
 import time
 from contextlib import nullcontext
 
@@ -23,6 +28,7 @@ from osd.learn.trainable import split_index
 
 SHARES = (("offline_10pct", 0.1), ("offline_100pct", 1.0))
 EPOCHS_RECIPE = "offline_100pct_epochs"
+ARRIVAL = "offline_arrival"
 
 
 def frozen_trunk_copy(model, split: int, share_embeddings: bool = True):
@@ -51,17 +57,35 @@ def offline_trainer(base, learn, seed: int = 0, epochs: int = 1, lr: float | Non
         return DistillTrainer(draft_copy(base, learn), cfg)
 
 
-def train_equal_steps(trainer: DistillTrainer, items: list, steps: int, progress=None, average: float = 0.0) -> dict:
-    """Exactly `steps` optimizer steps over shuffled epochs of `items` (the last epoch partial). A step whose loss
-    or gradients are not finite is skipped and not counted; after 2 * steps + 10 skipped ones it gives up.
+def arrival_batches(n_items: int, steps: int, batch_size: int, seed: int = 0) -> list[list[int]]:
+    """Step t's batch (indices into the stream) drawn uniformly without replacement from the requests that had
+    arrived by step t, the first ceil(n_items * (t + 1) / steps): the online learner's steps are spread evenly over
+    the stream the same way. The last step may draw the last request; no step draws one that had not arrived."""
+    rng = random.Random(seed)
+    out = []
+    for t in range(steps):
+        arrived = max(1, math.ceil(n_items * (t + 1) / steps))
+        out.append(rng.sample(range(arrived), min(batch_size, arrived)))
+    return out
+
+
+def train_equal_steps(trainer: DistillTrainer, items: list, steps: int, progress=None, average: float = 0.0,
+                      arrival: bool = False) -> dict:
+    """Exactly `steps` optimizer steps over shuffled epochs of `items` (the last epoch partial), or, arrival=True,
+    over `arrival_batches` (each step only from the requests that had arrived). A step whose loss or gradients are
+    not finite is skipped and not counted; after 2 * steps + 10 skipped ones it gives up.
     average > 0: the draft ends with the average of the steps' weights, as the online learner's does (its
     --average; learn/average.py), so the recipes differ only in the data each step sees."""
     start, taken, skipped, losses, epoch = time.perf_counter(), 0, 0, [], 0
-    bar = progress(total=steps, desc="offline (equal steps)") if progress and steps else None
+    bar = progress(total=steps, desc="offline in arrival order" if arrival else "offline (equal steps)") \
+        if progress and steps else None
     averaged = WeightAverage(trainer.params, average) if average else None
+    # arrival: step t's batch, drawn again when the step is skipped (non-finite)
+    arrived = arrival_batches(len(items), steps, trainer.config.batch_size, trainer.config.shuffle_seed) if arrival else []
     with averaged.training() if averaged is not None else nullcontext():
         while taken < steps and skipped <= 2 * steps + 10 and items:
-            for batch in trainer.batches(items, epoch):
+            batches = [[items[i] for i in arrived[min(taken, steps - 1)]]] if arrival else trainer.batches(items, epoch)
+            for batch in batches:
                 if taken == steps or skipped > 2 * steps + 10:
                     break
                 loss = trainer.train_step(batch)
@@ -74,13 +98,13 @@ def train_equal_steps(trainer: DistillTrainer, items: list, steps: int, progress
                     averaged.step()
                 if bar is not None:
                     bar.update(1)
-            epoch += 1
+            epoch += 0 if arrival else 1
     if bar is not None:
         bar.close()
     trainer.draft.eval()
     return {"optimizer_steps": taken, "adam_steps": adam_steps(trainer.optimizer), "skipped_nonfinite": skipped,
             "epochs": epoch, "items": len(items), "mean_loss": sum(losses) / len(losses) if losses else None,
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start, **({"order": "arrival"} if arrival else {})}
 
 
 def adam_steps(optimizer) -> int:

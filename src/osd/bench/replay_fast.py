@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from osd.bench.baselines import (EPOCHS_RECIPE, SHARES, draft_copy, frozen_trunk_copy, load_trainable_weights,  # noqa: F401
+from osd.bench.baselines import (ARRIVAL, EPOCHS_RECIPE, SHARES, draft_copy, frozen_trunk_copy, load_trainable_weights,  # noqa: F401
                                  offline_trainer, train_equal_steps, trainable_weights)
 from osd.bench.replay_state import fingerprint, learner_state, load_state, restore_learner, save_state
 from osd.config import ModelConfig
@@ -112,7 +112,7 @@ def run_fast_replay(models: ModelConfig, learn: LearnConfig, stream: str, split:
                     settings: DecodeSettings, k: int = 4, baselines: bool = True, baseline_epochs: int = 0,
                     baseline_lr: float = 1e-5, overlap: float = 0.0, probe: int = 20, batch_size_generate: int = 16,
                     cache_dir=None, progress=None, heldout: int = 0, heldout_split: str = "test", on_row=None,
-                    state_path=None, save_every: int = 25) -> dict:
+                    state_path=None, save_every: int = 25, baseline_arrival: bool = False) -> dict:
     """heldout > 0: at the end, every draft is also measured on that many requests of each dataset that none
     trained on (`heldout_split`; past the streamed ones when it is the stream's own split).
     on_row(row): called with each request's row (control and online columns) as soon as it is measured; the
@@ -135,11 +135,12 @@ def run_fast_replay(models: ModelConfig, learn: LearnConfig, stream: str, split:
         cursor[j] += 1
     base = load_model(models.draft, models.draft_dtype)
     result = fast_replay(samples, domains, base, learn, k, baselines, baseline_epochs, baseline_lr, probe,
-                         settings.max_new_tokens, progress, unseen, on_row, state_path, save_every)
+                         settings.max_new_tokens, progress, unseen, on_row, state_path, save_every, baseline_arrival)
     return {"config": {"models": asdict(models), "learn": asdict(learn), "teacher": asdict(settings), "stream": stream,
                        "split": split, "per_segment": per_segment, "k": k, "overlap": overlap, "heldout": heldout,
                        "heldout_split": heldout_split, "baseline_steps": "equal to the online draft's optimizer steps",
-                       "baseline_epochs": baseline_epochs, "baseline_lr": baseline_lr, "mode": "fast (greedy)",
+                       "baseline_epochs": baseline_epochs, "baseline_lr": baseline_lr,
+                       "baseline_arrival": baseline_arrival, "mode": "fast (greedy)",
                        "exactness": EXACTNESS},
             **result}
 
@@ -147,11 +148,12 @@ def run_fast_replay(models: ModelConfig, learn: LearnConfig, stream: str, split:
 def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: int = 4, baselines: bool = True,
                 baseline_epochs: int = 0, baseline_lr: float = 1e-5, probe: int = 20, max_new_tokens: int | None = None,
                 progress=None, heldout: dict[str, list] | None = None, on_row=None, state_path=None,
-                save_every: int = 25) -> dict:
+                save_every: int = 25, baseline_arrival: bool = False) -> dict:
     """The replay itself over target samples in stream order; `base` is the original draft (left unchanged).
 
     heldout: domain -> target samples no draft trains on, measured once at the end of the stream.
-    baseline_epochs > 0 adds the epochs recipe (at baseline_lr) as its own, labelled draft."""
+    baseline_epochs > 0 adds the epochs recipe (at baseline_lr) as its own, labelled draft; baseline_arrival adds
+    the equal-step draft trained in arrival order (bench/baselines.py)."""
     items = [sample_item(s) for s in samples]  # frozen-trunk features are cached on these
     split = split_index(base, learn.train_layers)
     # the stream's settings only: a run resumed with other baseline settings keeps its rows and online learner, and
@@ -188,7 +190,7 @@ def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: 
     variants = {"original": base}
     if baselines:
         variants.update(_baselines(base, learn, items, learner.counters["optimizer_steps"], baseline_epochs, baseline_lr,
-                                   state, save, progress))
+                                   state, save, progress, baseline_arrival))
         _add_baseline_columns(rows, variants, samples, items, k, split, max_new_tokens)
     variants["online"] = learner.master
     for name in set(state["baselines"]) - set(variants):  # a baseline of an earlier run on this state, not this one's
@@ -198,12 +200,14 @@ def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: 
     end_of_stream = {d: {name: _mean_alpha(m, [items[j] for j in idx], [samples[j] for j in idx], split)
                          for name, m in variants.items()}  # is an earlier domain forgotten?
                      for d, idx in segment_probes(domains, probe).items()}
-    on_heldout, vs_control, online_vs_100 = _heldout(variants, unseen, split)
+    on_heldout, vs_control, online_vs = _heldout(variants, unseen, split)
     trained = {n: r for n, r in (state.get("baselines_report") or {}).items() if n in variants}  # this run's recipes
     return {"requests": rows, "variants": list(variants), "end_of_stream_alpha_on_segment_probes": end_of_stream,
             "end_of_stream_alpha_on_heldout": on_heldout, "heldout_vs_control": vs_control,
             "heldout_after_each_segment": forgetting,
-            "heldout_online_vs_offline_100pct": online_vs_100, "baselines": trained,
+            "heldout_online_vs_offline_100pct": online_vs["offline_100pct"],
+            **({"heldout_online_vs_offline_arrival": online_vs[ARRIVAL]} if ARRIVAL in variants else {}),
+            "baselines": trained,
             "learner": learner.stats(), "updates": learner.history,
             "timings": {**timings, **{f"{n}_train_seconds": r["seconds"] for n, r in trained.items()}}}
 
@@ -241,17 +245,19 @@ def _alpha_columns(name: str, matches: list[bool], k: int, max_new_tokens, contr
     return out
 
 
-def _baselines(base, learn, items, steps, epochs, epochs_lr, state, save, progress) -> dict:
+def _baselines(base, learn, items, steps, epochs, epochs_lr, state, save, progress, arrival: bool = False) -> dict:
     """offline_10pct / offline_100pct with `steps` optimizer steps (and the epochs recipe when epochs > 0); each one
     saved in the state once trained with its recipe, so a resumed run does not train it again unless its recipe
     (steps, or epochs and learning rate) changed."""
     report, trained = state.setdefault("baselines_report", {}), state.setdefault("baseline_recipes", {})
     drafts = {}
-    recipes = [(name, share, None) for name, share in SHARES] + ([(EPOCHS_RECIPE, 1.0, epochs)] if epochs else [])
+    recipes = [(name, share, None) for name, share in SHARES] + ([(EPOCHS_RECIPE, 1.0, epochs)] if epochs else []) \
+        + ([(ARRIVAL, 1.0, None)] if arrival else [])
     for j, (name, share, n_epochs) in enumerate(recipes):
         trainer = offline_trainer(base, learn, seed=learn.seed + j, epochs=n_epochs or 1,
                                   lr=epochs_lr if n_epochs else None)
         recipe = {"epochs": n_epochs, "lr": epochs_lr} if n_epochs else {"steps": steps}
+        recipe.update({"order": "arrival"} if name == ARRIVAL else {})
         if name in state["baselines"] and trained.get(name) == recipe:
             load_trainable_weights(trainer, state["baselines"][name])
         else:
@@ -262,8 +268,8 @@ def _baselines(base, learn, items, steps, epochs, epochs_lr, state, save, progre
                 report[name] = {"optimizer_steps": len(losses), "epochs": n_epochs, "lr": epochs_lr, "items": len(part),
                                 "seconds": time.perf_counter() - start, "recipe": f"{n_epochs} epochs (not equal steps)"}
             else:
-                report[name] = {**train_equal_steps(trainer, part, steps, progress, learn.average), "lr": learn.lr,
-                                "recipe": "equal steps"}
+                report[name] = {**train_equal_steps(trainer, part, steps, progress, learn.average, name == ARRIVAL),
+                                "lr": learn.lr, "recipe": "equal steps" + (", arrival order" if name == ARRIVAL else "")}
             state["baselines"][name], trained[name] = trainable_weights(trainer), recipe
             save()
         drafts[name] = trainer.draft
@@ -308,16 +314,17 @@ def _heldout_point(i, domains, online, unseen, control, split) -> dict:
 
 
 def _heldout(variants: dict, unseen: dict[str, tuple[list, list]], split: int) -> tuple[dict, dict, dict]:
-    """Alpha of every draft on each domain's held-out requests, each paired with the control on the same positions."""
-    alphas, vs_control, online_vs_100 = {}, {}, {}
+    """Alpha of every draft on each domain's held-out requests, each paired with the control on the same positions;
+    and the online draft paired with each full-stream offline draft (name -> domain -> paired difference)."""
+    alphas, vs_control, online_vs = {}, {}, {"offline_100pct": {}, ARRIVAL: {}}
     for domain, (items, samples) in unseen.items():
         matches = {name: _matches(model, items, samples, split) for name, model in variants.items()}
         alphas[domain] = {name: sum(m) / max(1, len(m)) for name, m in matches.items()}
         vs_control[domain] = {name: paired_difference(matches["original"], m) for name, m in matches.items()
                               if name != "original"}
-        if "offline_100pct" in matches:
-            online_vs_100[domain] = paired_difference(matches["offline_100pct"], matches["online"])
-    return alphas, vs_control, online_vs_100
+        for name in set(online_vs) & set(matches):
+            online_vs[name][domain] = paired_difference(matches[name], matches["online"])
+    return alphas, vs_control, online_vs
 
 
 def paired_difference(base: list[bool], other: list[bool]) -> dict:

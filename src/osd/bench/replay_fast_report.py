@@ -12,7 +12,8 @@ from osd.bench.report import table
 
 CONTROL = "original"
 LABELS = {"original": "control (never trained)", "online": "online", "offline_10pct": "offline 10% (equal steps)",
-          "offline_100pct": "offline 100% (equal steps)", "offline_100pct_epochs": "offline 100% (epochs recipe)"}
+          "offline_100pct": "offline 100% (equal steps)", "offline_100pct_epochs": "offline 100% (epochs recipe)",
+          "offline_arrival": "offline 100%, arrival order (equal steps)"}
 
 
 def label(variant: str) -> str:
@@ -142,7 +143,8 @@ FORGETTING_HEADER = ["after request", "last domain", "held-out requests of", "co
 def plot(result: dict, path: str, window: int) -> str | None:
     """The paper's figure: moving-average alpha vs requests, online, control, offline 10% and 100%."""
     rows, cfg = result["requests"], result["config"]
-    order = [v for v in (CONTROL, "offline_10pct", "offline_100pct", "offline_100pct_epochs", "online") if v in result["variants"]]
+    order = [v for v in (CONTROL, "offline_10pct", "offline_100pct", "offline_100pct_epochs", "offline_arrival", "online")
+             if v in result["variants"]]
     curves = {label(v): [r[f"{v}_alpha"] for r in rows] for v in order}
     boundaries = domain_boundaries(rows) if cfg["overlap"] == 0 else []
     return plot_alpha_curves(curves, boundaries, f"osd replay --fast: {cfg['stream']} (k={cfg['k']})", "greedy alpha",
@@ -199,7 +201,8 @@ def _notes(result: dict) -> str:
     for name, b in (result.get("baselines") or {}).items():
         notes += f"; {label(name)}: {b['optimizer_steps']} optimizer steps on {b['items']} requests ({b['recipe']})"
     notes += "; " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
-    for domain, d in (result.get("heldout_online_vs_offline_100pct") or {}).items():
-        notes += (f"; held-out {domain}, online vs offline_100pct on the same positions: {d['gained']} gained, "
-                  f"{d['lost']} lost, z = {d['z']:.2f}")
+    for name in ("offline_100pct", "offline_arrival"):
+        for domain, d in (result.get(f"heldout_online_vs_{name}") or {}).items():
+            notes += (f"; held-out {domain}, online vs {name} on the same positions: {d['gained']} gained, "
+                      f"{d['lost']} lost, z = {d['z']:.2f}")
     return notes
