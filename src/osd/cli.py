@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from osd.bench import revision
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.errors import OsdError
 
@@ -384,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    revision.at_start()  # what a benchmark records: the code it started with
     try:
         args.func(args)
     except OsdError as e:

@@ -4,21 +4,13 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-
-def git_revision() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5).stdout.strip()
-        return rev + ("-dirty" if dirty else "") if rev else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+from osd.bench.revision import git_revision  # noqa: F401  (results record it)
 
 
 def cpu_flags() -> str:
