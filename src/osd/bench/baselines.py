@@ -80,11 +80,13 @@ def train_equal_steps(trainer: DistillTrainer, items: list, steps: int, progress
     bar = progress(total=steps, desc="offline in arrival order" if arrival else "offline (equal steps)") \
         if progress and steps else None
     averaged = WeightAverage(trainer.params, average) if average else None
-    # arrival: step t's batch, drawn again when the step is skipped (non-finite)
     arrived = arrival_batches(len(items), steps, trainer.config.batch_size, trainer.config.shuffle_seed) if arrival else []
     with averaged.training() if averaged is not None else nullcontext():
         while taken < steps and skipped <= 2 * steps + 10 and items:
-            batches = [[items[i] for i in arrived[min(taken, steps - 1)]]] if arrival else trainer.batches(items, epoch)
+            if arrival:  # step `taken`'s batch, drawn again when that step is skipped (non-finite)
+                batches = [[items[i] for i in arrived[taken]]]
+            else:
+                batches, epoch = trainer.batches(items, epoch), epoch + 1
             for batch in batches:
                 if taken == steps or skipped > 2 * steps + 10:
                     break
@@ -98,7 +100,6 @@ def train_equal_steps(trainer: DistillTrainer, items: list, steps: int, progress
                     averaged.step()
                 if bar is not None:
                     bar.update(1)
-            epoch += 0 if arrival else 1
     if bar is not None:
         bar.close()
     trainer.draft.eval()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from osd.bench.revision import git_revision  # noqa: F401  (results record it)
+from osd.bench.revision import git_revision
 
 
 def cpu_flags() -> str:
