@@ -157,7 +157,8 @@ def cmd_replay_fast(args) -> None:
                                  baseline_arrival=args.baseline_arrival)
     rows_path.write_text("".join(json.dumps(r) + "\n" for r in result["requests"]))  # now with the baselines' columns
     report_fast_replay(result, args.out, args.markdown, args.window)
-    state_path.unlink(missing_ok=True)  # finished: the result JSON holds everything
+    if not args.keep_state:
+        state_path.unlink(missing_ok=True)  # finished: the result JSON holds everything
 
 
 def cmd_replay_routed(args) -> None:
@@ -265,7 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout-split", default="test", help="split of the held-out requests (the stream's own split: "
                    "the ones after the streamed requests)")
     p.add_argument("--state", default="", help="--fast: resumable state file (default <out>.state.pt); a rerun of a "
-                   "cut run continues from it; removed when the run finishes")
+                   "cut run continues from it; removed when the run finishes unless --keep-state")
+    p.add_argument("--keep-state", action="store_true", help="--fast: keep the state file after the run finishes, so "
+                   "the same command with another baseline option (--baseline-arrival, --baseline-epochs) trains only "
+                   "that draft instead of replaying the stream again")
     p.add_argument("--save-every", type=int, default=25, help="--fast: save the state every this many requests")
     p.add_argument("--fresh", action="store_true", help="--fast: discard a saved state and start over")
     p.add_argument("--window", type=int, default=10, help="moving-average window of the plot")

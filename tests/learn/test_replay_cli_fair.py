@@ -81,3 +81,25 @@ def test_fast_replay_cli_resumes_a_cut_run_and_removes_its_state(workspace, monk
     rows = [json.loads(line) for line in (root / "cut.rows.jsonl").read_text().splitlines()]
     assert rows == resumed["requests"] and not (root / "cut.state.pt").exists()
     assert "offline 100% (equal steps)" in (root / "F.md").read_text()
+
+
+def test_a_kept_state_adds_a_baseline_without_replaying_the_stream(workspace, monkeypatch):
+    root = workspace
+    fast = ["replay", "--fast", *models(root), "--split", "train", "--per-segment", "16", "--top-k", "8",
+            "--cache-dir", str(root / "cache"), "--markdown", str(root / "K.md"), "--out", str(root / "kept.json")]
+    assert main([*fast, "--keep-state"]) == 0
+    first = json.loads((root / "kept.json").read_text())
+    assert (root / "kept.state.pt").exists()  # kept: a later run can add a draft to it
+
+    import osd.bench.replay_fast as replay_fast
+
+    def no_replay(*args):
+        raise AssertionError("the stream was replayed instead of read from the kept state")
+
+    monkeypatch.setattr(replay_fast, "_online_row", no_replay)
+    assert main([*fast, "--baseline-arrival"]) == 0  # the stream's rows and learner come from the state
+    added = json.loads((root / "kept.json").read_text())
+    assert "offline_arrival" in added["variants"] and "offline_arrival" not in first["variants"]
+    assert [r["online_alpha"] for r in added["requests"]] == [r["online_alpha"] for r in first["requests"]]
+    assert added["baselines"]["offline_arrival"]["optimizer_steps"] == first["learner"]["optimizer_steps"]
+    assert not (root / "kept.state.pt").exists()  # without --keep-state this run removes it
