@@ -202,7 +202,7 @@ def test_the_report_header_names_offline_baselines_only_when_the_run_measured_th
 
 def test_evidence_reads_a_replays_json_and_pairs_every_number_with_its_source(replayed, tmp_path):
     """`osd bench evidence` re-measures nothing: its rows are the replay JSON's held-out figures and paired z."""
-    from osd.bench.evidence import report_evidence
+    from osd.bench.evidence import ARMS, report_evidence
 
     result, tmp = replayed[0], replayed[4]
     out = report_evidence([str(tmp / "replay.json")], str(tmp_path / "ev.json"), str(tmp_path / "B.md"))
@@ -210,7 +210,7 @@ def test_evidence_reads_a_replays_json_and_pairs_every_number_with_its_source(re
     assert set(rows) == {"a", "b"}
     for d, row in rows.items():
         end = result["end_of_stream_alpha_on_heldout"][d]
-        assert row["alpha"] == {arm: end[arm] for arm in ("original", "offline_10pct", "offline_100pct", "online")}
+        assert row["alpha"] == {arm: end.get(arm) for arm in ARMS} and row["alpha"]["offline_arrival"] is None
         assert row["gain"] == end["online"] - end["original"] and row["gap"] == end["online"] - end["offline_100pct"]
         assert row["z_vs_control"]["online"] == result["heldout_vs_control"][d]["online"]["z"]
         assert row["online_vs_offline_z"] == result["heldout_online_vs_offline_100pct"][d]["z"]
@@ -218,6 +218,7 @@ def test_evidence_reads_a_replays_json_and_pairs_every_number_with_its_source(re
     assert out["verdicts"]["streams"] == 0  # a shift (a,b) is not a single-domain stream
     text = (tmp_path / "B.md").read_text()
     assert "online - offline 100% (z)" in text and "| replay " in text and (tmp_path / "ev.png").stat().st_size > 1000
+    assert row["online_vs_arrival_z"] is None and out["verdicts"]["arrival_measured"] == 0  # no --baseline-arrival
 
 
 def test_evidence_verdicts_apply_the_issues_targets():
@@ -232,7 +233,34 @@ def test_evidence_verdicts_apply_the_issues_targets():
     rows = [row("code", 0.2, 0.35, 0.355, 9.0), row("gsm8k", 0.5, 0.59, 0.62, 5.0), row("chat", 0.3, 0.28, None, -2.0),
             row("a,b", 0.1, 0.05, None, -3.0)]
     v = verdicts(rows)
-    assert v == {"streams": 3, "gain_met": 1, "gap_met": 1, "gap_measured": 2, "worse_than_control": ["r:chat", "r:a,b"]}
+    assert v == {"streams": 3, "gain_met": 1, "gap_met": 1, "gap_measured": 2, "arrival_not_below": 0,
+                 "arrival_measured": 0, "worse_than_control": ["r:chat", "r:a,b"]}
+
+
+def test_evidence_pairs_the_online_draft_with_the_arrival_order_draft_when_the_replay_trained_it(tmp_path):
+    from osd.bench.evidence import evidence_of, evidence_table, verdicts
+
+    def result(arrival, z):
+        alpha = {"original": 0.24, "offline_10pct": 0.44, "offline_100pct": 0.61, "online": 0.58,
+                 **({"offline_arrival": arrival} if arrival is not None else {})}
+        pair = {"gained": 1, "lost": 1, "z": -1.0}
+        return {"config": {"stream": "code", "models": {"draft": "d"}}, "requests": [{}] * 4,
+                "learner": {"optimizer_steps": 8}, "baselines": {"offline_100pct": {"optimizer_steps": 8}},
+                "end_of_stream_alpha_on_heldout": {"code": alpha},
+                "heldout_vs_control": {"code": {arm: pair for arm in alpha if arm != "original"}},
+                "heldout_online_vs_offline_100pct": {"code": {"z": -4.0}},
+                **({"heldout_online_vs_offline_arrival": {"code": {"z": z}}} if arrival is not None else {})}
+
+    above, = evidence_of(result(0.56, 1.9), "above")
+    below, = evidence_of(result(0.62, -2.5), "below")
+    plain, = evidence_of(result(None, None), "plain")
+    assert above.alpha["offline_arrival"] == 0.56 and above.online_vs_arrival_z == 1.9
+    assert round(above.gap_to_arrival, 6) == 0.02 and round(below.gap_to_arrival, 6) == -0.04
+    assert plain.gap_to_arrival is None and plain.online_vs_arrival_z is None
+    v = verdicts([above, below, plain])
+    assert (v["arrival_not_below"], v["arrival_measured"], v["gap_measured"]) == (1, 2, 3)
+    table = evidence_table([above, plain])
+    assert "online - offline arrival (z)" in table and "+0.020 (1.9)" in table
 
 
 def test_recovery_is_measured_against_the_offline_drafts_held_out_level_when_the_run_has_one():
