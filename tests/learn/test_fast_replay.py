@@ -182,7 +182,7 @@ def test_recovery_is_applied_to_the_control_too():
     result = {"variants": ["original", "offline_100pct", "online"],
               "requests": [{**r, "domain": "x", "offline_100pct_alpha": 0.9} for r in rows]}
     (note,) = recovery_notes(result, window=1)
-    assert "after 3 requests online, 4 for the control" in note
+    assert "online after 3 requests, the control after 4 requests" in note
 
 
 def test_paired_difference_counts_gained_and_lost_positions():
@@ -269,9 +269,9 @@ def test_recovery_is_measured_against_the_offline_drafts_held_out_level_when_the
     rows = [{"online_alpha": o, "original_alpha": 0.1, "offline_100pct_alpha": 0.9, "domain": "x", "positions": 4}
             for o in (0.1, 0.46, 0.5, 0.9)]
     result = {"variants": ["original", "offline_100pct", "online"], "requests": rows}
-    assert "(0.900, in-stream, on requests it trained on) after 4 requests online" in recovery_notes(result, window=1)[0]
+    assert "(0.900, in-stream, on requests it trained on): online after 4 requests" in recovery_notes(result, window=1)[0]
     result["end_of_stream_alpha_on_heldout"] = {"x": {"original": 0.1, "offline_100pct": 0.5, "online": 0.48}}
-    assert "(0.500, held-out) after 2 requests online, never for the control" in recovery_notes(result, window=1)[0]
+    assert "(0.500, held-out): online after 2 requests, the control never" in recovery_notes(result, window=1)[0]
     table_rows, _ = summary(result, window=1)
     assert [r[9] for r in table_rows if r[2] in ("online", "control (never trained)")] == ["never", 2]
 

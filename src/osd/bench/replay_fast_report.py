@@ -102,9 +102,13 @@ def recovery_notes(result: dict, window: int) -> list[str]:
         bound, basis = recovery_bound(result, domain, part)
         online, control = (recovery(part, bound, window, key=f"{v}_alpha") for v in ("online", CONTROL))
         notes.append(f"{'after the switch to ' if n else 'first segment '}{domain}: within 0.05 of offline 100% for good "
-                     f"({bound:.3f}, {basis}) after {_requests(online)} requests online, {_requests(control)} for the control: "
+                     f"({bound:.3f}, {basis}): online {_after(online)}, the control {_after(control)}: "
                      f"{recovery_verdict(online, control)}")
     return notes
+
+
+def _after(n: int | None) -> str:
+    return "never" if n is None else f"after {n} requests"
 
 
 def _requests(n: int | None) -> int | str:
