@@ -177,7 +177,8 @@ def test_recovery_is_applied_to_the_control_too():
     rows = [{"online_alpha": o, "original_alpha": c} for o, c in ((0.1, 0.1), (0.5, 0.1), (0.9, 0.2), (0.9, 0.88))]
     assert recovery(rows, 0.9, window=1) == 3 and recovery(rows, 0.9, window=1, key="original_alpha") == 4
     assert recovery_verdict(3, None) == "learning closed a gap the control leaves open"
-    assert recovery_verdict(3, 4) == "online 1 requests before the control"
+    assert recovery_verdict(3, 4) == "online 1 request before the control"
+    assert recovery_verdict(3, 9) == "online 6 requests before the control"
     assert recovery_verdict(5, 2).startswith("no gap to close") and recovery_verdict(None, 2).startswith("online never")
     result = {"variants": ["original", "offline_100pct", "online"],
               "requests": [{**r, "domain": "x", "offline_100pct_alpha": 0.9} for r in rows]}

@@ -52,7 +52,7 @@ def recovery_verdict(online: int | None, control: int | None) -> str:
     if control is not None and control <= online:
         return f"no gap to close: the control is within reach after {control} requests too"
     return ("learning closed a gap the control leaves open" if control is None
-            else f"online {control - online} requests before the control")
+            else f"online {control - online} request{'s' if control - online != 1 else ''} before the control")
 
 
 def recovery_bound(result: dict, domain: str, part: list[dict]) -> tuple[float, str]:
