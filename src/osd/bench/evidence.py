@@ -38,13 +38,16 @@ class Evidence:
 
     @property
     def gap(self) -> float | None:
-        offline = self.alpha["offline_100pct"]
-        return None if offline is None else self.alpha["online"] - offline
+        return self._online_minus("offline_100pct")
 
     @property
     def gap_to_arrival(self) -> float | None:
-        arrival = self.alpha.get("offline_arrival")
-        return None if arrival is None else self.alpha["online"] - arrival
+        return self._online_minus("offline_arrival")
+
+    def _online_minus(self, arm: str) -> float | None:
+        """Online alpha minus an offline arm's; None where the replay did not train that arm."""
+        other = self.alpha.get(arm)
+        return None if other is None else self.alpha["online"] - other
 
 
 def evidence_of(result: dict, run: str) -> list[Evidence]:
@@ -92,7 +95,7 @@ def evidence_table(rows: list[Evidence]) -> str:
     fmt = lambda v, z: "-" if v is None else f"{v:+.3f}" + ("" if z is None else f" ({z:.1f})")
     body = [[r.run, r.draft.replace("derived:", ""), r.requests, r.dataset, r.alpha["original"], r.alpha["online"],
              fmt(r.gain, r.z_vs_control["online"]), r.alpha["offline_10pct"], r.alpha["offline_100pct"],
-             fmt(r.gap, r.online_vs_offline_z), "-" if r.alpha.get("offline_arrival") is None else r.alpha["offline_arrival"],
+             fmt(r.gap, r.online_vs_offline_z), r.alpha.get("offline_arrival"),
              fmt(r.gap_to_arrival, r.online_vs_arrival_z), f"{r.steps['online']} / {r.steps['offline_100pct'] or '-'}"]
             for r in rows]
     return table(body, header)
