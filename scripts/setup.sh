@@ -37,7 +37,13 @@ if ! "$VENV/bin/python" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version_
   $PIP install --no-deps "$WHEELS"/llama_cpp_python-$LLAMA_CPP_VERSION-*.whl
   $PIP install "diskcache>=5.6.1" "jinja2>=2.11.3" "typing-extensions>=4.5.0"  # its own dependencies
 fi
-# Build osd's CPU kernels once (cached by torch; a no-op afterwards). Without them osd's torch path stops with
-# KernelUnavailable unless --allow-kernel-fallback (torch's kernels: slower, not row-invariant).
-HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "from osd.models import kernels; kernels.load()" \
-  || echo "setup: osd's compiled kernels did not build (error above); install g++ and ninja, then run this again" >&2
+# Build osd's CPU kernels once (cached by torch; a no-op afterwards): the rows_linear kernels, the Q4 target kernel and
+# its glue. They carry the greedy-identity evidence, so on a CPU with AVX2 (every machine this project runs on) a
+# failed build fails setup, with the compiler's reason; scripts/test.sh then requires them (OSD_REQUIRE_KERNELS=1:
+# kernel tests fail instead of skipping). Elsewhere osd runs on torch's kernels (--allow-kernel-fallback) or llama.cpp.
+if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
+  HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "from osd.models import kernels, q4_runner; kernels.load(); q4_runner.glue()" \
+    || { echo "setup: osd's compiled kernels did not build (error above): install g++ and ninja, then run this again" >&2; exit 1; }
+else
+  echo "setup: this CPU has no AVX2: osd's compiled kernels are not built (torch fallback / llama.cpp only)" >&2
+fi

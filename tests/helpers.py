@@ -5,11 +5,11 @@ from osd.engine import SpeculativeEngine
 from osd.propose import DraftModelProposer
 
 
-def make_engine(target, draft, tokenizer, k=4, adaptive=False, name="draft", vocab_ids=None):
+def make_engine(target, draft, tokenizer, k=4, adaptive=False, name="draft", vocab_ids=None, max_batch=1):
     registry = DraftRegistry()
     registry.publish(name, draft, vocab_ids)
     proposer = DraftModelProposer(registry, name, target.config.vocab_size)
-    return SpeculativeEngine(target, tokenizer, proposer, SpeculationConfig(k=k, adaptive=adaptive)), registry
+    return SpeculativeEngine(target, tokenizer, proposer, SpeculationConfig(k=k, adaptive=adaptive, max_batch=max_batch)), registry
 
 
 def plain_greedy(model, prompt, n, eos=None):

@@ -5,6 +5,7 @@ The first run converts the GGUFs once (a few minutes); later runs load the cache
 import copy
 
 import pytest
+from conftest import require_module
 import torch
 
 from osd.build import build_system
@@ -129,7 +130,7 @@ def _gguf_draft_speculation_equals_target_only(target, tokenizer, k: int):
 def test_bundled_gguf_target_on_llama_cpp_speculative_equals_target_only():
     """The quantized path: the bundled Q4_K_M target on llama.cpp, the bundled 0.5B GGUF drafting on llama.cpp,
     fixed k (adaptive k would pick k = 0 on a loaded machine): output identical to osd's target-only output."""
-    pytest.importorskip("llama_cpp")
+    require_module("llama_cpp")
     from osd.models.llama_cpp_runner import LlamaCppRunner
     from osd.models.loading import gguf_file
 
@@ -143,7 +144,7 @@ def test_bundled_gguf_target_on_osds_own_q4_kernel_speculative_equals_target_onl
     """osd's own Q4_K kernel (models/q4_runner.py) serving the bundled Q4_K_M target, the bundled 0.5B GGUF drafting
     on llama.cpp at k = 8 (9 rows per verification, the most the backend allows): output identical to its
     target-only output; the text agrees with llama.cpp's greedy output at least at the start."""
-    pytest.importorskip("llama_cpp")
+    require_module("llama_cpp")
     from osd.engine import SpeculativeEngine
     from osd.models.llama_cpp_runner import LlamaCppRunner
     from osd.models.loading import gguf_file

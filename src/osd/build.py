@@ -1,6 +1,7 @@
 """Assemble a running system from configs: target, tokenizer, draft registry, engine."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +66,31 @@ def target_backend(models: ModelConfig, target_model=None) -> str:
         return "torch"
     from osd.models.q4_runner import serves
 
-    return "osd" if serves(models.target) else "llama.cpp"
+    if serves(models.target):
+        return "osd"
+    say(f"target backend: llama.cpp, not osd's Q4 kernel ({why_not_q4(models.target)}). It decodes ~1.35x slower here "
+        "and verifies several rows at nearly the cost of as many tokens, so speculation gains little "
+        "(--target-backend llama.cpp silences this)")
+    return "llama.cpp"
+
+
+def why_not_q4(spec: str) -> str:
+    """One line: why osd's Q4 kernel does not serve this GGUF here."""
+    from osd.models import q4
+
+    if not q4.available():
+        return f"the kernel cannot be built on this machine: {(q4.build_error() or 'unknown').splitlines()[0][:160]}"
+    return "the file is not a Qwen2 GGUF of Q4_K/Q6_K matrices"
+
+
+def say(line: str) -> None:
+    """A startup line on stderr (once per process): a choice osd made that changes speed or behaviour."""
+    if line not in _said:
+        _said.add(line)
+        print(f"[osd] {line}", file=sys.stderr, flush=True)
+
+
+_said: set[str] = set()
 
 
 def check_target_quantize(models: ModelConfig, target_model=None) -> None:
@@ -148,6 +173,9 @@ def speculative_engine(system: System, target, spec: SpeculationConfig, draft: s
     if spec.lookup and spec.k > 0:
         proposer = LookupThenDraft(NgramProposer(vocab_size), proposer)
     engine = SpeculativeEngine(target, system.tokenizer, proposer, spec)
+    if engine.k_max < spec.k and proposer is not None:
+        say(f"k capped at {engine.k_max} (asked {spec.k}): the {type(engine.target).__name__} backend verifies at most "
+            f"{engine.k_max + 1} rows bitwise as one row (greedy identity); longer proposals would change outputs")
     if isinstance(proposer, LookupThenDraft):  # the lookup learns continuations from every finished request
         engine.request_observers.append(lambda r: proposer.observe_request(r.prompt_ids + r.token_ids))
     return engine

@@ -49,6 +49,8 @@ class SpeculationConfig:
     alpha_upper_z: float = 1.0  # k = 0 within this many standard errors of paying: keep probing, no back-off
     cost_refresh_every: int = 16  # every N-th speculating step re-times a neighbour of the best k (0 = never)
     lookup: bool = False  # propose by n-gram lookup in this request and earlier traffic first (propose/ngram.py)
+    max_batch: int = 1  # sequences decoded together, one target pass per step (schedule/scheduler.py; `osd serve`: 8)
+    prefill_rows: int = 64  # prompt rows fed per step beside decoding sequences (chunked prefill; at least 16)
 
     def __post_init__(self):
         if self.k is None or self.k < 0:
@@ -63,6 +65,10 @@ class SpeculationConfig:
             raise InvalidArgument(f"cost_refresh_every must be >= 0, got {self.cost_refresh_every}")
         if not (0.0 <= self.alpha_upper_z <= 5.0):
             raise InvalidArgument(f"alpha_upper_z must be in [0, 5], got {self.alpha_upper_z}")
+        if self.max_batch is None or not 1 <= self.max_batch <= 256:
+            raise InvalidArgument(f"max_batch must be in [1, 256], got {self.max_batch}")
+        if self.prefill_rows is None or not 1 <= self.prefill_rows <= 4096:
+            raise InvalidArgument(f"prefill_rows must be in [1, 4096], got {self.prefill_rows}")
 
 
 TARGET_BACKENDS = ("auto", "torch", "llama.cpp", "osd")  # osd: models/q4_runner.py (own Q4_K/Q6_K kernel)

@@ -52,6 +52,36 @@ def load_records(name: str, split: str | None = None, limit: int | None = None, 
     return out
 
 
+def spider_schema(db_id: str) -> str | None:
+    """The CREATE TABLE statements of a Spider database (spider_tables.json beside the datasets), or None."""
+    path = datasets_dir() / "spider_tables.json"
+    if not path.exists():
+        return None
+    if "spider" not in _schemas:
+        _schemas["spider"] = {t["db_id"]: t for t in json.loads(path.read_text(encoding="utf-8"))}
+    table = _schemas["spider"].get(db_id)
+    if table is None:
+        return None
+    columns = {i: [] for i in range(len(table["table_names_original"]))}
+    for (owner, name), kind in zip(table["column_names_original"], table["column_types"]):
+        if owner >= 0:
+            columns[owner].append(f"{name} {kind}")
+    return "\n".join(f"CREATE TABLE {t} ({', '.join(columns[i])});" for i, t in enumerate(table["table_names_original"]))
+
+
+_schemas: dict = {}
+
+
+def with_context(record: dict) -> str:
+    """A record's prompt with the context it needs to be answerable: a Spider question gets its database's schema
+    and the ask for one SQLite query (the dataset's `prompt` is the question alone); other prompts as they are."""
+    db_id = (record.get("meta") or {}).get("db_id")
+    schema = spider_schema(db_id) if record.get("source") == "spider" and db_id else None
+    if schema is None:
+        return record["prompt"]
+    return f"Given this SQLite schema:\n{schema}\n\nWrite one SQL query that answers: {record['prompt']}"
+
+
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a chat (list of {role, content}) through the tokenizer's chat template."""
     if not messages or any(not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages):

@@ -22,3 +22,18 @@ def test_each_domain_sums_its_own_prompts_and_leaves_the_prompt_time_out():
     assert got["code"]["llama_cpp_target"] == pytest.approx(1.0)
     assert got["code"]["osd_q4"] == pytest.approx((96 / 4.0) / (96 / 6.0))  # summed over the domain's prompts: 1.5
     assert got["chat"]["osd_q4"] == pytest.approx(0.5)
+
+
+def test_spider_prompts_carry_their_schema_and_others_stay_as_they_are():
+    from osd.bench.speed import bench_prompts
+
+    spider = bench_prompts(2, domains=("spider",))
+    for record in spider:
+        assert record["prompt"].startswith("Given this SQLite schema:\nCREATE TABLE ")
+        assert record["prompt"].endswith(record["prompt"].split("answers: ", 1)[1])
+    first = spider[0]["prompt"]
+    assert "CREATE TABLE singer (" in first and "How many singers do we have?" in first
+    code = bench_prompts(1, domains=("code",))[0]
+    from osd.data import load_records
+
+    assert code["prompt"] == load_records("code", split="test", limit=1)[0]["prompt"]

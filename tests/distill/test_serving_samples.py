@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import require_module, skip_or_fail
 import torch
 
-pytest.importorskip("llama_cpp")  # the tiny GGUF is quantized by llama.cpp
+require_module("llama_cpp")  # the tiny GGUF is quantized by llama.cpp
 
 import osd.build  # noqa: E402
 import osd.models.loading  # noqa: E402
@@ -29,7 +30,7 @@ N = 12  # max new tokens
 
 def _q4_runner(path):
     if not q4.available():
-        pytest.skip("Q4 kernel unavailable on this machine")
+        skip_or_fail("Q4 kernel unavailable on this machine")
     from osd.models.q4_runner import Q4Runner
 
     return Q4Runner(path, n_ctx=256)

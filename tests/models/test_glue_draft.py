@@ -3,6 +3,7 @@ the same greedy proposals, row invariance, a cache that grows, and a clear 'does
 from __future__ import annotations
 
 import pytest
+from conftest import skip_or_fail
 import torch
 
 from osd.config import SamplingConfig
@@ -24,7 +25,7 @@ def _glue():
 
         return glue()
     except Exception as e:  # noqa: BLE001
-        pytest.skip(f"the glue kernels cannot be built here: {e}")
+        skip_or_fail(f"the glue kernels cannot be built here: {e}")
 
 
 def _serving(seed: int = 3, tied: bool = False, hidden: int = 64, **kw):

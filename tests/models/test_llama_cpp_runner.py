@@ -7,9 +7,10 @@ from __future__ import annotations
 import sys
 
 import pytest
+from conftest import require_module
 import torch
 
-pytest.importorskip("llama_cpp")
+require_module("llama_cpp")
 
 from osd.config import SamplingConfig, SpeculationConfig  # noqa: E402
 from osd.engine import SpeculativeEngine  # noqa: E402

@@ -1,6 +1,7 @@
 """Fast linears (models/prepack.py, models/kernels.py) equal torch's linear up to float rounding
 (their row invariance: test_kernel_invariance.py)."""
 import pytest
+from conftest import skip_or_fail
 import torch
 from conftest import tiny_qwen2
 
@@ -14,7 +15,7 @@ def compiled(getter):
     try:
         return getter()
     except KernelUnavailable as e:
-        pytest.skip(f"the compiled kernels cannot be built here: {e}")
+        skip_or_fail(f"the compiled kernels cannot be built here: {e}")
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -7,9 +7,10 @@ changed logit or answer.
 from __future__ import annotations
 
 import pytest
+from conftest import require_module, require_q4
 import torch
 
-pytest.importorskip("llama_cpp")  # the tiny GGUF is quantized by llama.cpp, as the real files were
+require_module("llama_cpp")  # the tiny GGUF is quantized by llama.cpp, as the real files were
 
 from osd.distill.cache import DecodeSettings, TargetCache  # noqa: E402
 from osd.distill.target_outputs import serving_samples  # noqa: E402
@@ -19,7 +20,7 @@ from osd.models.q4_batch import Q4Batch, greedy_alone, greedy_many  # noqa: E402
 from osd.models.q4_runner import Q4Runner  # noqa: E402
 from tests.models.tiny_gguf import EOS, PROMPT, tiny  # noqa: E402,F401  (tiny: a fixture)
 
-pytestmark = pytest.mark.skipif(not q4.available(), reason="Q4 kernel unavailable on this machine")
+require_q4()
 
 PROMPTS = [PROMPT, PROMPT[:7], PROMPT[3:] + [33, 10], [10], PROMPT[::-1], PROMPT[5:12] * 3]
 MAX_TOKENS = [12, 5, 20, 9, 15, 7]

@@ -5,13 +5,14 @@ quantize_row_q8_K_ref written out in torch below. Both CPU paths (AVX2, AVX-512 
 """
 import numpy as np
 import pytest
+from conftest import require_q4
 import torch
 from gguf import GGMLQuantizationType, dequantize
 
 from osd.errors import InvalidArgument
 from osd.models import q4
 
-pytestmark = pytest.mark.skipif(not q4.available(), reason="Q4 kernel unavailable on this machine")
+require_q4()
 
 ISAS = ["avx2"] + (["avx512_vnni"] if q4.available() and q4.has_vnni() else [])
 

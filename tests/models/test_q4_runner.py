@@ -7,10 +7,11 @@ for each glue function.
 from __future__ import annotations
 
 import pytest
+from conftest import require_module, require_q4
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("llama_cpp")  # the tiny GGUF is quantized by llama.cpp, as the real files were
+require_module("llama_cpp")  # the tiny GGUF is quantized by llama.cpp, as the real files were
 
 from osd.build import DEFAULT_DRAFT, System, build_target, speculative_engine  # noqa: E402
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig  # noqa: E402
@@ -25,7 +26,7 @@ from tests.models.tiny_gguf import (EOS, PROMPT, VOCAB, ByteTokenizer, ROW_TOKEN
                                     logits_one_at_a_time, speculative_runs, target_only, tiny, tiny_torch_model,
                                     write_tiny_gguf)  # (tiny: a fixture)
 
-pytestmark = pytest.mark.skipif(not q4.available(), reason="Q4 kernel unavailable on this machine")
+require_q4()
 
 @pytest.fixture(scope="module")
 def runner(tiny):

@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+from conftest import skip_or_fail
 import torch
 from conftest import save_tiny_pair
 
@@ -52,7 +53,7 @@ def workspace(tmp_path_factory):
     try:
         kernels.load()
     except KernelUnavailable as e:
-        pytest.skip(f"the compiled kernels cannot be built here: {e}")
+        skip_or_fail(f"the compiled kernels cannot be built here: {e}")
     root = tmp_path_factory.mktemp("target-quant")
     save_tiny_pair(root)
     for name, words in (("one", ["add two numbers", "sort a list"]), ("two", ["select all rows", "count the apples"])):

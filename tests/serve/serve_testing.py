@@ -81,9 +81,10 @@ def live_server(app, ready_timeout: float = 20.0):
 
 
 @contextmanager
-def tiny_server(api_key: str | None = None, learner: FakeLearner | None = None, k: int = 4, **settings):
+def tiny_server(api_key: str | None = None, learner: FakeLearner | None = None, k: int = 4, max_batch: int = 1,
+                **settings):
     target, draft, tokenizer = tiny_qwen2(seed=0), tiny_qwen2(seed=1, layers=1), ToyTokenizer()
-    engine, registry = make_engine(target, draft, tokenizer, k=k)
+    engine, registry = make_engine(target, draft, tokenizer, k=k, max_batch=max_batch)
     settings = ServeSettings(api_key=api_key, **settings)
     app = create_app(engine, tokenizer, MODEL, learner=learner, settings=settings)
     with live_server(app) as url:

@@ -159,25 +159,32 @@ def test_every_response_status_is_counted(served):
     assert after - before == sent
 
 
-class _BrokenEngine:
-    """An engine whose generate fails in a way no table entry knows: the server's 500 path."""
+def _broken_engine(where: str):
+    """A real tiny engine whose scheduler fails in a way no table entry knows: in the shared target pass (every
+    sequence in the step gets the error) or in the step's planning (the worker catches it): the server's 500 path."""
+    from conftest import ToyTokenizer, tiny_qwen2
+    from helpers import make_engine
 
-    def __init__(self):
-        from osd.metrics import SpecMetrics
+    engine, _ = make_engine(tiny_qwen2(seed=0), tiny_qwen2(seed=1, layers=1), ToyTokenizer(), k=2, max_batch=2)
 
-        self.metrics = SpecMetrics()
-
-    def generate(self, prompt_ids, sampling, on_text=None):
+    def fault(*args, **kwargs):
         raise RuntimeError("engine fault")
 
+    if where == "pass":
+        engine.slots.feed = fault
+    else:
+        engine.scheduler._propose = fault
+    return engine
 
-def test_unexpected_error_is_a_counted_500_and_the_connection_survives():
+
+@pytest.mark.parametrize("where", ["pass", "planning"])
+def test_unexpected_error_is_a_counted_500_and_the_connection_survives(where):
     from conftest import ToyTokenizer
     from serve_testing import live_server
 
     from osd.serve.app import create_app
 
-    app = create_app(_BrokenEngine(), ToyTokenizer(), MODEL)
+    app = create_app(_broken_engine(where), ToyTokenizer(), MODEL)
     with live_server(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         for _ in range(2):  # the same keep-alive connection answers again after a 500
             r = http.post(COMPLETIONS, json={"prompt": "abc", "max_tokens": 2})

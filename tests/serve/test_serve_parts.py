@@ -143,36 +143,39 @@ def test_kernel_status_is_exposed_as_info_with_its_path_and_fallbacks(compiled, 
     assert 'use="target fp32 linears: oneDNN"' in metrics.render().decode()
 
 
-class _FailingEngine:
-    def __init__(self):
-        self.calls = 0
+def _tiny_engine(max_batch: int = 2):
+    from conftest import ToyTokenizer, tiny_qwen2
+    from helpers import make_engine
 
-    def generate(self, prompt_ids, sampling, on_text=None):
-        self.calls += 1
-        if self.calls == 1:
-            raise RuntimeError("boom")
-        on_text("ok")
-        return "result"
+    engine, _ = make_engine(tiny_qwen2(seed=0), tiny_qwen2(seed=1, layers=1), ToyTokenizer(), k=2, max_batch=max_batch)
+    engine.eos_ids = set()  # never stops early: every answer runs to its max_new_tokens
+    return engine
 
 
 def test_worker_survives_a_failing_request():
+    from osd.config import SamplingConfig
+
     async def main():
-        worker = Worker(_FailingEngine())
+        worker = Worker(_tiny_engine())
         try:
-            first = worker.submit([1], None)
-            second = worker.submit([1], None, stream=True)
-            return [await first.next(), await second.next(), await second.next()]
+            first = worker.submit([5, 10_000], SamplingConfig(max_new_tokens=4))  # outside the vocabulary
+            second = worker.submit([5, 6], SamplingConfig(max_new_tokens=4), stream=True)
+            events = [await first.next()]
+            while (event := await second.next())[0] == "text":
+                events.append(event)
+            return events, event
         finally:
             await asyncio.to_thread(worker.stop)
 
-    (kind1, err), text, done = asyncio.run(main())
-    assert kind1 == "error" and isinstance(err, RuntimeError)
-    assert text == ("text", "ok") and done == ("done", "result")
+    events, last = asyncio.run(main())
+    assert events[0][0] == "error" and isinstance(events[0][1], InvalidArgument)
+    assert len(events) > 1 and all(kind == "text" for kind, _ in events[1:])
+    assert last[0] == "done" and len(last[1].token_ids) == 4 and last[1].text == "".join(t for _, t in events[1:])
 
 
 def test_worker_refuses_jobs_after_stop():
     async def main():
-        worker = Worker(_FailingEngine())
+        worker = Worker(_tiny_engine())
         worker.start()
         await asyncio.to_thread(worker.stop)
         with pytest.raises(errors.ShuttingDown):
@@ -226,33 +229,24 @@ def test_recorded_command_hides_the_api_key():
     assert "s3cret" not in cmd and cmd.endswith("--limit 2")
 
 
-class _EndlessEngine:
-    """Streams text until on_text raises (the worker's cancellation)."""
+def test_worker_aborts_a_cancelled_generation_and_the_other_goes_on():
+    from osd.config import SamplingConfig
 
-    def __init__(self):
-        self.aborted = False
-
-    def generate(self, prompt_ids, sampling, on_text=None):
-        try:
-            while True:
-                on_text("x")
-        except Exception:
-            self.aborted = True
-            raise
-
-
-def test_worker_aborts_a_cancelled_generation():
-    engine = _EndlessEngine()
+    engine = _tiny_engine()
 
     async def main():
         worker = Worker(engine)
-        job = worker.submit([1], None, stream=True)
-        assert await job.next() == ("text", "x")
+        job = worker.submit([5], SamplingConfig(max_new_tokens=200), stream=True)
+        other = worker.submit([6], SamplingConfig(max_new_tokens=30))
+        assert (await job.next())[0] == "text"
         job.cancelled = True  # what the stream does when its client disconnects
         while (event := await job.next())[0] == "text":
             pass
+        done = await other.next()
         await asyncio.to_thread(worker.stop)
-        return event
+        return event, done
 
-    kind, err = asyncio.run(main())
-    assert engine.aborted and kind == "error" and isinstance(err, errors.ShuttingDown)
+    (kind, err), (other_kind, other) = asyncio.run(main())
+    assert kind == "error" and isinstance(err, errors.ShuttingDown) and not engine.scheduler.running
+    assert other_kind == "done" and len(other.token_ids) == 30
+    assert engine.scheduler.stats.emitted < 200 + 30  # the cancelled one stopped long before its 200 tokens

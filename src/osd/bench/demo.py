@@ -4,7 +4,7 @@ from __future__ import annotations
 from osd.bench.report import table
 from osd.build import build_system
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
-from osd.data import load_records, prompt_ids
+from osd.data import load_records, prompt_ids, with_context
 from osd.engine import SpeculativeEngine
 
 DEMO = (("code", 0), ("gsm8k", 0), ("spider", 0), ("chat", 3))
@@ -22,8 +22,9 @@ def run_demo(models: ModelConfig, spec: SpeculationConfig, max_new_tokens: int =
     rows = []
     for name, index in DEMO:
         record = load_records(name, split="test", limit=index + 1)[index]
-        ids = prompt_ids(system.tokenizer, record["prompt"])
-        print(f"\n=== {record['id']} ({record['domain']}): {record['prompt'][:200]!r}")
+        prompt = with_context(record)
+        ids = prompt_ids(system.tokenizer, prompt)
+        print(f"\n=== {record['id']} ({record['domain']}): {prompt[:300]!r}")
         plain = target_only.generate(ids, sampling)
         spec_result = engine.generate(ids, sampling)
         print(spec_result.text)

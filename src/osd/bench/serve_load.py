@@ -26,6 +26,7 @@ class Sample:
     completion_tokens: int = 0
     osd: dict = field(default_factory=dict)
     error: str | None = None
+    text: str = ""  # the streamed answer
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -66,9 +67,10 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict) -> Sampl
                 if "error" in chunk:
                     sample.error = chunk["error"].get("message")
                     return sample
-                if chunk.get("choices") and _text_of(chunk):
+                if chunk.get("choices") and (piece := _text_of(chunk)):
                     now = time.perf_counter()
                     first, last, chunks = first or now, now, chunks + 1
+                    sample.text += piece
                 sample.osd = chunk.get("osd") or sample.osd
                 if chunk.get("usage"):
                     sample.completion_tokens = chunk["usage"]["completion_tokens"]

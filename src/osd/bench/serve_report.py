@@ -84,3 +84,70 @@ def report_paired(result: dict, out: str, markdown: str) -> None:
                 f"concurrency {cfg['concurrency']}, max_tokens={cfg['max_tokens']}, greedy, "
                 f"{'chat' if cfg['chat'] else 'completions'} endpoint, streaming, warm-up excluded; machine: {m['cpu']}, "
                 f"{m['cores']} cores", [paired_table(result), summary], path, markdown)
+
+
+# --- `osd bench serve-vs`: osd serve against llama-server ---------------------------------------------------------
+VS_COLUMNS = [("server", "server"), ("concurrency", "c"), ("aggregate_tokens_per_s", "aggregate tok/s"),
+              ("vs_llama", "x llama-server"), ("decode_tokens_per_s_p50", "decode tok/s p50"),
+              ("ttft_p50_s", "TTFT p50 s"), ("ttft_p95_s", "TTFT p95 s"), ("e2e_p50_s", "e2e p50 s"),
+              ("e2e_p95_s", "e2e p95 s"), ("errors", "errors"), ("peak_rss_gb", "peak RSS GB"), ("mean_k", "mean k"),
+              ("acceptance_rate", "acceptance"), ("rows_per_step", "rows/step")]
+
+
+def vs_rows(records: list[dict]) -> list[dict]:
+    """Each record with its ratio to llama-server's aggregate tokens/s at the same level, and peak RSS in GB (1e9)."""
+    anchor = {r["concurrency"]: r["aggregate_tokens_per_s"] for r in records if r["server"] == "llama-server"}
+    out = []
+    for r in records:
+        base = anchor.get(r["concurrency"])
+        out.append(dict(r, vs_llama=r["aggregate_tokens_per_s"] / base if base and r["aggregate_tokens_per_s"] else None,
+                        peak_rss_gb=r["peak_rss_bytes"] / 1e9 if r.get("peak_rss_bytes") else None))
+    return sorted(out, key=lambda r: (r["concurrency"], r["server"]))
+
+
+def vs_table(result: dict) -> str:
+    from osd.bench.report import table
+
+    return table([[r.get(key) for key, _ in VS_COLUMNS] for r in vs_rows(result["records"])],
+                 [title for _, title in VS_COLUMNS])
+
+
+def identity_lines(result: dict) -> list[str]:
+    lines = []
+    for arm, by_level in result.get("identity", {}).items():
+        cells = ", ".join(f"c={c}: {v['same']}/{v['of']}" for c, v in by_level.items())
+        lines.append(f"- greedy answers of `{arm}` equal to osd target-only's on the same prompt: {cells}")
+    return lines
+
+
+def plot_vs(result: dict, path: str) -> str | None:
+    from osd.bench.plots import _pyplot, _save
+
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for server in dict.fromkeys(r["server"] for r in result["records"]):
+        rows = [r for r in result["records"] if r["server"] == server]
+        levels = [r["concurrency"] for r in rows]
+        left.plot(levels, [r["aggregate_tokens_per_s"] for r in rows], marker="o", label=server)
+        right.plot(levels, [r["ttft_p95_s"] for r in rows], marker="o", label=server)
+    for ax, ylabel in ((left, "aggregate output tokens/s"), (right, "TTFT p95 (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    left.legend()
+    fig.suptitle("osd serve vs llama-server, same GGUF, same prompts")
+    return _save(plt, fig, path, 120)
+
+
+def report_vs(result: dict, out: str, markdown: str) -> None:
+    path = write_result(result, out)
+    plot = plot_vs(result, str(path.with_suffix(".png")))
+    cfg, m = result["config"], machine()
+    emit_report("Serving under load: osd serve vs llama-server (`osd bench serve-vs`)",
+                f"`{redacted_command(sys.argv[1:])}` on {m['cpu']} ({m['cores']} cores; flags {m['cpu_flags']}); "
+                f"{cfg['per_level']} streaming greedy chat requests per level, {cfg['max_tokens']} tokens, "
+                f"{cfg['threads']} threads, each server alone",
+                [vs_table(result), "\n".join(identity_lines(result))], path, markdown, plot)

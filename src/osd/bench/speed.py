@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from osd.build import build_system, target_backend
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
-from osd.data import load_records, prompt_ids
+from osd.data import load_records, prompt_ids, with_context
 from osd.engine import SpeculativeEngine
 from osd.errors import InvalidArgument
 
@@ -42,7 +42,8 @@ def bench_prompts(per_domain: int, split: str = "test", domains=DOMAINS, offset:
     """per_domain records of each domain, from `offset` on (past the requests a learned draft trained on)."""
     out = []
     for name in domains:
-        out += [dict(r, domain=name) for r in load_records(name, split=split, limit=per_domain, offset=offset)]
+        out += [dict(r, domain=name, prompt=with_context(r))  # Spider questions with their schema
+                for r in load_records(name, split=split, limit=per_domain, offset=offset)]
     if not out:
         raise InvalidArgument(f"no benchmark prompts in {list(domains)} (split {split}, from record {offset})")
     return out

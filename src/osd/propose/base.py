@@ -33,3 +33,8 @@ class Proposer(Protocol):
 
     def rollback(self, length: int) -> None:
         """Discard cached state beyond the first `length` tokens."""
+
+
+def forkable(proposer) -> bool:
+    """Whether `proposer.fork()` gives an independent proposer for another sequence (own caches, same drafts)."""
+    return callable(getattr(proposer, "fork", None)) and getattr(proposer, "forkable", True)

@@ -1,6 +1,7 @@
 """Draft-model proposer: k autoregressive draft forwards over a KV cache kept across steps."""
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -8,7 +9,7 @@ import torch
 from osd.config import SamplingConfig
 from osd.drafts import DraftRegistry, weights_fingerprint
 from osd.models.cached import CachedModel
-from osd.models.glue_draft import glue_draft_runner
+from osd.models.glue_draft import glue_draft_runner, qualifies
 from osd.propose.base import Proposal
 from osd.verify.sampling import sample_from, warp_probs
 
@@ -30,15 +31,30 @@ class DraftModelProposer:
         self.runner = None  # the glue runner over the snapshot's serving copy where it qualifies, else CachedModel
         self.vocab_ids: torch.Tensor | None = None
 
+    def fork(self) -> "DraftModelProposer":
+        """A proposer for another sequence: the same draft (its latest snapshot at each begin), its own cache."""
+        return DraftModelProposer(self.registry, self.name, self.vocab_size)
+
     def begin(self, prompt_ids: list[int]) -> None:
         snap = self.registry.get(self.name)
         if self.runner is None or snap.version != self.version or self.runner.model is not snap.model:
-            self.runner = glue_draft_runner(snap.model) or CachedModel(snap.model)
+            self.runner = glue_draft_runner(snap.model) or self._transformers_runner(snap.model)
             self.version, self.vocab_ids = snap.version, snap.vocab_ids
             self._increasing = self.vocab_ids is None or bool((self.vocab_ids[1:] > self.vocab_ids[:-1]).all())
         self.runner.reset()
         if len(prompt_ids) > 1:  # the prompt's prefill, inside the engine's prefill as llama.cpp's speculation does
             self.runner.feed(list(prompt_ids[:-1]))
+
+    def _transformers_runner(self, model) -> CachedModel:
+        """The fallback draft runner, said once per draft: the glue runner costs ~1.6x less per draft token."""
+        if not DraftModelProposer._said_fallback.get(self.name):
+            DraftModelProposer._said_fallback[self.name] = True
+            why = qualifies(model) or "the glue kernels cannot be built here"
+            print(f"[osd] draft {self.name!r} runs on transformers, not the compiled glue runner ({why}): each draft "
+                  "token costs ~1.6x more, so speculation pays less", file=sys.stderr, flush=True)
+        return CachedModel(model)
+
+    _said_fallback: dict = {}
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """(V',) draft logits -> (V,) logits over the target's vocabulary (-inf where not covered)."""
@@ -91,8 +107,11 @@ class DraftModelProposer:
 class RunnerProposer(DraftModelProposer):
     """Proposes with a fixed, frozen draft runner, e.g. a GGUF draft on llama.cpp (models/llama_cpp_runner.py).
 
-    The same drafting loop as the learned draft; nothing publishes to it (version stays 0).
+    The same drafting loop as the learned draft; nothing publishes to it (version stays 0). It holds one cache, so
+    it serves one sequence at a time (not forkable).
     """
+
+    forkable = False
 
     def __init__(self, runner, name: str, vocab_size: int):
         self.runner, self.name, self.vocab_size = runner, name, vocab_size

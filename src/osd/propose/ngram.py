@@ -13,7 +13,7 @@ from collections import OrderedDict
 import torch
 
 from osd.config import SamplingConfig
-from osd.propose.base import Proposal
+from osd.propose.base import Proposal, forkable
 
 
 def ngrams_before(tokens: list[int], i: int, min_n: int, max_n: int):
@@ -94,6 +94,12 @@ class NgramProposer:
         self.request = NgramIndex(min_n, max_n)
         self.traffic = TrafficIndex(min_n, max_n) if traffic else None
 
+    def fork(self) -> "NgramProposer":
+        """A proposer for another sequence: its own request index, the same traffic index (shared learning)."""
+        twin = NgramProposer(self.vocab_size, self.min_n, self.max_n, traffic=False, name=self.name)
+        twin.traffic = self.traffic
+        return twin
+
     def begin(self, prompt_ids: list[int]) -> None:
         self.request = NgramIndex(self.min_n, self.max_n)
 
@@ -130,6 +136,13 @@ class LookupThenDraft:
     @property
     def version(self) -> int:
         return self.draft.version if self.draft is not None else self.lookup.version
+
+    @property
+    def forkable(self) -> bool:
+        return self.draft is None or forkable(self.draft)
+
+    def fork(self) -> "LookupThenDraft":
+        return LookupThenDraft(self.lookup.fork(), self.draft.fork() if self.draft is not None else None)
 
     def begin(self, prompt_ids: list[int]) -> None:
         for source in self.sources:

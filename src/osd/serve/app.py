@@ -9,7 +9,8 @@ learner_not_running without --learn). Every completion carries an `osd` extensio
 with its own speculative decoding figures (accepted, proposed, alpha, tokens_per_step, draft, ...). A request
 may pin the draft that serves it with its own `osd` field, {"osd": {"draft": "<name>"}} (unknown: 404).
 
-Limitations: batch size 1 (requests queue in arrival order); n = 1; no logprobs, penalties or tools.
+Requests run together on the engine's scheduler (up to its capacity; the rest queue in arrival order).
+Limitations: n = 1; no logprobs, penalties or tools.
 A request whose streaming client disconnects is aborted at its next text delta; its speculative
 counters are then not recorded.
 """
@@ -79,7 +80,7 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
     settings = settings or ServeSettings()
     model_name = settings.model_name or model_name
     worker, metrics = Worker(engine), ServeMetrics()
-    metrics.attach(engine.metrics, learner, lambda: worker.depth)
+    metrics.attach(engine.metrics, learner, lambda: worker.depth, engine=engine)
     if routing is not None:
         from osd.route.metrics import RouteCollector
 

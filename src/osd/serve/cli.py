@@ -24,6 +24,7 @@ def register(sub, bench) -> None:
                    help="distill the draft online from served traffic (on by default; LearnConfig flags)")
     for cls in (ModelConfig, SpeculationConfig, LearnConfig, RouteConfig):
         add_config_flags(p, cls)
+    p.set_defaults(max_batch=8)  # serving: continuous batching of up to 8 sequences per step
     p.set_defaults(schedule="background", checkpoint_dir="runs/draft-checkpoint", score_schedule="background")  # serving: learn in idle windows, resume on restart
     p.set_defaults(func=cmd_serve)
 
@@ -43,6 +44,21 @@ def register(sub, bench) -> None:
     p.add_argument("--out", default="benchmarks/bench-serve.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
     p.set_defaults(func=cmd_bench_serve)
+
+    p = bench.add_parser("serve-vs", help="osd serve against llama-server (-np N --cont-batching) under load, "
+                         "side by side in one run: aggregate tokens/s, TTFT, e2e latency, peak RSS per level")
+    p.add_argument("--target", default="bundled:qwen2.5-coder-1.5b", help="the GGUF both servers serve")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--per-level", type=int, default=16, help="requests per concurrency level (a new slice of prompts each)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--port", type=int, default=8791)
+    p.add_argument("--arms", nargs="+", default=["llama-server", "osd", "osd-learning", "osd-target-only"],
+                   choices=["llama-server", "osd", "osd-learning", "osd-target-only"])
+    p.add_argument("--osd-args", default="--lookup", help="more `osd serve` flags for every osd arm (one string)")
+    p.add_argument("--out", default="benchmarks/bench-serve-vs.json")
+    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.set_defaults(func=cmd_bench_serve_vs)
 
 
 def default_model_name(target: str) -> str:
@@ -78,6 +94,37 @@ def serve(engine, tokenizer, model_name: str, settings: ServeSettings, learner=N
         uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=30)
     finally:
         app.state.lifecycle.stop()  # idempotent: normally done already by the lifespan shutdown
+
+
+def interleaved_prompts(n: int, domains=("code", "gsm8k", "spider", "chat"), split: str = "test") -> list[str]:
+    """n test prompts taking the domains in turn (code, gsm8k, spider, chat, code, ...)."""
+    from osd.bench.speed import bench_prompts
+
+    per = -(-n // len(domains))
+    by_domain = [[r["prompt"] for r in bench_prompts(per, split, (d,))] for d in domains]
+    return [by_domain[i % len(domains)][i // len(domains)] for i in range(n)]
+
+
+def cmd_bench_serve_vs(args) -> None:
+    import shlex
+
+    from osd.bench.serve_compare import CompareConfig, run_compare
+    from osd.bench.serve_report import report_vs
+    from osd.errors import InvalidArgument
+    from osd.models.loading import gguf_file
+
+    gguf = gguf_file(args.target)
+    if gguf is None:
+        raise InvalidArgument(f"serve-vs compares servers of one GGUF; {args.target!r} is not one")
+    levels = tuple(args.concurrency)
+    config = CompareConfig(gguf, interleaved_prompts(1 + args.per_level * len(levels)), levels, args.per_level,
+                           args.max_tokens, args.threads, args.port, arms=tuple(args.arms),
+                           osd_args=tuple(shlex.split(args.osd_args)) + ("--target", args.target))
+    result = run_compare(config)
+    result["config"] = {"target": args.target, "gguf": str(gguf), "levels": list(levels), "per_level": args.per_level,
+                        "max_tokens": args.max_tokens, "threads": args.threads, "arms": list(args.arms),
+                        "osd_args": args.osd_args, "temperature": 0}
+    report_vs(result, args.out, args.markdown)
 
 
 def cmd_bench_serve(args) -> None:

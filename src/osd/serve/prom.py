@@ -20,6 +20,17 @@ scraper's to derive:
                                                     kernels allowed and in use), "unavailable" (nothing fell back)
                                                     or "not_loaded" (no model asked for them yet)
   osd_kernel_fallback{use}                          gauge, 1 per use that runs on torch's kernels instead of ours
+  osd_sequences_running, osd_sequence_capacity      gauges: sequences in the scheduler now, and its room
+  osd_schedule_{steps,rows,prefill_rows,sequence_steps,proposed,accepted,emitted}_total, ..._step_seconds_total
+                                                    the scheduler's steps (schedule/scheduler.py StepStats): rows per
+                                                    step = rows / steps, mean k = proposed / sequence_steps, goodput =
+                                                    accepted / step_seconds, tokens/s = emitted / step_seconds
+  osd_schedule_last_rows, osd_schedule_last_step_seconds   gauges: the latest step
+  osd_engine_info{target_backend,slots,draft_runner,k_limit,k_asked,max_batch}   what serves: the target runner
+                                                    (Q4Runner, LlamaCppRunner: a fallback where the Q4 kernel cannot
+                                                    run), its slots (Q4Slots: one pass for all sequences), the draft
+                                                    runner (GlueDraftRunner; CachedModel: the transformers fallback),
+                                                    the k cap the backend allows against the k asked
 
 The speculative counters (osd.metrics.SpecMetrics), the learner's stats and the kernels' status are read at
 scrape time by a custom collector, so they are never copied into a second set of counters that could drift.
@@ -73,11 +84,14 @@ class ServeMetrics:
         self.tpot = Histogram("osd_time_per_output_token_seconds", "Generation seconds per output token.",
                               buckets=TOKEN_BUCKETS, registry=r)
 
-    def attach(self, spec_metrics, learner=None, queue_depth=lambda: 0, kernel_status=kernels.status) -> None:
-        """Expose the engine's SpecMetrics, the learner's stats, the queue depth and the kernels' status
-        (kernels.status() or a stand-in), read at each scrape."""
+    def attach(self, spec_metrics, learner=None, queue_depth=lambda: 0, kernel_status=kernels.status,
+               engine=None) -> None:
+        """Expose the engine's SpecMetrics, the learner's stats, the queue depth, the kernels' status
+        (kernels.status() or a stand-in) and, given the engine, its scheduler and what serves, read at each scrape."""
         Gauge("osd_queue_depth", "Requests waiting for the model.", registry=self.registry).set_function(queue_depth)
         self.registry.register(_LiveCollector(spec_metrics, learner, kernel_status))
+        if engine is not None:
+            self.registry.register(_EngineCollector(engine))
 
     def count(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -111,6 +125,43 @@ class _LiveCollector:
                 log.exception("learner.stats() failed")
                 return
             yield from learner_families(stats)
+
+
+class _EngineCollector:
+    """The scheduler's step counters and the engine's serving choices, read at scrape time."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        e, sched = self.engine, self.engine.scheduler
+        yield GaugeMetricFamily("osd_sequences_running", "Sequences in the scheduler.", value=len(sched.running))
+        yield GaugeMetricFamily("osd_sequence_capacity", "Sequences the scheduler runs at once.", value=sched.capacity)
+        yield from schedule_families(sched.stats)
+        yield InfoMetricFamily("osd_engine", "What serves: target runner, its slots, the k limits.",
+                               value=engine_info(e))
+
+
+def engine_info(engine) -> dict:
+    """What serves, as labels: the target runner and its slots, the draft runner (glue or transformers: the latter
+    a fallback), the k the backend allows against the k asked, and the scheduler's capacity."""
+    runners = {type(getattr(s, "runner", None)).__name__ for s in engine.sources if getattr(s, "runner", None)}
+    return {"target_backend": type(engine.target).__name__, "slots": type(engine.slots).__name__,
+            "draft_runner": ",".join(sorted(runners)) or "none", "k_limit": str(engine.k_max),
+            "k_asked": str(engine.spec.k), "max_batch": str(engine.scheduler.capacity)}
+
+
+def schedule_families(stats) -> list:
+    families = []
+    for name in ("steps", "rows", "prefill_rows", "sequence_steps", "proposed", "accepted", "emitted"):
+        families.append(CounterMetricFamily(f"osd_schedule_{name}", f"Scheduler {name.replace('_', ' ')}.",
+                                            value=getattr(stats, name)))
+    families.append(CounterMetricFamily("osd_schedule_step_seconds", "Seconds in the scheduler's target passes.",
+                                        value=stats.seconds))
+    families.append(GaugeMetricFamily("osd_schedule_last_rows", "Rows of the latest step.", value=stats.last_rows))
+    families.append(GaugeMetricFamily("osd_schedule_last_step_seconds", "Seconds of the latest step's target pass.",
+                                      value=stats.last_seconds))
+    return families
 
 
 def spec_families(counters: dict) -> list:

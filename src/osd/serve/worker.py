@@ -1,9 +1,10 @@
-"""Model work off the event loop: one thread runs queued jobs in order (the engine is batch-1).
+"""Model work off the event loop: one thread drives the engine's scheduler (continuous batching).
 
-Each job owns an asyncio.Queue on the request's loop; the worker thread feeds it with
-loop.call_soon_threadsafe, so it never blocks on a client: a slow reader only lets its own queue
-grow. Events: ("text", delta), ("done", GenerationResult), ("error", exception).
-A job whose client went away is skipped if still queued and aborted at its next text delta.
+Jobs queue in arrival order; between steps the worker admits as many as the scheduler has room for (a bad request
+fails alone, at admission), drops the ones whose client went away, and runs one step for every running sequence
+(schedule/scheduler.py). Each job owns an asyncio.Queue on the request's loop; the worker thread feeds it with
+loop.call_soon_threadsafe, so it never blocks on a client: a slow reader only lets its own queue grow.
+Events: ("text", delta), ("done", GenerationResult), ("error", exception).
 """
 from __future__ import annotations
 
@@ -18,11 +19,9 @@ from osd.config import SamplingConfig
 from osd.route import pinned
 from osd.serve.errors import ShuttingDown
 
+CANCELLED = "request cancelled (client gone or server shutting down)"
+
 log = logging.getLogger("osd.serve")
-
-
-class _Cancelled(Exception):
-    """Raised inside on_text to abort a generation whose client is gone."""
 
 
 @dataclass
@@ -49,15 +48,15 @@ class Job:
 
 
 class Worker:
-    """Runs engine.generate for submitted jobs, one at a time, on a single daemon thread."""
+    """Runs submitted jobs on the engine's scheduler, many at once, on a single daemon thread."""
 
     def __init__(self, engine):
-        self.engine = engine
+        self.engine, self.scheduler = engine, engine.scheduler
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._closing = False
         self._gate = threading.RLock()  # no job can slip in behind the stop sentinel
-        self._current: Job | None = None
+        self._jobs: dict[int, Job] = {}  # id(sequence) -> its job, while it runs
 
     def start(self) -> None:
         with self._gate:
@@ -66,13 +65,14 @@ class Worker:
                 self._thread.start()
 
     def stop(self, timeout: float | None = 60.0, cancel_running: bool = False) -> None:
-        """Refuse new jobs and fail the queued ones; the running one finishes unless cancel_running
-        (the server's shutdown cancels: by then its client connection is closed)."""
+        """Refuse new jobs and fail the queued ones; the running ones finish unless cancel_running
+        (the server's shutdown cancels: by then their client connections are closed)."""
         with self._gate:
             self._closing = True
             self._queue.put(None)
-            if cancel_running and self._current is not None:
-                self._current.cancelled = True
+            if cancel_running:
+                for job in list(self._jobs.values()):
+                    job.cancelled = True
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -82,7 +82,12 @@ class Worker:
 
     @property
     def depth(self) -> int:
+        """Jobs waiting for a place in the scheduler."""
         return self._queue.qsize()
+
+    @property
+    def running(self) -> int:
+        return len(self._jobs)
 
     def submit(self, prompt_ids: list[int], sampling: SamplingConfig, stream: bool = False, draft: str | None = None) -> Job:
         job = Job(prompt_ids, sampling, asyncio.get_running_loop(), stream, draft=draft)
@@ -94,23 +99,38 @@ class Worker:
         return job
 
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            if not job.cancelled:
-                self._current = job
-                self._run_job(job)
-                self._current = None
-        while True:  # closing: answer whatever is still queued
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if job is not None:
-                job.emit("error", ShuttingDown("the server is shutting down"))
+        stopping = False
+        while not stopping or self._jobs:
+            stopping = self._admit(block=not self._jobs) or stopping
+            with self.engine.lock:
+                for seq in [s for s in self.scheduler.running if self._jobs[id(s)].cancelled]:
+                    self.scheduler.cancel(seq)
+                    self._jobs.pop(id(seq)).emit("error", ShuttingDown(CANCELLED))
+                try:
+                    done = self.scheduler.step() if self.scheduler.running else []
+                except Exception as e:  # a fault outside any one sequence: they all get it, the worker lives on
+                    log.exception("a scheduler step failed")
+                    done = self.scheduler.fail_all(e)
+            for seq in done:
+                self._finish(seq)
+        self._fail_queued()
 
-    def _run_job(self, job: Job) -> None:
+    def _admit(self, block: bool) -> bool:
+        """Move queued jobs into the scheduler while it has room -> whether the stop sentinel was reached."""
+        while len(self._jobs) < self.scheduler.capacity:
+            try:
+                job = self._queue.get(block=block)
+            except queue.Empty:
+                return False
+            block = False
+            if job is None:
+                return True
+            if not job.cancelled:
+                self._start(job)
+        return False
+
+    def _start(self, job: Job) -> None:
         def on_text(delta: str) -> None:
-            if job.cancelled:
-                raise _Cancelled
             if job.first_text_at is None:
                 job.first_text_at = time.perf_counter()
             if job.stream:
@@ -118,9 +138,29 @@ class Worker:
 
         job.started_at = time.perf_counter()
         try:
-            with pinned(job.draft):
-                job.emit("done", self.engine.generate(job.prompt_ids, job.sampling, on_text=on_text))
-        except _Cancelled:  # nobody should be waiting; answer anyway so no waiter can hang
-            job.emit("error", ShuttingDown("request cancelled (client gone or server shutting down)"))
-        except Exception as e:  # a bad request never kills the worker; the handler maps the error
+            with self.engine.lock, pinned(job.draft):
+                seq = self.scheduler.add(job.prompt_ids, job.sampling, on_text=on_text)
+        except Exception as e:  # a bad request fails alone; the handler maps the error
             job.emit("error", e)
+            return
+        self._jobs[id(seq)] = job
+
+    def _finish(self, seq) -> None:
+        job = self._jobs.pop(id(seq))
+        if seq.error is not None:
+            job.emit("error", seq.error)
+            return
+        job.emit("done", seq.result)
+        try:
+            self.engine.observe_request(seq.result)
+        except Exception:  # an observer's failure never kills the worker
+            log.exception("a request observer failed")
+
+    def _fail_queued(self) -> None:
+        while True:  # closing: answer whatever is still queued
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.emit("error", ShuttingDown("the server is shutting down"))

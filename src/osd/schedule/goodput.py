@@ -1,0 +1,81 @@
+"""Speculation that knows the load (SmartSpec): per step, each sequence's k chosen to maximise goodput.
+
+goodput = expected tokens emitted by the step / the step's seconds
+        = sum_i E(alpha_i, k_i) / (t_target(rows) + sum_i k_i * t_draft_i),   rows = fixed_rows + sum_i (k_i + 1)
+E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) (speed_model.expected_tokens); t_target(rows) is the measured cost of
+one target pass over that many rows, whatever sequences they belong to. On osd's Q4 kernel a pass over 8 rows costs
+~1.7x one row, so while the machine has room, proposals are almost free; when the pass is saturated each row costs
+its full share and speculation backs off (k = 0) where a sequence's acceptance does not pay for its rows.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from osd.speed_model import expected_tokens
+
+
+def goodput(alphas: list[float], ks: list[int], draft_seconds: list[float], step_seconds: Callable[[int], float],
+            fixed_rows: int = 0) -> float:
+    """Expected tokens per second of one step in which sequence i verifies k_i proposals."""
+    rows = fixed_rows + sum(k + 1 for k in ks)
+    seconds = step_seconds(rows) + sum(k * t for k, t in zip(ks, draft_seconds))
+    return sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / seconds
+
+
+def allocate_k(alphas: list[float], draft_seconds: list[float], caps: list[int], step_seconds: Callable[[int], float],
+               fixed_rows: int = 0) -> list[int]:
+    """Each sequence's k (0..cap) for the largest goodput: greedy ascent from all-zero, one proposal at a time to
+    the sequence whose extra proposal raises goodput most (a run of two is tried too, so a k = 1 that does not pay
+    alone cannot hide a k = 2 that does); stops when no extra proposal raises it."""
+    ks = [0] * len(alphas)
+    best = goodput(alphas, ks, draft_seconds, step_seconds, fixed_rows)
+    while True:
+        choice, choice_rate = None, best
+        for i, cap in enumerate(caps):
+            for step in (1, 2):
+                if ks[i] + step > cap:
+                    break
+                ks[i] += step
+                rate = goodput(alphas, ks, draft_seconds, step_seconds, fixed_rows)
+                ks[i] -= step
+                if rate > choice_rate * (1 + 1e-9):
+                    choice, choice_rate = (i, step), rate
+        if choice is None:
+            return ks
+        ks[choice[0]] += choice[1]
+        best = choice_rate
+
+
+class RowCosts:
+    """Seconds of one target pass by total rows: calibrated at a few row counts, then EMAs of what steps took.
+    Between measured counts linear interpolation; beyond the largest, linear extrapolation from the last two."""
+
+    def __init__(self, ema: float = 0.8):
+        self.ema = ema
+        self.seconds: dict[int, float] = {}
+
+    def calibrate(self, rows_seconds: dict[int, float]) -> None:
+        self.seconds = {int(r): float(t) for r, t in rows_seconds.items() if math.isfinite(t)}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows > 0 and math.isfinite(seconds):
+            old = self.seconds.get(rows)
+            self.seconds[rows] = seconds if old is None else self.ema * old + (1 - self.ema) * seconds
+
+    @property
+    def known(self) -> bool:
+        return bool(self.seconds)
+
+    def __call__(self, rows: int) -> float:
+        if rows in self.seconds:
+            return self.seconds[rows]
+        points = sorted(self.seconds.items())
+        if not points:
+            return float(rows)  # nothing measured: proportional to rows (speculation then never looks free)
+        if len(points) == 1:
+            return points[0][1] * rows / points[0][0]
+        below = [p for p in points if p[0] < rows]
+        above = [p for p in points if p[0] > rows]
+        (r0, t0), (r1, t1) = (below[-1], above[0]) if below and above else (points[-2], points[-1]) if below else points[:2]
+        return max(t0 + (t1 - t0) * (rows - r0) / (r1 - r0), 1e-9)

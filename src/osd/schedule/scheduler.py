@@ -1,0 +1,288 @@
+"""The step loop over many sequences: schedule -> propose -> verify -> commit -> observe (PAPER.md section 1).
+
+Every running sequence advances in one step: each decoding sequence's pending token plus its proposals, and chunks
+of the prompts still being fed (chunked prefill), go through the target in one pass over each weight matrix
+(models/slots.py); attention stays per sequence on its own cache slot. New requests join between steps (`add`) and
+finished ones leave (continuous batching); a cancelled or failed sequence leaves without touching the others.
+
+k per sequence: alone, the engine's per-source policies choose exactly as they do for one request (speed_model.py
+KPolicy: probes, refreshes); with company, `allocate_k` (schedule/goodput.py) maximises the step's goodput from each
+sequence's live acceptance and the measured cost of a pass by rows, so speculation backs off where the machine is
+saturated. Sources that cost nothing to ask (the n-gram lookup) propose first; a draft model proposes after the
+allocation, with the k it was given.
+
+Lossless per request: a sequence's rows are computed bitwise as if it ran alone (Q4Slots; RunnerSlots feeds each
+slot on its own), and acceptance runs per sequence with its own generator, so a greedy answer is the one the request
+gets alone whatever shares its steps, and sampled output keeps its law (tests/schedule/).
+Limitations: draft-model proposals are per sequence (one draft forward per sequence per token, not batched); a
+proposer that cannot fork (several routed drafts, a frozen runner draft) serves one sequence at a time; an error in
+the shared target pass fails every sequence in that step (each gets the error).
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from osd.config import SamplingConfig
+from osd.schedule.records import GenerationResult, StepRecord
+from osd.models.slots import Feed
+from osd.propose.base import Proposal, forkable
+from osd.schedule.goodput import allocate_k
+from osd.schedule.sequence import LiveAlpha, Sequence
+from osd.stopping import StopChecker
+from osd.verify.step import verify_proposal
+
+ALONE_PREFILL_ROWS = 512  # prompt rows per step while no sequence decodes (Q4Slots runs them in chunk_rows chunks)
+MIN_PREFILL_ROWS = 16  # prompt rows per step however many decode rows share it: a prompt always advances
+PROBE_EVERY = 16  # a sequence held at k = 0 this many steps proposes once (evidence for a better draft version)
+FREE_SECONDS = 1e-4  # a source whose proposal costs less than this per token is asked before the allocation
+
+
+@dataclass
+class StepStats:
+    """Counters of the scheduler's steps (rates derived when read)."""
+    steps: int = 0
+    rows: int = 0
+    decode_rows: int = 0
+    prefill_rows: int = 0
+    seconds: float = 0.0
+    emitted: int = 0
+    accepted: int = 0
+    sequence_steps: int = 0
+    proposed: int = 0
+    last_rows: int = 0
+    last_seconds: float = 0.0
+
+
+class Scheduler:
+    """The running sequences of one engine and the step that advances them all."""
+
+    def __init__(self, engine, prefill_rows: int = 64):
+        self.engine, self.slots = engine, engine.slots
+        self.prefill_rows = int(prefill_rows)
+        self.running: list[Sequence] = []
+        self.stats = StepStats()
+        self.capacity = self.slots.n_slots if engine.proposer is None or forkable(engine.proposer) else 1
+        self._free = list(range(self.capacity))
+        self._proposers = {0: engine.proposer}  # slot -> its proposer: slot 0 the engine's own, the others forks
+
+    # ------------------------------------------------------------------------------------------ admission
+    def add(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str | None = None,
+            on_text=None) -> Sequence:
+        """Admit a request (checked first: a bad one raises here and touches nothing); it runs from the next step."""
+        e = self.engine
+        e.check(prompt_ids, sampling)
+        if not self._free:
+            raise RuntimeError("no free sequence slot: add only while len(running) < capacity")
+        slot, start = self._free.pop(0), e.clock()
+        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        proposer = self._proposer(slot)
+        seq = Sequence(request_id or uuid.uuid4().hex[:12], list(prompt_ids), sampling, slot, proposer,
+                       StopChecker(e.tokenizer, e.eos_ids, sampling.max_new_tokens, sampling.stop), generator,
+                       on_text, start, list(prompt_ids))
+        self.slots.reset(slot)
+        try:
+            if proposer is not None:
+                proposer.begin(seq.tokens)  # the draft's snapshot (one version per request) and its prompt prefill
+                seq.draft = (proposer.name, proposer.version)
+                seq.sources = list(getattr(proposer, "sources", [proposer]))
+                for source, policy in zip(seq.sources, e.policies):  # a new draft version: probe it soon
+                    policy.on_draft_version(getattr(source, "version", None))
+        except BaseException:
+            self._free.insert(0, slot)
+            raise
+        seq.alphas = [LiveAlpha() for _ in seq.sources]
+        seq.prefill_seconds = e.clock() - start
+        self.running.append(seq)
+        return seq
+
+    def _proposer(self, slot: int):
+        if slot not in self._proposers:
+            self._proposers[slot] = self.engine.proposer.fork() if self.engine.proposer is not None else None
+        return self._proposers[slot]
+
+    def cancel(self, seq: Sequence) -> None:
+        """Take a sequence out between steps; the others are untouched."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self._free.append(seq.slot)
+
+    def fail_all(self, error: BaseException) -> list[Sequence]:
+        """End every running sequence with `error` (a fault of the shared step) -> them; the scheduler stays usable."""
+        return [self._end(seq, error) for seq in list(self.running)]
+
+    # ------------------------------------------------------------------------------------------ the step
+    def step(self) -> list[Sequence]:
+        """Advance every running sequence by one step -> the sequences that finished (`result`) or failed (`error`)."""
+        e = self.engine
+        decoding = [s for s in self.running if self.slots.length(s.slot) >= s.prefill_target]
+        prefilling = [s for s in self.running if self.slots.length(s.slot) < s.prefill_target]
+        t0 = e.clock()
+        plans, failed = self._propose(decoding, bool(prefilling))  # [(seq, proposal, source index, draft seconds)]
+        feeds = [Feed(s.slot, s.tokens[self.slots.length(s.slot):] + p.tokens, p.k + 1) for s, p, _, _ in plans]
+        decode_rows = sum(len(f.tokens) for f in feeds)
+        budget = max(self.prefill_rows - decode_rows, MIN_PREFILL_ROWS) if decoding else ALONE_PREFILL_ROWS
+        feeds += self._prefill_feeds(prefilling, budget)
+        t1 = e.clock()
+        try:
+            logits = self.slots.feed(feeds)  # one pass over the weights for every row of every sequence
+        except Exception as err:  # noqa: BLE001 - the shared pass failed: every sequence in it gets the error
+            return failed + self.fail_all(err)
+        t2 = e.clock()
+        rows = sum(len(f.tokens) for f in feeds)
+        self._record(rows, decode_rows, t2 - t1, alone=len(self.running) == 1, plans=plans)
+        for s in prefilling:
+            s.prefill_seconds += t2 - t0
+        done = failed
+        for (seq, proposal, source, t_draft), target_logits in zip(plans, logits):
+            try:
+                if self._commit(seq, proposal, source, target_logits, t_draft, t2 - t1):
+                    done.append(self._end(seq))
+            except Exception as err:  # noqa: BLE001 - a failure of one sequence (its text callback, its stopping)
+                done.append(self._end(seq, err))
+        return done
+
+    def _propose(self, decoding: list[Sequence], prefilling: bool):
+        plans, failed = [], []
+        if len(decoding) == 1 and not prefilling and len(self.running) == 1:
+            seq = decoding[0]
+            try:
+                plans.append(self._propose_alone(seq))
+            except Exception as err:  # noqa: BLE001
+                failed.append(self._end(seq, err))
+            return plans, failed
+        asked = []
+        for seq in decoding:
+            try:
+                asked.append((seq, *self._ask_free_sources(seq)))
+            except Exception as err:  # noqa: BLE001
+                failed.append(self._end(seq, err))
+        caps = [c for _, _, _, _, _, c in asked]
+        ks = caps if not self.engine.spec.adaptive else allocate_k(  # fixed k: every sequence at its cap
+            [a for _, _, _, a, _, _ in asked], [t for _, _, _, _, t, _ in asked], caps, self.engine.row_costs,
+            fixed_rows=min(self.prefill_rows, MIN_PREFILL_ROWS) if prefilling else 0)
+        for (seq, source, proposal, _, _, _), k in zip(asked, ks):
+            try:
+                plans.append(self._draft(seq, source, proposal, self._probe(seq, k, source)))
+            except Exception as err:  # noqa: BLE001
+                failed.append(self._end(seq, err))
+        return plans, failed
+
+    def _propose_alone(self, seq: Sequence):
+        """One sequence alone: the first source whose policy asks for k > 0 and that finds tokens (the engine's
+        single-request rule, policies and all)."""
+        e = self.engine
+        for j, (source, policy) in enumerate(zip(seq.sources, e.policies)):
+            k = policy.choose_k(seq.remaining)
+            if k:
+                t0 = e.clock()
+                proposal = source.propose(seq.tokens, k, seq.sampling, seq.generator)
+                if proposal.k:
+                    return seq, proposal, j, e.clock() - t0
+        return seq, Proposal([]), None, 0.0
+
+    def _ask_free_sources(self, seq: Sequence):
+        """-> (source index, proposal made already or None, alpha, draft seconds per token, cap) for the allocation:
+        the first free source that finds tokens, else the first source that costs draft forwards."""
+        e = self.engine
+        cap = max(0, min(e.k_max, seq.remaining - 1))
+        for j, (source, policy) in enumerate(zip(seq.sources, e.policies)):
+            if cap == 0:
+                break
+            t_draft = policy.t_draft if policy.t_draft is not None else float("inf")
+            alpha = seq.alphas[j].value(policy.alpha)
+            if t_draft < FREE_SECONDS:
+                proposal = source.propose(seq.tokens, cap, seq.sampling, seq.generator)
+                if proposal.k:
+                    return j, proposal, alpha, 0.0, proposal.k
+                continue
+            return j, None, alpha, t_draft, cap
+        return None, None, 0.0, 0.0, 0
+
+    def _probe(self, seq: Sequence, k: int, source: int | None) -> int:
+        """k, or 1 where the sequence has sat at k = 0 for PROBE_EVERY steps with a source to ask."""
+        seq.zero_steps = 0 if k or source is None else seq.zero_steps + 1
+        if seq.zero_steps >= PROBE_EVERY and seq.remaining > 1:
+            seq.zero_steps = 0
+            return 1
+        return k
+
+    def _draft(self, seq: Sequence, source: int | None, proposal: Proposal | None, k: int):
+        e = self.engine
+        if k == 0 or source is None:
+            return seq, Proposal([]), None, 0.0
+        if proposal is not None:  # a free source's proposal, cut to the k allocated
+            probs = proposal.draft_probs[:k] if proposal.draft_probs is not None else None
+            return seq, Proposal(proposal.tokens[:k], probs, proposal.single_token_seconds, proposal.weights), source, 0.0
+        t0 = e.clock()
+        proposal = seq.sources[source].propose(seq.tokens, k, seq.sampling, seq.generator)
+        return seq, proposal, source if proposal.k else None, e.clock() - t0
+
+    def _prefill_feeds(self, prefilling: list[Sequence], budget: int) -> list[Feed]:
+        feeds = []
+        for seq in prefilling:  # in arrival order: the oldest prompt finishes first
+            n = min(budget, seq.prefill_target - self.slots.length(seq.slot))
+            if n <= 0:
+                break
+            start = self.slots.length(seq.slot)
+            feeds.append(Feed(seq.slot, seq.tokens[start : start + n], 0))
+            budget -= n
+        return feeds
+
+    def _commit(self, seq: Sequence, proposal: Proposal, source: int | None, target_logits, t_draft: float,
+                t_target: float) -> bool:
+        """Accept, emit, roll back the rejected tail, observe -> whether the sequence is done."""
+        e, k = self.engine, proposal.k
+        outcome, betas = verify_proposal(target_logits, proposal.tokens, proposal.draft_probs, seq.sampling,
+                                         seq.generator)
+        emitted = proposal.tokens[: outcome.n_accepted] + [outcome.next_token]
+        record = StepRecord(seq.request_id, seq.draft, seq.tokens[:], proposal.tokens, outcome.n_accepted,
+                            outcome.next_token, target_logits, proposal.draft_probs, betas, seq.sampling.temperature,
+                            t_draft, t_target, proposal.weights) if e.observers else None  # copy only when observed
+        seq.tokens += emitted
+        self.slots.rollback(seq.slot, len(seq.tokens) - 1)  # keep the accepted prefix; the last token is pending
+        if k:
+            for s in seq.sources:
+                s.rollback(len(seq.tokens) - 1)
+        if source is not None:
+            e.policies[source].observe(k, outcome.n_accepted, proposal.single_token_seconds or [])
+            seq.alphas[source].observe(k, outcome.n_accepted)
+        seq.counters.add_step(k, outcome.n_accepted, len(emitted), betas, t_draft, t_target)
+        seq.steps.append((k, outcome.n_accepted))
+        self.stats.accepted += outcome.n_accepted
+        self.stats.emitted += len(emitted)
+        for observe in e.observers:
+            observe(record)
+        seq.stopper.extend(emitted)
+        if seq.on_text is not None and len(text := seq.stopper.stable_text()) > len(seq.sent):
+            seq.on_text(text[len(seq.sent):])
+            seq.sent = text
+        return seq.finished
+
+    def _record(self, rows: int, decode_rows: int, seconds: float, alone: bool, plans) -> None:
+        e, st = self.engine, self.stats
+        if alone and plans and rows == decode_rows:  # one sequence decoding: the per-k costs the policies read
+            e.target_costs.observe(plans[0][1].k, seconds)
+        elif rows:
+            e.row_costs.observe(rows, seconds)
+        st.steps += 1
+        st.rows += rows
+        st.decode_rows += decode_rows
+        st.prefill_rows += rows - decode_rows
+        st.seconds += seconds
+        st.sequence_steps += len(plans)
+        st.proposed += sum(p.k for _, p, _, _ in plans)
+        st.last_rows, st.last_seconds = rows, seconds
+
+    def _end(self, seq: Sequence, error: BaseException | None = None) -> Sequence:
+        """The sequence leaves: its slot is freed; a finished one gets its result (and is counted in the metrics)."""
+        self.cancel(seq)
+        seq.error = error
+        if error is None:
+            self.engine.metrics.record(seq.draft, seq.counters)
+            seq.result = GenerationResult(seq.request_id, seq.prompt, seq.stopper.token_ids, seq.stopper.text,
+                                          seq.stopper.finish_reason, seq.draft, seq.counters,
+                                          self.engine.clock() - seq.started, seq.steps, seq.prefill_seconds)
+        return seq

@@ -1,0 +1,59 @@
+"""The goodput allocation (schedule/goodput.py): pure functions on known costs."""
+import pytest
+
+from osd.schedule.goodput import RowCosts, allocate_k, goodput
+from osd.speed_model import expected_tokens
+
+
+def q4_like(rows: int) -> float:
+    """A pass that is memory-bound: 8 rows cost 1.7x one, then each further row its share (osd bench rows)."""
+    return 1.0 + 0.1 * (min(rows, 8) - 1) + 0.2 * max(0, rows - 8)
+
+
+def saturated(rows: int) -> float:
+    """A machine with no room left: every row costs its full share."""
+    return float(rows)
+
+
+def test_a_lone_sequence_speculates_where_rows_are_cheap_and_the_draft_accepts():
+    assert allocate_k([0.8], [0.02], [6], q4_like) == [max(range(7), key=lambda k: expected_tokens(0.8, k) / (q4_like(k + 1) + 0.02 * k))]
+    assert allocate_k([0.8], [0.02], [6], q4_like)[0] >= 3
+
+
+def test_speculation_backs_off_to_k_zero_when_the_step_cost_grows_with_rows():
+    assert allocate_k([0.6] * 8, [0.0] * 8, [6] * 8, saturated) == [0] * 8
+    assert allocate_k([0.6] * 8, [0.05] * 8, [6] * 8, saturated) == [0] * 8
+
+
+def test_under_load_the_better_accepting_sequences_get_the_rows():
+    ks = allocate_k([0.9, 0.2, 0.9, 0.2], [0.0] * 4, [6] * 4, q4_like)
+    assert ks[0] > ks[1] and ks[2] > ks[3] and ks[1] == ks[3] == 0
+
+
+def test_a_cap_is_never_exceeded_and_the_result_is_a_local_optimum():
+    alphas, costs, caps = [0.95, 0.7, 0.5], [0.01, 0.0, 0.02], [2, 6, 1]
+    ks = allocate_k(alphas, costs, caps, q4_like)
+    assert all(0 <= k <= c for k, c in zip(ks, caps))
+    best = goodput(alphas, ks, costs, q4_like)
+    for i in range(3):
+        for d in (-1, 1):
+            other = list(ks)
+            other[i] += d
+            if 0 <= other[i] <= caps[i]:
+                assert goodput(alphas, other, costs, q4_like) <= best + 1e-12
+
+
+def test_a_k_two_that_pays_is_found_past_a_k_one_that_does_not():
+    # rows come in pairs of cost: 1 and 2 rows cost the same, 3 rows far more; the draft costs nothing
+    steps = lambda rows: {1: 1.0, 2: 2.0, 3: 2.0}.get(rows, float(rows))
+    assert allocate_k([0.9], [0.0], [2], steps) == [2]
+
+
+def test_row_costs_interpolate_between_and_extrapolate_beyond_what_was_measured():
+    costs = RowCosts()
+    assert costs(4) == 4.0  # nothing measured: proportional
+    costs.calibrate({1: 1.0, 8: 1.7, 64: 6.0})
+    assert costs(8) == 1.7 and costs(4) == pytest.approx(1.0 + 0.7 * 3 / 7)
+    assert costs(128) == pytest.approx(6.0 + (6.0 - 1.7) / 56 * 64)
+    costs.observe(8, 2.7)
+    assert costs(8) == pytest.approx(0.8 * 1.7 + 0.2 * 2.7)

@@ -1,0 +1,218 @@
+"""The scheduler (schedule/scheduler.py): many sequences per step, each one's output what it gets alone.
+
+Tiny seeded torch models (a CachedModel per slot) and the tiny Q4 GGUF (Q4Slots: one pass over the weights for every
+row of every sequence). The reference is always the same engine's `generate`, one request alone, so a row of one
+sequence leaking into another's cache, a slot reused without its reset, a wrong pending token or a proposal verified
+against another sequence's logits shows as a changed answer.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import EOS, require_module, skip_or_fail, tiny_qwen2
+
+from osd.config import SamplingConfig, SpeculationConfig
+from osd.drafts import DraftRegistry, weights_fingerprint
+from osd.engine import SpeculativeEngine
+from osd.errors import InvalidArgument
+from osd.propose import DraftModelProposer
+from osd.propose.ngram import LookupThenDraft, NgramProposer
+
+PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15], [20], [3, 4, 3, 4, 3, 4, 3], [30, 31, 32, 33] * 5, [8, 9]]
+NEW_TOKENS = [24, 9, 30, 16, 12, 20]
+
+
+def engine_over(target, draft, k=4, adaptive=False, max_batch=4, lookup=False, prefill_rows=64, vocab=None):
+    registry = DraftRegistry()
+    registry.publish("draft", draft)
+    vocab = vocab or target.config.vocab_size
+    proposer = DraftModelProposer(registry, "draft", vocab) if draft is not None else None
+    if lookup:
+        proposer = LookupThenDraft(NgramProposer(vocab), proposer)
+    spec = SpeculationConfig(k=k, adaptive=adaptive, max_batch=max_batch, prefill_rows=prefill_rows)
+    return SpeculativeEngine(target, _Tok(), proposer, spec), registry
+
+
+class _Tok:
+    eos_token_id = EOS
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def run_batched(engine, prompts, sampling, join_every=2):
+    """Admit the prompts in order, one more every `join_every` steps while there is room; step until all are done.
+    -> (request index -> result, the largest number of sequences that shared a step)."""
+    sched, pending, results, by_seq, most, steps = engine.scheduler, list(enumerate(prompts)), {}, {}, 0, 0
+    while pending or sched.running:
+        if pending and len(sched.running) < sched.capacity and steps % join_every == 0:
+            i, prompt = pending.pop(0)
+            by_seq[id(sched.add(prompt, sampling[i]))] = i
+        most = max(most, len(sched.running))
+        for seq in sched.step():
+            assert seq.error is None, seq.error
+            results[by_seq[id(seq)]] = seq.result
+        steps += 1
+    return results, most
+
+
+def alone(engine, prompts, sampling):
+    return [engine.generate(p, s) for p, s in zip(prompts, sampling)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_qwen2(seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_qwen2(seed=1)
+
+
+GREEDY = [SamplingConfig(max_new_tokens=n) for n in NEW_TOKENS]
+
+
+@pytest.mark.parametrize("k, lookup", [(0, False), (3, False), (5, True)])
+def test_batched_greedy_equals_each_request_alone_with_joins_and_leaves(target, draft, k, lookup):
+    engine, _ = engine_over(target, draft, k=k, lookup=lookup)
+    want = [r.token_ids for r in alone(engine, PROMPTS, GREEDY)]
+    got, most = run_batched(engine, PROMPTS, GREEDY)
+    assert most == engine.scheduler.capacity == 4  # sequences really shared steps
+    assert [got[i].token_ids for i in range(len(PROMPTS))] == want
+
+
+def test_adaptive_batched_greedy_equals_alone(target, draft):
+    """The goodput allocation picks other k than the single-request policy: output stays the same."""
+    engine, _ = engine_over(target, draft, k=5, adaptive=True)
+    engine.calibrate(context_len=16, repeats=1)
+    want = [r.token_ids for r in alone(engine, PROMPTS, GREEDY)]
+    got, _ = run_batched(engine, PROMPTS, GREEDY, join_every=1)
+    assert [got[i].token_ids for i in range(len(PROMPTS))] == want
+
+
+def test_sampled_output_in_a_batch_is_the_one_the_request_samples_alone(target, draft):
+    """Sampling (seeded, fixed k): each sequence's acceptance draws from its own generator over its own logits, so a
+    request's sampled tokens in a batch are exactly those it samples alone: its law is the lossless one that
+    tests/verify/test_lossless_sampling.py checks for a request alone, whatever shares its steps."""
+    engine, _ = engine_over(target, draft, k=3)
+    sampling = [SamplingConfig(temperature=t, top_k=tk, top_p=tp, max_new_tokens=n, seed=i)
+                for i, (t, tk, tp, n) in enumerate([(1.0, 0, 1.0, 20), (0.7, 5, 1.0, 14), (1.3, 0, 0.8, 25),
+                                                     (0.0, 0, 1.0, 10), (1.0, 0, 1.0, 18), (0.9, 3, 0.9, 12)])]
+    want = [r.token_ids for r in alone(engine, PROMPTS, sampling)]
+    got, _ = run_batched(engine, PROMPTS, sampling, join_every=1)
+    assert [got[i].token_ids for i in range(len(PROMPTS))] == want
+    assert len({tuple(w) for w in want}) == len(want)
+
+
+def test_a_cancelled_sequence_leaves_the_others_unchanged(target, draft):
+    engine, _ = engine_over(target, draft, k=3, max_batch=3)
+    want = alone(engine, PROMPTS[:3], GREEDY[:3])
+    sched = engine.scheduler
+    seqs = [sched.add(p, s) for p, s in zip(PROMPTS[:3], GREEDY[:3])]
+    sched.step(), sched.step()
+    sched.cancel(seqs[1])
+    assert seqs[1] not in sched.running and len(sched._free) == 1
+    done = {}
+    while sched.running:
+        done.update({id(s): s for s in sched.step()})
+    assert [done[id(seqs[i])].result.token_ids for i in (0, 2)] == [want[0].token_ids, want[2].token_ids]
+
+
+def test_a_bad_request_fails_alone(target, draft):
+    engine, _ = engine_over(target, draft, k=3, max_batch=3)
+    want = alone(engine, PROMPTS[:2], GREEDY[:2])
+    sched = engine.scheduler
+    good = sched.add(PROMPTS[0], GREEDY[0])
+    with pytest.raises(InvalidArgument):
+        sched.add([5, 10_000], GREEDY[1])  # a token outside the vocabulary: refused at admission, nothing taken
+    assert len(sched._free) == 2
+
+    def broken(text):
+        raise RuntimeError("the client callback failed")
+
+    bad = sched.add(PROMPTS[2], GREEDY[2], on_text=broken)
+    other = sched.add(PROMPTS[1], GREEDY[1])
+    finished = []
+    while sched.running:
+        finished += sched.step()
+    assert bad.error is not None and "callback failed" in str(bad.error) and bad.result is None
+    assert good.result.token_ids == want[0].token_ids and other.result.token_ids == want[1].token_ids
+    assert len(sched._free) == 3
+
+
+def test_greedy_in_a_batch_on_the_q4_kernel_equals_alone(tiny_q4):
+    from tests.models.tiny_gguf import PROMPT, tiny_torch_model
+
+    runner, vocab = tiny_q4
+    engine, _ = engine_over(runner, tiny_torch_model(3), k=4, max_batch=4, lookup=True, vocab=vocab,
+                            prefill_rows=8)  # small prefill chunks: prompts are fed across steps, beside decoding
+    prompts = [PROMPT, PROMPT[:7], PROMPT[3:] + [33, 10], [10], PROMPT[::-1], PROMPT[5:12] * 3]
+    sampling = [SamplingConfig(max_new_tokens=n) for n in (12, 5, 20, 9, 15, 7)]
+    want = [r.token_ids for r in alone(engine, prompts, sampling)]
+    got, most = run_batched(engine, prompts, sampling, join_every=1)
+    assert most == 4 and engine.scheduler.stats.prefill_rows > 0
+    assert [got[i].token_ids for i in range(len(prompts))] == want
+
+
+def test_chunked_prefill_beside_decoding_gives_the_logits_of_a_whole_prefill(tiny_q4):
+    """Q4Slots: a prompt fed in chunks in the same passes as another slot's decode rows leaves bitwise the cache
+    (and so the logits) that feeding it whole leaves."""
+    from osd.models.slots import Feed, Q4Slots
+    from tests.models.tiny_gguf import PROMPT
+
+    runner, _ = tiny_q4
+    slots = Q4Slots(runner, 3)
+    prompt = PROMPT + PROMPT[::-1]
+    whole = slots.feed([Feed(1, prompt, 1)])[0]
+    slots.reset(1)
+    slots.feed([Feed(2, PROMPT[:5], 1)])
+    for start in range(0, len(prompt) - 1, 5):
+        chunk = prompt[start : min(start + 5, len(prompt) - 1)]
+        slots.feed([Feed(2, [PROMPT[5 + start % 7]], 1), Feed(1, chunk, 0)])
+    chunked = slots.feed([Feed(1, prompt[-1:], 1)])[0]
+    assert torch.equal(whole, chunked)
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tiny):
+    require_module("llama_cpp")
+    from osd.models import q4
+    from osd.models.q4_runner import Q4Runner
+    from tests.models.tiny_gguf import VOCAB
+
+    if not q4.available():
+        skip_or_fail("Q4 kernel unavailable on this machine")
+    return Q4Runner(tiny[0], n_ctx=256), VOCAB
+
+
+from tests.models.tiny_gguf import tiny  # noqa: E402,F401  (a fixture)
+
+
+def test_each_request_sees_one_draft_version_while_the_draft_is_swapped_between_steps(target, draft):
+    """A new draft version published in the middle of a batch: sequences admitted before keep the snapshot they
+    began with (every step of a request shows one weights fingerprint), sequences admitted after use the new one."""
+    engine, registry = engine_over(target, draft, k=3, max_batch=3)
+    records = []
+    engine.observers.append(records.append)
+    sched = engine.scheduler
+    first = [sched.add(p, s) for p, s in zip(PROMPTS[:2], GREEDY[:2])]
+    sched.step()
+    newer = copy.deepcopy(draft)
+    with torch.no_grad():
+        for p in newer.parameters():
+            p.add_(0.01)
+    registry.publish("draft", newer)  # between steps, while two requests run
+    late = sched.add(PROMPTS[2], GREEDY[2])
+    while sched.running:
+        sched.step()
+    by_request = {}
+    for r in records:
+        if r.draft_weights:
+            by_request.setdefault(r.request_id, set()).add(r.draft_weights)
+    for seq in first:
+        assert by_request[seq.request_id] == {f"draft@v{seq.draft[1]}:{weights_fingerprint(draft)}"}
+    assert late.draft[1] == first[0].draft[1] + 1
+    assert by_request[late.request_id] == {f"draft@v{late.draft[1]}:{weights_fingerprint(newer)}"}
