@@ -13,6 +13,7 @@ acceptance and tokens per step from the responses' `osd` fields and the server's
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import sys
 import time
@@ -158,14 +159,17 @@ def run_compare(config: CompareConfig) -> dict:
     url = f"http://127.0.0.1:{config.port}"
     records, texts = [], {}
     for arm in config.arms:
+        env = None
         if arm == "llama-server":
-            command = llama_server_command(ensure_llama_server(), config.gguf, config.port, config.threads,
-                                           max(config.levels), config.n_ctx)
+            binary = ensure_llama_server()
+            command = llama_server_command(binary, config.gguf, config.port, config.threads, max(config.levels),
+                                           config.n_ctx)
+            env = dict(os.environ, LD_LIBRARY_PATH=f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}")
         else:
             shutil.rmtree(config.logs / f"ckpt-{arm}", ignore_errors=True)  # every learning arm starts fresh
             command = osd_command(arm, config)
         print(f"[serve-vs] {arm}: {' '.join(command)}", flush=True)
-        with running(command, url, config.logs / f"{arm}.log") as process:
+        with running(command, url, config.logs / f"{arm}.log", env) as process:
             arm_records, texts[arm] = asyncio.run(measure_server(arm, arm == "osd-learning", url, process.pid, config))
         for r in arm_records:
             r["server"], r["command"] = arm, " ".join(command)

@@ -75,11 +75,12 @@ class Lifecycle:
 
 
 def create_app(engine, tokenizer, model_name: str, learner=None, settings: ServeSettings | None = None,
-               routing=None) -> FastAPI:
-    """routing: several drafts and their router (route/system.py), or None (the engine's one proposer)."""
+               routing=None, worker_thread: bool = True) -> FastAPI:
+    """routing: several drafts and their router (route/system.py), or None (the engine's one proposer).
+    worker_thread=False: the caller runs the model work itself (`app.state.worker.run_here()`, serve/cli.py)."""
     settings = settings or ServeSettings()
     model_name = settings.model_name or model_name
-    worker, metrics = Worker(engine), ServeMetrics()
+    worker, metrics = Worker(engine, own_thread=worker_thread), ServeMetrics()
     metrics.attach(engine.metrics, learner, lambda: worker.depth, engine=engine)
     if routing is not None:
         from osd.route.metrics import RouteCollector
@@ -97,7 +98,7 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
             await asyncio.to_thread(lifecycle.stop)
 
     app = FastAPI(title="osd", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan)
-    app.state.lifecycle, app.state.settings, app.state.metrics = lifecycle, settings, metrics
+    app.state.lifecycle, app.state.settings, app.state.metrics, app.state.worker = lifecycle, settings, metrics, worker
     errors.install(app)
     auth = [Depends(_api_key_check(settings.api_key))]
 

@@ -84,15 +84,28 @@ def cmd_serve(args) -> None:
 
 
 def serve(engine, tokenizer, model_name: str, settings: ServeSettings, learner=None, routing=None) -> None:
-    """Run the server until SIGINT/SIGTERM; shutdown finishes the running request, then stops the learner."""
+    """Run the server until SIGINT/SIGTERM; shutdown cancels the running requests, then stops the learner.
+    The model work runs on this (the main) thread, the HTTP server on another (serve/worker.py says why)."""
+    import signal
+    import threading
+
     import uvicorn
 
     from osd.serve.app import create_app
 
-    app = create_app(engine, tokenizer, model_name, learner=learner, settings=settings, routing=routing)
+    app = create_app(engine, tokenizer, model_name, learner=learner, settings=settings, routing=routing,
+                     worker_thread=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                                           timeout_graceful_shutdown=30))
+    http = threading.Thread(target=server.run, name="osd-http", daemon=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    http.start()
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=30)
+        app.state.worker.run_here(keep_going=http.is_alive)  # until the lifespan's shutdown stops the worker
     finally:
+        server.should_exit = True
+        http.join(60)
         app.state.lifecycle.stop()  # idempotent: normally done already by the lifespan shutdown
 
 

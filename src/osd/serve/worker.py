@@ -48,21 +48,35 @@ class Job:
 
 
 class Worker:
-    """Runs submitted jobs on the engine's scheduler, many at once, on a single daemon thread."""
+    """Runs submitted jobs on the engine's scheduler, many at once, on one thread: its own daemon thread (`start`), or
+    the thread that calls `run_here` (`osd serve` runs it on the main thread, the HTTP server on another).
 
-    def __init__(self, engine):
-        self.engine, self.scheduler = engine, engine.scheduler
+    Why the main thread: the model's kernels parallelise with OpenMP, whose thread team belongs to the thread that
+    calls them; the main thread's team (which loaded and calibrated the model) stays, and a second team on another
+    thread competes with it for the 2 cores: one target token took 40-48 ms from a worker thread against 31-36 ms
+    from the main thread here (AMD EPYC, 2 cores), which is most of the serving path's loss against `osd bench speed`.
+    """
+
+    def __init__(self, engine, own_thread: bool = True):
+        self.engine, self.scheduler, self.own_thread = engine, engine.scheduler, own_thread
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._closing = False
         self._gate = threading.RLock()  # no job can slip in behind the stop sentinel
         self._jobs: dict[int, Job] = {}  # id(sequence) -> its job, while it runs
+        self._done = threading.Event()  # set when the loop has ended
 
     def start(self) -> None:
         with self._gate:
-            if self._thread is None:
+            if self._thread is None and self.own_thread:
                 self._thread = threading.Thread(target=self._run, name="osd-serve-worker", daemon=True)
                 self._thread.start()
+
+    def run_here(self, keep_going=lambda: True) -> None:
+        """Run the jobs on the calling thread until `stop` (or until keep_going() turns false: the HTTP server died)."""
+        with self._gate:
+            self._thread = threading.current_thread()
+        self._run(keep_going)
 
     def stop(self, timeout: float | None = 60.0, cancel_running: bool = False) -> None:
         """Refuse new jobs and fail the queued ones; the running ones finish unless cancel_running
@@ -73,12 +87,12 @@ class Worker:
             if cancel_running:
                 for job in list(self._jobs.values()):
                     job.cancelled = True
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._done.wait(timeout)  # the loop answered what was left (whichever thread runs it)
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and not self._done.is_set()
 
     @property
     def depth(self) -> int:
@@ -98,10 +112,10 @@ class Worker:
             self._queue.put(job)
         return job
 
-    def _run(self) -> None:
+    def _run(self, keep_going=lambda: True) -> None:
         stopping = False
         while not stopping or self._jobs:
-            stopping = self._admit(block=not self._jobs) or stopping
+            stopping = self._admit(block=not self._jobs) or stopping or not keep_going()
             with self.engine.lock:
                 for seq in [s for s in self.scheduler.running if self._jobs[id(s)].cancelled]:
                     self.scheduler.cancel(seq)
@@ -114,12 +128,13 @@ class Worker:
             for seq in done:
                 self._finish(seq)
         self._fail_queued()
+        self._done.set()
 
     def _admit(self, block: bool) -> bool:
         """Move queued jobs into the scheduler while it has room -> whether the stop sentinel was reached."""
         while len(self._jobs) < self.scheduler.capacity:
             try:
-                job = self._queue.get(block=block)
+                job = self._queue.get(block=block, timeout=0.5 if block else None)  # wakes to check keep_going
             except queue.Empty:
                 return False
             block = False
