@@ -173,6 +173,10 @@ def speculative_engine(system: System, target, spec: SpeculationConfig, draft: s
     if spec.lookup and spec.k > 0:
         proposer = LookupThenDraft(NgramProposer(vocab_size), proposer)
     engine = SpeculativeEngine(target, system.tokenizer, proposer, spec)
+    if getattr(engine.target, "greedy_identity", "exact") != "exact" and proposer is not None:
+        from osd.models.llama_cpp_runner import IDENTITY_NOTE
+
+        say(IDENTITY_NOTE)
     if engine.k_max < spec.k and proposer is not None:
         say(f"k capped at {engine.k_max} (asked {spec.k}): the {type(engine.target).__name__} backend verifies at most "
             f"{engine.k_max + 1} rows bitwise as one row (greedy identity); longer proposals would change outputs")

@@ -485,3 +485,78 @@ def test_engine_first_tokens_pooled_over_k(case):
     pooled = sum((engine_run(case, k).counts for k in ENGINE_KS), Counter())
     law = exact_first_tokens_law(engine_target(), ENGINE_PROMPT, ENGINE_CASES[case])
     assert_same_law(pooled, law, ENGINE_POOLED_TV, f"{case} pooled over k = 1..6")
+
+
+# --- 3. the real proposers: the draft model, the n-gram lookup and the lookup-then-draft chain -----------------------
+# The engine tests above draft with a test-local BigramDraft; these run the same comparison through the proposers osd
+# serves with, so a warping or reporting bug inside them (say, sampling from the top-k/top-p-warped draft but reporting
+# the unwarped one as draft_probs) moves the law. Settings with top-k and top-p make that difference large.
+
+REAL_CASES = {
+    "draft-model": SamplingConfig(temperature=0.8, top_k=3, top_p=0.9),
+    "lookup-then-draft": SamplingConfig(temperature=0.8, top_k=3, top_p=0.9),
+    "lookup": SamplingConfig(temperature=1.0),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def real_draft_model():
+    """The target with noise on its LM head: close enough to be accepted often, different enough to be rejected."""
+    import copy
+
+    draft = copy.deepcopy(engine_target())
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        head = draft.lm_head.weight
+        head.add_(0.5 * head.std() * torch.randn(head.shape, generator=g))
+    return draft
+
+
+def real_proposer(case: str):
+    from osd.drafts import DraftRegistry
+    from osd.propose import DraftModelProposer
+    from osd.propose.ngram import LookupThenDraft, NgramProposer
+
+    registry = DraftRegistry()
+    registry.publish("d", real_draft_model())
+    draft = DraftModelProposer(registry, "d", ENGINE_VOCAB)
+    if case == "draft-model":
+        return draft
+    lookup = NgramProposer(ENGINE_VOCAB, min_n=1, max_n=2)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(40):  # traffic: sequences of the vocabulary, so the lookup finds continuations after any token
+        lookup.observe_request(torch.randint(0, ENGINE_VOCAB, (12,), generator=g).tolist())
+    return lookup if case == "lookup" else LookupThenDraft(lookup, draft)
+
+
+@functools.lru_cache(maxsize=None)
+def real_run(case: str, k: int) -> EngineRun:
+    target, tokenizer, base = engine_target(), ToyTokenizer(), REAL_CASES[case]
+    engine = SpeculativeEngine(target, tokenizer, real_proposer(case), SpeculationConfig(k=k, adaptive=False))
+    stop, first_seed = every_text_of_first_tokens(tokenizer), (100 + list(REAL_CASES).index(case) * 10 + k) * ENGINE_SAMPLES
+    counts, first_steps = Counter(), Counter()
+    for seed in range(first_seed, first_seed + ENGINE_SAMPLES):
+        sampling = replace(base, max_new_tokens=max(k + 1, ENGINE_TOKENS), stop=stop, seed=seed)
+        result = engine.generate(ENGINE_PROMPT, sampling)
+        counts[tuple(result.token_ids)] += 1
+        first_steps[result.steps[0]] += 1
+    return EngineRun(counts, first_steps)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("case", REAL_CASES)
+def test_real_proposers_first_tokens_follow_target_sampling(case, k):
+    """DraftModelProposer, NgramProposer and LookupThenDraft at fixed k: the first 3 tokens follow the target's own
+    sampling law (ENGINE_TV per (case, k), ENGINE_SAMPLES generations), with both accepted and rejected proposals."""
+    run = real_run(case, k)
+    law = exact_first_tokens_law(engine_target(), ENGINE_PROMPT, REAL_CASES[case])
+    assert_same_law(run.counts, law, ENGINE_TV, f"{case} k={k}")
+    accepted = Counter(n for _, n in run.first_steps.elements())
+    assert accepted[0] > 0 and sum(v for n, v in accepted.items() if n > 0) > 0.2 * ENGINE_SAMPLES
+
+
+@pytest.mark.parametrize("case", REAL_CASES)
+def test_real_proposers_pooled_over_k(case):
+    pooled = sum((real_run(case, k).counts for k in (1, 3, 6)), Counter())
+    law = exact_first_tokens_law(engine_target(), ENGINE_PROMPT, REAL_CASES[case])
+    assert_same_law(pooled, law, 0.12, f"{case} pooled over k = 1, 3, 6")

@@ -13,7 +13,8 @@ class CachedModel:
     greedy output does not depend on the k chosen. Over a plain torch model they are not: torch's matmuls,
     attention and SiLU sum differently by row count (differences ~1e-6), which can flip an exact near-tie.
 
-    Limitations: batch size 1; the cache is a transformers DynamicCache (cropping is O(1) views).
+    Limitations: one sequence per instance (models/slots.py RunnerSlots keeps one per slot, fed one after another);
+    the cache is a transformers DynamicCache (cropping is O(1) views).
     """
 
     def __init__(self, model):

@@ -13,7 +13,8 @@ target and tested on a tiny one (tests/models/test_llama_cpp_runner.py): with re
 1..3 rows give identical logits per row, without it 1..7. `max_rows` says which; the engine never
 verifies more rows than that in one step, so target-only (1 row) and speculative steps agree bitwise.
 
-Limitations: one sequence (batch size 1), CPU only, logits are copied out per verified position.
+Limitations: one sequence (the scheduler serves one request at a time on it: models/slots.py), CPU only, logits are
+copied out per verified position.
 """
 from __future__ import annotations
 
@@ -95,6 +96,12 @@ def release_file_pages(path: Path) -> int:
     return advised
 
 
+IDENTITY_NOTE = ("greedy identity on the llama.cpp backend is best-effort: its safe row counts (3 / 7) were measured on a "
+                 "tiny model at context 100, and on the bundled target (AVX-512 build, Intel Xeon) osd's speculative "
+                 "output differed from its own target-only output on 1 of 24 prompts "
+                 "(benchmarks/bench-speed-v2-learned-llama512.json); osd's Q4 kernel (--target-backend osd) is exact")
+
+
 class LlamaCppRunner:
     """A GGUF causal LM on llama.cpp, holding the KV cache of one sequence."""
 
@@ -108,6 +115,7 @@ class LlamaCppRunner:
         mparams = lib.llama_model_default_params()
         mparams.use_extra_bufts = repack  # repacked Q4_K: faster decode, batch-invariant up to 3 rows only
         self.max_rows = 3 if repack else 7  # rows per feed whose logits are bitwise those of 1-row feeds
+        self.greedy_identity = "best-effort"  # IDENTITY_NOTE: measured, not guaranteed
         self._model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not self._model:
             raise ModelNotFound(f"llama.cpp could not load {path} (not a GGUF model it supports? OSD_LLAMA_LOG=1 shows "

@@ -26,7 +26,7 @@ scraper's to derive:
                                                     step = rows / steps, mean k = proposed / sequence_steps, goodput =
                                                     accepted / step_seconds, tokens/s = emitted / step_seconds
   osd_schedule_last_rows, osd_schedule_last_step_seconds   gauges: the latest step
-  osd_engine_info{target_backend,slots,draft_runner,k_limit,k_asked,max_batch}   what serves: the target runner
+  osd_engine_info{target_backend,slots,draft_runner,k_limit,k_asked,max_batch,greedy_identity}   what serves: the target runner
                                                     (Q4Runner, LlamaCppRunner: a fallback where the Q4 kernel cannot
                                                     run), its slots (Q4Slots: one pass for all sequences), the draft
                                                     runner (GlueDraftRunner; CachedModel: the transformers fallback),
@@ -148,7 +148,8 @@ def engine_info(engine) -> dict:
     runners = {type(getattr(s, "runner", None)).__name__ for s in engine.sources if getattr(s, "runner", None)}
     return {"target_backend": type(engine.target).__name__, "slots": type(engine.slots).__name__,
             "draft_runner": ",".join(sorted(runners)) or "none", "k_limit": str(engine.k_max),
-            "k_asked": str(engine.spec.k), "max_batch": str(engine.scheduler.capacity)}
+            "k_asked": str(engine.spec.k), "max_batch": str(engine.scheduler.capacity),
+            "greedy_identity": getattr(engine.target, "greedy_identity", "exact")}
 
 
 def schedule_families(stats) -> list:

@@ -1,0 +1,31 @@
+"""README figures recomputed from the JSON results that back them: a figure that drifts from its file fails here."""
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def result(name: str) -> dict:
+    return json.loads((ROOT / "benchmarks" / name).read_text())
+
+
+def test_llama_cpp_row_costs_are_those_of_bench_kernel():
+    cost = result("bench-kernel.json")["llama_cpp"]["cost_vs_one_row"]  # rows 1..8
+    assert f"against {cost[1]:.2f} / {cost[3]:.2f} / {cost[7]:.2f}x for llama.cpp's forward" in README
+
+
+def test_soak_memory_figures_are_those_of_the_soak_results():
+    bundled = result("bench-soak-bundled-2.json")["server"]
+    assert f"{bundled['rss_after_serial_warmup_bytes'] / 1e9:.2f} GB after the serial warm-up" in README
+    assert f"peaked at {bundled['rss_peak_bytes'] / 1e9:.2f} GB" in README
+    assert f"ended {bundled['rss_growth_from_serial_warmup_pct']:.1f}% above the warm-up" in README
+    assert f"(medians of the two halves of the run {bundled['rss_median_growth_pct']:.1f}%)" in README
+    tiny = result("bench-soak-tiny-4.json")["server"]
+    assert f"RSS ended {tiny['rss_growth_from_serial_warmup_pct']:.1f}% above the warm-up" in README
+
+
+def test_the_llama_cpp_identity_caveat_is_the_recorded_rate():
+    r = result("bench-speed-v2-learned-llama512.json")
+    differing, prompts = r["outputs_differing_from_osd_target"]["osd"], len(r["config"]["prompts"])
+    assert f"differed from its own target-only output on {differing} of {prompts} prompts" in README.replace("\n", " ")
