@@ -46,6 +46,7 @@ class CompareConfig:
     arms: tuple[str, ...] = ("llama-server", "osd", "osd-learning", "osd-target-only")
     osd_args: tuple[str, ...] = ("--lookup",)
     logs: Path = Path("runs/bench-serve-vs")
+    long_prompt: str | None = None  # a ~1,000-token prompt whose prefill speed each server gets measured on
 
 
 def level_prompts(prompts: list[str], levels, per_level: int) -> dict[int, list[str]]:
@@ -122,8 +123,8 @@ def summarise_level(server: str, learning: bool, concurrency: int, samples: list
             "draft_versions": sorted({s.osd.get("draft_version") for s in ok if s.osd}, key=str)}
 
 
-async def measure_server(server: str, learning: bool, url: str, pid: int, config: CompareConfig) -> tuple[list, dict]:
-    """-> (level records, {level: [answer text per prompt]})."""
+async def measure_server(server: str, learning: bool, url: str, pid: int, config: CompareConfig):
+    """-> (level records, {level: [answer text per prompt]}, the prefill record or None)."""
     by_level = level_prompts(config.prompts, config.levels, config.per_level)
     records, texts = [], {}
     async with _client(url, None, 1800.0, max(config.levels) + 2) as client:
@@ -142,7 +143,25 @@ async def measure_server(server: str, learning: bool, url: str, pid: int, config
             print(f"  {server:16s} c={c:<3d} {record['aggregate_tokens_per_s']:.1f} tok/s, TTFT p50 "
                   f"{record['ttft_p50_s'] or 0:.2f} s p95 {record['ttft_p95_s'] or 0:.2f} s, errors {record['errors']}",
                   flush=True)
-    return records, texts
+        prefill = await measure_prefill(client, model, server, learning, config.long_prompt) if config.long_prompt else None
+    return records, texts, prefill
+
+
+async def measure_prefill(client, model: str, server: str, learning: bool, prompt: str, repeats: int = 3) -> dict:
+    """Prompt tokens per second on one long prompt, alone on the server: prompt tokens / time to the first token of a
+    1-token answer (best of `repeats`; each server's own prompt cache is defeated by a distinct first word)."""
+    best = None
+    for i in range(repeats):
+        sample = await one_request(client, *_request_body(model, f"({i}) {prompt}", 1, True))
+        if not sample.ok or not sample.ttft:
+            return {"server": server, "learning": learning, "error": sample.error}
+        if best is None or sample.ttft < best.ttft:
+            best = sample
+    rate = best.prompt_tokens / best.ttft if best.prompt_tokens else None
+    print(f"  {server:16s} prefill: {best.prompt_tokens} prompt tokens, {best.ttft:.2f} s to the first token = "
+          f"{rate or 0:.0f} tokens/s", flush=True)
+    return {"server": server, "learning": learning, "prompt_tokens": best.prompt_tokens,
+            "ttft_s": best.ttft, "prompt_tokens_per_s": rate}
 
 
 def osd_command(arm: str, config: CompareConfig) -> list[str]:
@@ -157,7 +176,7 @@ def run_compare(config: CompareConfig) -> dict:
     if len(config.prompts) < needed:
         raise ValueError(f"{needed} prompts needed (1 warm-up + {config.per_level} per level), {len(config.prompts)} given")
     url = f"http://127.0.0.1:{config.port}"
-    records, texts = [], {}
+    records, texts, prefill = [], {}, []
     for arm in config.arms:
         env = None
         if arm == "llama-server":
@@ -170,11 +189,13 @@ def run_compare(config: CompareConfig) -> dict:
             command = osd_command(arm, config)
         print(f"[serve-vs] {arm}: {' '.join(command)}", flush=True)
         with running(command, url, config.logs / f"{arm}.log", env) as process:
-            arm_records, texts[arm] = asyncio.run(measure_server(arm, arm == "osd-learning", url, process.pid, config))
+            arm_records, texts[arm], arm_prefill = asyncio.run(
+                measure_server(arm, arm == "osd-learning", url, process.pid, config))
         for r in arm_records:
             r["server"], r["command"] = arm, " ".join(command)
         records += arm_records
-    return {"records": records, "identity": identity(texts, config.levels)}
+        prefill += [arm_prefill] if arm_prefill else []
+    return {"records": records, "prefill": prefill, "identity": identity(texts, config.levels)}
 
 
 def identity(texts: dict, levels) -> dict:

@@ -27,6 +27,7 @@ class Sample:
     osd: dict = field(default_factory=dict)
     error: str | None = None
     text: str = ""  # the streamed answer
+    prompt_tokens: int = 0  # from the usage chunk
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -74,6 +75,7 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict) -> Sampl
                 sample.osd = chunk.get("osd") or sample.osd
                 if chunk.get("usage"):
                     sample.completion_tokens = chunk["usage"]["completion_tokens"]
+                    sample.prompt_tokens = chunk["usage"].get("prompt_tokens") or 0
     except httpx.HTTPError as e:
         sample.error = f"{type(e).__name__}: {e}"
         return sample

@@ -112,6 +112,16 @@ def vs_table(result: dict) -> str:
                  [title for _, title in VS_COLUMNS])
 
 
+def prefill_lines(result: dict) -> list[str]:
+    """One line per server: prompt tokens/s on the long prompt, and its ratio to llama-server's."""
+    rows = {r["server"]: r for r in result.get("prefill", []) if r.get("prompt_tokens_per_s")}
+    anchor = rows.get("llama-server", {}).get("prompt_tokens_per_s")
+    return [f"- prefill, {r['prompt_tokens']}-token prompt alone: `{name}` {r['prompt_tokens_per_s']:.0f} prompt tokens/s "
+            f"({r['ttft_s']:.2f} s to the first token)" + (f", {r['prompt_tokens_per_s'] / anchor:.2f}x llama-server"
+                                                          if anchor and name != "llama-server" else "")
+            for name, r in rows.items()]
+
+
 def identity_lines(result: dict) -> list[str]:
     lines = []
     for arm, by_level in result.get("identity", {}).items():
@@ -150,4 +160,4 @@ def report_vs(result: dict, out: str, markdown: str) -> None:
                 f"`{redacted_command(sys.argv[1:])}` on {m['cpu']} ({m['cores']} cores; flags {m['cpu_flags']}); "
                 f"{cfg['per_level']} streaming greedy chat requests per level, {cfg['max_tokens']} tokens, "
                 f"{cfg['threads']} threads, each server alone",
-                [vs_table(result), "\n".join(identity_lines(result))], path, markdown, plot)
+                [vs_table(result), "\n".join(identity_lines(result) + prefill_lines(result))], path, markdown, plot)

@@ -56,6 +56,9 @@ def register(sub, bench) -> None:
     p.add_argument("--arms", nargs="+", default=["llama-server", "osd", "osd-learning", "osd-target-only"],
                    choices=["llama-server", "osd", "osd-learning", "osd-target-only"])
     p.add_argument("--osd-args", default="--lookup", help="more `osd serve` flags for every osd arm (one string)")
+    p.add_argument("--prefill-chars", type=int, default=4000,
+                   help="also time each server's prefill of one long prompt of about this many characters (~1,000 "
+                        "tokens of code test prompts; 0 = skip)")
     p.add_argument("--out", default="benchmarks/bench-serve-vs.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
     p.set_defaults(func=cmd_bench_serve_vs)
@@ -118,6 +121,19 @@ def interleaved_prompts(n: int, domains=("code", "gsm8k", "spider", "chat"), spl
     return [by_domain[i % len(domains)][i // len(domains)] for i in range(n)]
 
 
+def long_prompt(chars: int) -> str:
+    """Code test prompts from the end of the split, joined up to `chars` characters, with a closing ask."""
+    from osd.data import load_records
+
+    parts, total = [], 0
+    for record in reversed(load_records("code", split="test")):
+        parts.append(record["prompt"])
+        total += len(record["prompt"])
+        if total >= chars:
+            break
+    return "Summarise these tasks in one line each:\n\n" + "\n\n".join(parts)
+
+
 def cmd_bench_serve_vs(args) -> None:
     import shlex
 
@@ -133,10 +149,11 @@ def cmd_bench_serve_vs(args) -> None:
     config = CompareConfig(gguf, interleaved_prompts(1 + args.per_level * len(levels)), levels, args.per_level,
                            args.max_tokens, args.threads, args.port, arms=tuple(args.arms),
                            osd_args=tuple(shlex.split(args.osd_args)) + ("--target", args.target))
+    config.long_prompt = long_prompt(args.prefill_chars) if args.prefill_chars else None
     result = run_compare(config)
     result["config"] = {"target": args.target, "gguf": str(gguf), "levels": list(levels), "per_level": args.per_level,
                         "max_tokens": args.max_tokens, "threads": args.threads, "arms": list(args.arms),
-                        "osd_args": args.osd_args, "temperature": 0}
+                        "osd_args": args.osd_args, "temperature": 0, "prefill_chars": args.prefill_chars}
     report_vs(result, args.out, args.markdown)
 
 
