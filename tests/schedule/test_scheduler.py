@@ -216,3 +216,42 @@ def test_each_request_sees_one_draft_version_while_the_draft_is_swapped_between_
         assert by_request[seq.request_id] == {f"draft@v{seq.draft[1]}:{weights_fingerprint(draft)}"}
     assert late.draft[1] == first[0].draft[1] + 1
     assert by_request[late.request_id] == {f"draft@v{late.draft[1]}:{weights_fingerprint(newer)}"}
+
+
+def _sequential(engine, prompts, sampling):
+    """Each request alone through the engine's scheduler, one after another (slots keep what they cached)."""
+    out = []
+    for p, s in zip(prompts, sampling):
+        seq = engine.scheduler.add(p, s)
+        while seq.result is None:
+            engine.scheduler.step()
+        out.append(seq.result.token_ids)
+    return out
+
+
+SHARED = [7, 8, 9, 10, 11, 12, 13]  # a common head, as a chat template's system prompt gives every request
+PREFIXED = [SHARED + [20, 21], SHARED + [22], SHARED[:4] + [30, 31, 32], SHARED + [20, 21, 25], SHARED]
+
+
+def test_a_slot_reuses_the_cached_prefix_of_the_previous_request_and_answers_stay_the_same(target, draft):
+    fresh, _ = engine_over(target, draft, k=3, max_batch=1)  # one slot, the runner's own: never reused
+    want = [r.token_ids for r in alone(fresh, PREFIXED, GREEDY)]
+    assert fresh.scheduler.stats.reused_rows == 0
+    engine, _ = engine_over(target, draft, k=3, max_batch=2)
+    assert _sequential(engine, PREFIXED, GREEDY) == want
+    assert engine.scheduler.stats.reused_rows >= 3 * len(SHARED) - 3
+    got, _ = run_batched(engine, PREFIXED, GREEDY, join_every=1)  # and in a batch
+    assert [got[i].token_ids for i in range(len(PREFIXED))] == want
+
+
+def test_prefix_reuse_on_the_q4_kernel_is_bitwise_a_fresh_prefill(tiny_q4):
+    from tests.models.tiny_gguf import PROMPT, tiny_torch_model
+
+    runner, vocab = tiny_q4
+    prompts = [PROMPT, PROMPT[:12] + [33, 10], PROMPT + [10, 10], PROMPT[:5]]
+    sampling = [SamplingConfig(max_new_tokens=n) for n in (10, 12, 8, 9)]
+    fresh, _ = engine_over(runner, tiny_torch_model(3), k=4, max_batch=1, vocab=vocab)
+    want = [r.token_ids for r in alone(fresh, prompts, sampling)]
+    engine, _ = engine_over(runner, tiny_torch_model(3), k=4, max_batch=2, vocab=vocab)
+    assert _sequential(engine, prompts, sampling) == want
+    assert engine.scheduler.stats.reused_rows >= 12 + 12 + 4  # PROMPT[:12] twice, PROMPT[:4] once

@@ -90,7 +90,12 @@ async def run_level(client, model: str, prompts: list[str], max_tokens: int, con
     async def client_loop():
         while todo:
             i, prompt = todo.pop(0)
-            samples.append((i, await one_request(client, *_request_body(model, prompt, max_tokens, True))))
+            for attempt in range(3):  # a keep-alive connection the server closed before answering: ask again
+                sample = await one_request(client, *_request_body(model, prompt, max_tokens, True))
+                if sample.ok or not (sample.error or "").startswith("RemoteProtocolError") or sample.text:
+                    break
+            sample.retries = attempt
+            samples.append((i, sample))
 
     start = time.perf_counter()
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
@@ -110,6 +115,7 @@ def summarise_level(server: str, learning: bool, concurrency: int, samples: list
     d = lambda name: sched.get(f"osd_schedule_{name}_total")
     return {"server": server, "learning": learning, "concurrency": concurrency, "requests": len(samples),
             "errors": len(samples) - len(ok), "error_examples": [s.error for s in samples if not s.ok][:3],
+            "retried": sum(getattr(s, "retries", 0) for s in samples),
             "wall_seconds": wall, "completion_tokens": tokens,
             "aggregate_tokens_per_s": tokens / wall if wall else None,
             "decode_tokens_per_s_p50": percentile(decode, 50),

@@ -6,7 +6,8 @@ cache per slot and answers:
                          positions (n_logits = 0: prompt rows, no logits); one pass over each weight matrix where
                          the backend can
   rollback(slot, length) keep the first `length` cached tokens of the slot
-  reset(slot), length(slot), n_slots, batched (True: one pass for all feeds), max_rows (per sequence, bitwise)
+  reset(slot), length(slot), n_slots, batched (True: one pass for all feeds), max_rows (per sequence, bitwise),
+  exclusive (True: only these slots write their caches, so a slot's cached prefix may serve the next request)
 
 `Q4Slots`: osd's Q4 kernel (models/q4_runner.py `forward_rows`): the matrices see every row of every slot in one
 pass; norms, RoPE, the cache write and attention run row by row on the row's own slot, so a row's logits are bitwise
@@ -36,8 +37,10 @@ class Feed:
 
 class Q4Slots:
     """`n_slots` KV caches over one Q4Runner's weights; every feed of a step in one forward (one pass per matrix).
-    Slot 0 is the runner's own cache (its `length` stays what a single request leaves, as on the other backends);
-    the other slots' caches are allocated on first use, their pages touched only as they fill."""
+    With one slot, that slot is the runner's own cache (its `length` stays what a single request leaves, as on the
+    other backends; others may feed it: `exclusive` is False). With several, every slot has a cache of its own,
+    allocated on first use (pages touched only as they fill), which nothing else writes: `exclusive`, so the scheduler
+    may reuse what a slot holds for the next request with the same prefix."""
 
     batched = True
 
@@ -45,14 +48,15 @@ class Q4Slots:
         self.runner, self.n_slots = runner, int(n_slots)
         self.max_rows = runner.max_rows
         self.context_window = min(n_ctx or runner.context_window, runner.context_window)
-        self._caches: list = [runner._kv] + [None] * (self.n_slots - 1)
-        self._lengths = [0] * self.n_slots  # slot 0's is the runner's
+        self.exclusive = self.n_slots > 1
+        self._caches: list = [None if self.exclusive else runner._kv] + [None] * (self.n_slots - 1)
+        self._lengths = [0] * self.n_slots  # slot 0's is the runner's unless exclusive
 
     def length(self, slot: int) -> int:
-        return self.runner.length if slot == 0 else self._lengths[slot]
+        return self.runner.length if slot == 0 and not self.exclusive else self._lengths[slot]
 
     def _set_length(self, slot: int, length: int) -> None:
-        if slot == 0:
+        if slot == 0 and not self.exclusive:
             self.runner.length = length
         else:
             self._lengths[slot] = length
@@ -104,8 +108,9 @@ class RunnerSlots:
 
     batched = False
 
-    def __init__(self, runners: list):
-        self.runners, self.n_slots = runners, len(runners)
+    def __init__(self, runners: list, exclusive: bool = False):
+        """exclusive: nothing but these slots feeds the runners (the scheduler may reuse a slot's cached prefix)."""
+        self.runners, self.n_slots, self.exclusive = runners, len(runners), exclusive
         self.max_rows = getattr(runners[0], "max_rows", None)
         self.context_window = runners[0].context_window
 
@@ -143,5 +148,7 @@ def slots_for(target, n_slots: int) -> Q4Slots | RunnerSlots:
     if isinstance(target, Q4Runner):
         return Q4Slots(target, n_slots)
     if isinstance(target, CachedModel):
-        return RunnerSlots([target] + [CachedModel(target.model) for _ in range(n_slots - 1)])
+        if n_slots == 1:
+            return RunnerSlots.single(target)
+        return RunnerSlots([CachedModel(target.model) for _ in range(n_slots)], exclusive=True)
     return RunnerSlots.single(target)

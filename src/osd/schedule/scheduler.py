@@ -36,6 +36,7 @@ from osd.verify.step import verify_proposal
 
 ALONE_PREFILL_ROWS = 512  # prompt rows per step while no sequence decodes (Q4Slots runs them in chunk_rows chunks)
 MIN_PREFILL_ROWS = 16  # prompt rows per step however many decode rows share it: a prompt always advances
+MAX_PREFILL_ROWS = 256  # prompt rows per step beside decoding sequences, however many prompts wait
 PROBE_EVERY = 16  # a sequence held at k = 0 this many steps proposes once (evidence for a better draft version)
 FREE_SECONDS = 1e-4  # a source whose proposal costs less than this per token is asked before the allocation
 
@@ -54,6 +55,7 @@ class StepStats:
     proposed: int = 0
     last_rows: int = 0
     last_seconds: float = 0.0
+    reused_rows: int = 0  # prompt tokens whose keys/values a slot held already (prefix reuse)
 
 
 class Scheduler:
@@ -67,6 +69,7 @@ class Scheduler:
         self.capacity = self.slots.n_slots if engine.proposer is None or forkable(engine.proposer) else 1
         self._free = list(range(self.capacity))
         self._proposers = {0: engine.proposer}  # slot -> its proposer: slot 0 the engine's own, the others forks
+        self._held: dict[int, list[int]] = {}  # slot -> the tokens its cache holds (exclusive slots only)
 
     # ------------------------------------------------------------------------------------------ admission
     def add(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str | None = None,
@@ -76,13 +79,15 @@ class Scheduler:
         e.check(prompt_ids, sampling)
         if not self._free:
             raise RuntimeError("no free sequence slot: add only while len(running) < capacity")
-        slot, start = self._free.pop(0), e.clock()
+        slot, reused = self._slot_for(prompt_ids)
+        start = e.clock()
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         proposer = self._proposer(slot)
         seq = Sequence(request_id or uuid.uuid4().hex[:12], list(prompt_ids), sampling, slot, proposer,
                        StopChecker(e.tokenizer, e.eos_ids, sampling.max_new_tokens, sampling.stop), generator,
                        on_text, start, list(prompt_ids))
-        self.slots.reset(slot)
+        self.slots.rollback(slot, reused) if reused else self.slots.reset(slot)
+        self.stats.reused_rows += reused
         try:
             if proposer is not None:
                 proposer.begin(seq.tokens)  # the draft's snapshot (one version per request) and its prompt prefill
@@ -98,16 +103,37 @@ class Scheduler:
         self.running.append(seq)
         return seq
 
+    def _slot_for(self, prompt: list[int]) -> tuple[int, int]:
+        """A free slot, taken from the free list -> (slot, prompt tokens its cache holds already). Prefix reuse: the
+        free slot whose held tokens share the longest prefix with the prompt (all but its last token, which is fed
+        with the first proposals); its keys/values at those positions are bitwise what feeding them again would give
+        (rows are computed independently), so the request's output is unchanged and its prefill shorter (llama.cpp's
+        server does the same per slot)."""
+        def shared(slot: int) -> int:
+            held, n = self._held.get(slot, []), 0
+            for a, b in zip(held, prompt[:-1]):
+                if a != b:
+                    break
+                n += 1
+            return n
+
+        slot = max(self._free, key=shared) if self.slots.exclusive else self._free[0]
+        self._free.remove(slot)
+        return slot, shared(slot) if self.slots.exclusive else 0
+
     def _proposer(self, slot: int):
         if slot not in self._proposers:
             self._proposers[slot] = self.engine.proposer.fork() if self.engine.proposer is not None else None
         return self._proposers[slot]
 
     def cancel(self, seq: Sequence) -> None:
-        """Take a sequence out between steps; the others are untouched."""
+        """Take a sequence out between steps; the others are untouched. Its slot keeps what it cached (exclusive
+        slots: a later request with the same prefix reuses it)."""
         if seq in self.running:
             self.running.remove(seq)
             self._free.append(seq.slot)
+            if self.slots.exclusive:
+                self._held[seq.slot] = seq.tokens[: self.slots.length(seq.slot)]
 
     def fail_all(self, error: BaseException) -> list[Sequence]:
         """End every running sequence with `error` (a fault of the shared step) -> them; the scheduler stays usable."""
@@ -123,12 +149,13 @@ class Scheduler:
         plans, failed = self._propose(decoding, bool(prefilling))  # [(seq, proposal, source index, draft seconds)]
         feeds = [Feed(s.slot, s.tokens[self.slots.length(s.slot):] + p.tokens, p.k + 1) for s, p, _, _ in plans]
         decode_rows = sum(len(f.tokens) for f in feeds)
-        budget = max(self.prefill_rows - decode_rows, MIN_PREFILL_ROWS) if decoding else ALONE_PREFILL_ROWS
-        feeds += self._prefill_feeds(prefilling, budget)
+        feeds += self._prefill_feeds(prefilling, self._prefill_budget(decode_rows, len(prefilling)) if decoding
+                                     else ALONE_PREFILL_ROWS)
         t1 = e.clock()
         try:
             logits = self.slots.feed(feeds)  # one pass over the weights for every row of every sequence
         except Exception as err:  # noqa: BLE001 - the shared pass failed: every sequence in it gets the error
+            self._held.clear()  # what the caches hold is no longer known for sure
             return failed + self.fail_all(err)
         t2 = e.clock()
         rows = sum(len(f.tokens) for f in feeds)
@@ -219,6 +246,12 @@ class Scheduler:
         t0 = e.clock()
         proposal = seq.sources[source].propose(seq.tokens, k, seq.sampling, seq.generator)
         return seq, proposal, source if proposal.k else None, e.clock() - t0
+
+    def _prefill_budget(self, decode_rows: int, waiting: int) -> int:
+        """Prompt rows beside decoding sequences: prefill_rows less the decode rows (at least MIN_PREFILL_ROWS) for
+        each prompt waiting, up to MAX_PREFILL_ROWS: one new request barely slows the others' tokens, while a burst
+        of arrivals is fed about as fast as a prefill-first server would (its last prompt's wait, TTFT p95)."""
+        return min(max(self.prefill_rows - decode_rows, MIN_PREFILL_ROWS) * waiting, MAX_PREFILL_ROWS)
 
     def _prefill_feeds(self, prefilling: list[Sequence], budget: int) -> list[Feed]:
         feeds = []

@@ -21,7 +21,8 @@ scraper's to derive:
                                                     or "not_loaded" (no model asked for them yet)
   osd_kernel_fallback{use}                          gauge, 1 per use that runs on torch's kernels instead of ours
   osd_sequences_running, osd_sequence_capacity      gauges: sequences in the scheduler now, and its room
-  osd_schedule_{steps,rows,prefill_rows,sequence_steps,proposed,accepted,emitted}_total, ..._step_seconds_total
+  osd_schedule_{steps,rows,prefill_rows,reused_rows,sequence_steps,proposed,accepted,emitted}_total, and
+  osd_schedule_step_seconds_total                   (reused_rows: prompt tokens a slot's cache held already)
                                                     the scheduler's steps (schedule/scheduler.py StepStats): rows per
                                                     step = rows / steps, mean k = proposed / sequence_steps, goodput =
                                                     accepted / step_seconds, tokens/s = emitted / step_seconds
@@ -154,7 +155,7 @@ def engine_info(engine) -> dict:
 
 def schedule_families(stats) -> list:
     families = []
-    for name in ("steps", "rows", "prefill_rows", "sequence_steps", "proposed", "accepted", "emitted"):
+    for name in ("steps", "rows", "prefill_rows", "reused_rows", "sequence_steps", "proposed", "accepted", "emitted"):
         families.append(CounterMetricFamily(f"osd_schedule_{name}", f"Scheduler {name.replace('_', ' ')}.",
                                             value=getattr(stats, name)))
     families.append(CounterMetricFamily("osd_schedule_step_seconds", "Seconds in the scheduler's target passes.",
