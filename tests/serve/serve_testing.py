@@ -89,3 +89,26 @@ def tiny_server(api_key: str | None = None, learner: FakeLearner | None = None, 
     app = create_app(engine, tokenizer, MODEL, learner=learner, settings=settings)
     with live_server(app) as url:
         yield Served(url, target, tokenizer, engine, registry, learner, api_key)
+
+
+# Learning that publishes on tiny models: every 2 requests, every position, the guard off (it is tested elsewhere).
+TINY_LEARN = dict(mode="all", every_requests=2, trainable="all", train_layers=0, guard=False, lr=1e-2,
+                  steps_per_update=4, batch_size=4, schedule="background")
+
+
+@contextmanager
+def learning_server(root, checkpoint_dir, api_key: str | None = None, max_batch: int = 4, **settings):
+    """What `osd serve` runs, in process, on the tiny pair saved under root (conftest.save_tiny_pair): the real online
+    learner, the scheduler with `max_batch` sequences per step. Yields (Served, system)."""
+    from osd.build import attach_learner, build_system
+    from osd.config import ModelConfig, SpeculationConfig
+    from osd.learn.online import LearnConfig
+
+    models = ModelConfig(target=str(root / "target"), draft=str(root / "draft"), draft_quantize="none",
+                         prepack_target=False)  # serving copies stay fp32 (the kernels are tested elsewhere)
+    system = build_system(models, SpeculationConfig(k=3, adaptive=False, max_batch=max_batch))
+    learner = attach_learner(system, LearnConfig(**TINY_LEARN, checkpoint_dir=str(checkpoint_dir)))
+    app = create_app(system.engine, system.tokenizer, MODEL, learner=learner,
+                     settings=ServeSettings(api_key=api_key, **settings))
+    with live_server(app) as url:
+        yield Served(url, system.target_model, system.tokenizer, system.engine, system.registry, learner, api_key), system

@@ -2,7 +2,8 @@
 import os
 
 import pytest
-from serve_testing import MODEL, FakeLearner, tiny_server
+from conftest import save_tiny_pair
+from serve_testing import MODEL, FakeLearner, learning_server, tiny_server
 
 from osd.bench.soak import (Case, GreedyKey, Outcome, SoakConfig, build_cases, error_body_ok, greedy_mismatches,
                             run_soak, summarise)
@@ -15,13 +16,18 @@ MAX_BODY = 20_000
 
 
 @pytest.fixture(scope="module")
-def soaked():
-    with tiny_server(api_key=KEY, learner=FakeLearner(), max_body_bytes=MAX_BODY) as served:
+def soaked(tmp_path_factory):
+    """The short soak against what `osd serve` runs: the real online learner and the scheduler (4 sequences per
+    step) on the tiny pair, until the learner has published an update (warm-up) and then 2 s of mixed load."""
+    root = tmp_path_factory.mktemp("soak")
+    save_tiny_pair(root, draft_layers=1)
+    with learning_server(root, root / "ckpt", api_key=KEY, max_body_bytes=MAX_BODY) as (served, system):
         cases = build_cases(MODEL, PROMPTS, max_tokens=8, context=served.engine.context_window,
                             max_body_bytes=MAX_BODY, api_key=KEY)
         target_only = SpeculativeEngine(served.target, served.tokenizer, proposer=None)  # k = 0
         references = target_only_references(target_only, served.tokenizer, cases)
-        config = SoakConfig(clients=4, seconds=2.0, min_requests=2 * len(cases), seed=1, sample_every=0.5)
+        config = SoakConfig(clients=4, seconds=2.0, min_requests=2 * len(cases), seed=1, sample_every=0.5,
+                            warmup_updates=1, warmup_max_rounds=20)
         result = run_soak(served.url, cases, config, references, api_key=KEY, pid=os.getpid())
     return cases, references, result
 
@@ -49,7 +55,8 @@ def test_server_counted_every_response_and_reported_the_learner(soaked):
     _, _, result = soaked
     assert result["metrics_match_responses"] is True
     assert result["metrics_counted"]["/v1/chat/completions 413"] > 0
-    assert result["learner"]["updates_published_end"] == 2  # FakeLearner's stat, read back from /metrics
+    learner = result["learner"]  # the real learner's stats, read back from /metrics
+    assert learner["updates_published_start"] >= 1 and learner["updates_published_end"] >= learner["updates_published_start"]
     server = result["server"]
     assert server["rss_start_bytes"] > 0 and server["threads_end"] > 0 and server["rss_growth_pct"] is not None
     assert server["rss_peak_bytes"] >= server["rss_mid_bytes"] > 0
@@ -85,6 +92,22 @@ def test_checks_catch_wrong_answers():
 ])
 def test_error_body_shape(body, code, ok):
     assert error_body_ok(body, code) is ok
+
+
+def test_error_body_type_and_param_are_checked_where_given():
+    body = {"error": {"message": "m", "type": "invalid_request_error", "param": "messages[0].content", "code": None}}
+    assert error_body_ok(body, None, "invalid_request_error", "messages[0].content")
+    assert not error_body_ok(body, None, "invalid_request_error", "messages")  # another field named
+    assert not error_body_ok(body, None, "server_error", ...)  # another type
+    assert not error_body_ok(body, None, "invalid_request_error", None)
+
+
+def test_every_invalid_case_states_the_param_it_expects():
+    cases = build_cases(MODEL, ["abc"], 4, context=256, max_body_bytes=100, api_key="k")
+    assert all(c.param is not ... for c in cases if not c.valid)
+    params = {c.kind: c.param for c in cases}
+    assert params["nul_character"] == params["lone_surrogate"] == "messages[0].content"
+    assert params["wrong_type_max_tokens"] == "max_tokens" and params["unknown_model"] == "model"
 
 
 def test_cli_registers_soak():

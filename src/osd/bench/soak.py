@@ -56,6 +56,8 @@ class Case:
     disconnect: bool = False  # close the connection after the first text chunk
     api_key: str | None = None  # None: the soak's key; otherwise this one (wrong_key)
     greedy: GreedyKey | None = None  # compared with the target-only answer
+    error_type: str = "invalid_request_error"  # the error body's `type` (invalid requests)
+    param: object = ...  # the error body's `param` (a field name, or None); ... = not checked
 
     @property
     def valid(self) -> bool:
@@ -107,23 +109,28 @@ def invalid_cases(model: str, prompt: str, context: int, max_body_bytes: int, ap
     raw = lambda text: ('{"model": %s, "messages": [{"role": "user", "content": "%s"}], "max_tokens": 4}'
                         % (json.dumps(model), text)).encode()
     cases = [
-        Case("malformed_json", CHAT, b'{"model": "x", "messages": [', 400, "invalid_json"),
-        Case("nan_in_json", COMPLETIONS, b'{"prompt": "a", "temperature": NaN}', 400, "invalid_json"),
-        Case("wrong_type_messages", CHAT, _json({"model": model, "messages": prompt}), 400, "invalid_type"),
-        Case("wrong_type_max_tokens", CHAT, _json(chat | {"max_tokens": "four"}), 400, "invalid_type"),
-        Case("stop_wrong_type", CHAT, _json(chat | {"stop": 5}), 400, "invalid_type"),
+        Case("malformed_json", CHAT, b'{"model": "x", "messages": [', 400, "invalid_json", param=None),
+        Case("nan_in_json", COMPLETIONS, b'{"prompt": "a", "temperature": NaN}', 400, "invalid_json", param=None),
+        Case("wrong_type_messages", CHAT, _json({"model": model, "messages": prompt}), 400, "invalid_type",
+             param="messages"),
+        Case("wrong_type_max_tokens", CHAT, _json(chat | {"max_tokens": "four"}), 400, "invalid_type",
+             param="max_tokens"),
+        Case("stop_wrong_type", CHAT, _json(chat | {"stop": 5}), 400, "invalid_type", param="stop"),
         Case("oversized_body", CHAT, _json(chat | {"messages": [{"role": "user", "content": "a" * max_body_bytes}]}),
-             413, "request_too_large"),
+             413, "request_too_large", param=None),
         Case("prompt_past_context", COMPLETIONS, _json({"model": model, "prompt": [0] * (context + 1), "max_tokens": 1}),
-             400, "context_length_exceeded"),
-        Case("max_tokens_past_context", CHAT, _json(chat | {"max_tokens": context}), 400, "context_length_exceeded"),
-        Case("lone_surrogate", CHAT, raw("ab\\ud800c"), 400),
-        Case("nul_character", CHAT, raw("a\\u0000b"), 400),
-        Case("unknown_role", CHAT, _json(chat | {"messages": [{"role": "wizard", "content": prompt}]}), 400),
-        Case("unknown_model", CHAT, _json(chat | {"model": model + "-nope"}), 404, "model_not_found"),
+             400, "context_length_exceeded", param=None),
+        Case("max_tokens_past_context", CHAT, _json(chat | {"max_tokens": context}), 400, "context_length_exceeded",
+             param=None),
+        Case("lone_surrogate", CHAT, raw("ab\\ud800c"), 400, param="messages[0].content"),
+        Case("nul_character", CHAT, raw("a\\u0000b"), 400, param="messages[0].content"),
+        Case("unknown_role", CHAT, _json(chat | {"messages": [{"role": "wizard", "content": prompt}]}), 400,
+             param="messages[0].role"),
+        Case("unknown_model", CHAT, _json(chat | {"model": model + "-nope"}), 404, "model_not_found", param="model"),
     ]
     if api_key:
-        cases.append(Case("wrong_key", CHAT, _json(chat), 401, "invalid_api_key", api_key=api_key + "-wrong"))
+        cases.append(Case("wrong_key", CHAT, _json(chat), 401, "invalid_api_key", api_key=api_key + "-wrong",
+                          param=None))
     return cases
 
 
@@ -132,11 +139,13 @@ def build_cases(model: str, prompts: list[str], max_tokens: int, context: int, m
     return valid_cases(model, prompts, max_tokens) + invalid_cases(model, prompts[0], context, max_body_bytes, api_key)
 
 
-def error_body_ok(body, code: str | None) -> bool:
-    """An OpenAI-style error: {"error": {message (non-empty), type, param, code}} with the expected code."""
+def error_body_ok(body, code: str | None, error_type: str | None = None, param: object = ...) -> bool:
+    """An OpenAI-style error: {"error": {message (non-empty), type, param, code}} with the expected code, and the
+    expected type and param where given (param ... = any)."""
     error = body.get("error") if isinstance(body, dict) else None
     return (isinstance(error, dict) and set(error) == ERROR_KEYS and isinstance(error["message"], str)
-            and bool(error["message"]) and isinstance(error["type"], str) and error["code"] == code)
+            and bool(error["message"]) and isinstance(error["type"], str) and error["code"] == code
+            and (error_type is None or error["type"] == error_type) and (param is ... or error["param"] == param))
 
 
 def _text_of(chunk: dict) -> str:
@@ -175,7 +184,9 @@ def _check_plain(out: Outcome, case: Case, raw: bytes) -> bool:
         out.error = f"expected {case.expect}, got {out.status}: {raw[:200]!r}"
         return False
     if not case.valid:
-        return error_body_ok(body, case.code) or _fail(out, f"not the expected error body: {raw[:200]!r}")
+        return error_body_ok(body, case.code, case.error_type, case.param) or _fail(
+            out, f"not the expected error body (code {case.code}, type {case.error_type}, param {case.param!r}): "
+                 f"{raw[:200]!r}")
     choice = body["choices"][0]
     out.text = choice["message"]["content"] if case.path == CHAT else choice["text"]
     return choice.get("finish_reason") in ("stop", "length") or _fail(out, f"finish_reason {choice.get('finish_reason')}")
