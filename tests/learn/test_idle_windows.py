@@ -151,33 +151,3 @@ def test_a_pause_parks_an_update_in_flight_between_micro_batches_and_the_resume_
     updating.join(timeout=60)
     assert not updating.is_alive() and learner.stats()["parked"] == 0
     assert learner.counters["optimizer_steps"] == 3 and learner.version == 1  # the resumed update finished
-
-
-def test_chunks_take_turns_with_the_engines_steps():
-    """With the engine's lock, a chunk runs holding it (the engine cannot step beside it) and waits for the step in
-    flight to end; release lets the engine step again, and only the holding thread releases."""
-    import threading
-
-    lock = threading.Lock()
-    clock = VirtualClock()
-    idle = IdleWindows(0.5, busy=lambda: False, clock=clock, sleep=clock.sleep, poll=POLL, exclusive=lock)
-    idle.begin()
-    idle.wait()
-    assert lock.locked()  # the chunk holds it: no scheduler step beside it
-    other = threading.Thread(target=idle.release)
-    other.start(), other.join()
-    assert lock.locked()  # another thread cannot let the learner's turn go
-    idle.wait()  # the next chunk: released and taken again
-    assert lock.locked()
-    idle.release()
-    assert not lock.locked()
-
-    lock.acquire()  # a scheduler step in flight
-    got = []
-    learner = threading.Thread(target=lambda: (idle.wait(), got.append(lock.locked()), idle.release()))
-    learner.start()
-    learner.join(0.2)
-    assert learner.is_alive() and not got  # the chunk waits for the step to end
-    lock.release()
-    learner.join(5)
-    assert got == [True] and not lock.locked()

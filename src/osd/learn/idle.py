@@ -7,12 +7,6 @@ the waits add up to at most (1 - share) / share times the seconds worked so far;
 chunk runs while requests decode. Saturated, the learner so gets about `share` of the wall time and an update
 takes about its own working time / share; idle, it never waits.
 
-Taking turns: given the engine's lock (`exclusive`, set by the learner's attach), a chunk runs holding it, so it runs
-between scheduler steps, never beside one: the learner's torch work and the serving step would each bring their own
-OpenMP thread team to the same 2 cores, and side by side both ran far slower than their shares (bench serve-vs,
-AMD EPYC: learning cost 18-24% of the aggregate tokens/s at a 0.1 share). The lock is released before each wait and
-at the end of an update (`release`).
-
 Limitations: the first chunk of an update has no budget (it may start beside a decoding request); "worked" is
 wall time between waits, so it includes the slowdown that decoding beside it causes; the busy signal is polled
 every `poll` seconds, so each wait may overrun its budget by one poll.
@@ -26,11 +20,10 @@ from osd.errors import InvalidArgument
 
 class IdleWindows:
     def __init__(self, share: float, busy, clock=time.monotonic, sleep=time.sleep, poll: float = 0.005,
-                 stop: threading.Event | None = None, exclusive: threading.Lock | None = None):
+                 stop: threading.Event | None = None):
         if not 0.0 < share <= 1.0:
             raise InvalidArgument(f"busy_share must be in (0, 1], got {share}")
         self.share, self.busy, self.clock, self.sleep, self.poll = share, busy, clock, sleep, poll
-        self.exclusive, self._holding = exclusive, False  # the engine's lock, held while a chunk runs
         self.stop = stop or threading.Event()
         self.worked = self.waited = 0.0  # seconds in the current update
         self.waited_total = 0.0  # seconds, all updates
@@ -46,17 +39,8 @@ class IdleWindows:
         """Seconds this update may still wait."""
         return self.worked * (1.0 - self.share) / self.share - self.waited
 
-    def release(self) -> None:
-        """Let the engine step again (before a wait, a pause, publishing, a checkpoint and at the end of an update);
-        only the thread that holds the lock lets it go."""
-        if self._holding == threading.get_ident():
-            self._holding = False
-            self.exclusive.release()
-
     def wait(self) -> None:
-        """Return when the engine is idle, the budget is spent, or `stop` is set; then (with `exclusive`) hold the
-        engine's lock until the next wait or release: the chunk runs between the engine's steps."""
-        self.release()
+        """Return when the engine is idle, the budget is spent, or `stop` is set."""
         start = self.clock()
         if self._since is None:
             self._since = start
@@ -67,9 +51,6 @@ class IdleWindows:
                 self.forced += 1
                 break
             self.sleep(self.poll)
-        if self.exclusive is not None:
-            self.exclusive.acquire()  # the step in flight ends first
-            self._holding = threading.get_ident()
         end = self.clock()
         self.waited += end - start
         self.waited_total += end - start

@@ -215,8 +215,6 @@ class OnlineLearner:
         engine.observers.append(self.observe)
         engine.request_observers.append(self.after_request)
         self.engine_busy = engine.busy
-        if self.config.schedule == "background":  # chunks take turns with the engine's steps (learn/idle.py)
-            self.idle.exclusive = engine.lock
         return self
 
     # --- updating -------------------------------------------------------------------------------
@@ -246,7 +244,6 @@ class OnlineLearner:
                 self.last_update = {"reason": reason, "error": repr(e), "published": False}
                 raise
             finally:
-                self.idle.release()  # the engine steps again (background: a chunk held its lock)
                 self.training = False
                 self._restore_point = None
             self.counters["train_seconds"] += self.clock() - start
@@ -343,7 +340,6 @@ class OnlineLearner:
 
     def _publish(self) -> None:
         """Publish the master; it now matches what serves, so a later failure in this update returns to it."""
-        self.idle.release()  # no compute chunk: serving steps meanwhile
         self.version = self.publish(self.master).version
         self._restore_point = None  # (never two restore points in memory at once)
         self._restore_point = RestorePoint(self.weights(), self.optimizer)
@@ -402,7 +398,6 @@ class OnlineLearner:
         """In background mode, before a chunk of work: park while paused, then let in-flight decoding finish (within
         the busy_share budget)."""
         if self.config.schedule == "background":
-            self.idle.release()
             self._park_while_paused()
             self.idle.wait()
 
@@ -472,7 +467,6 @@ class OnlineLearner:
     def save(self) -> None:
         """draft.safetensors holds the master's weights: what serves (the average, when averaging: what
         `--learned-draft` and `osd eval` load); the trajectory goes beside them (learner_trajectory.pt)."""
-        self.idle.release()  # writing files: serving steps meanwhile
         with self._lock:
             state = {"version": self.version, "counters": self.counters, "config": asdict(self.config)}
             extra = {TRAJECTORY: self.average.state_dict()} if self.average is not None else None
