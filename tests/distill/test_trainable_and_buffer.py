@@ -99,3 +99,26 @@ def test_buffer_merges_the_steps_of_one_request():
     items = buffer.snapshot()
     assert len(items) == 2 and len(buffer) == 3 and buffer.added == 3
     assert items[0].tokens == [1, 2, 3, 4, 5] and items[0].positions == [3, 5] and len(items[0].target) == 2
+
+
+@pytest.mark.parametrize("n_accepted, k", [(0, 3), (1, 3), (2, 3), (3, 3), (0, 1)])
+def test_the_mismatch_item_cut_from_the_all_item_is_the_one_built_alone(n_accepted, k):
+    """OnlineLearner.observe computes a step's top-k once (the guard's "all" item) and cuts the training item from
+    it: the same tokens, position and distribution as item_from_step(..., "mismatch") builds alone."""
+    import torch
+
+    from osd.learn.buffer import item_from_step, mismatch_from_all
+    from osd.schedule.records import StepRecord
+
+    g = torch.Generator().manual_seed(n_accepted * 10 + k)
+    record = StepRecord("r", ("d", 3), list(range(40)), [5, 6, 7][:k], n_accepted, 9,
+                        torch.randn(k + 1, 50, generator=g), None, [], 0.0, 0.0, 0.0)
+    every = item_from_step(record, "all", top_k=8, max_context=32, now=1.0)
+    alone = item_from_step(record, "mismatch", top_k=8, max_context=32, now=1.0)
+    cut = mismatch_from_all(every, record)
+    if alone is None:
+        assert cut is None
+        return
+    assert (cut.tokens, cut.positions, cut.request_id, cut.draft_version) == \
+        (alone.tokens, alone.positions, alone.request_id, alone.draft_version)
+    assert torch.equal(cut.target.ids, alone.target.ids) and torch.equal(cut.target.probs, alone.target.probs)

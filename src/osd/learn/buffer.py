@@ -66,6 +66,16 @@ def item_from_step(record, mode: str = "mismatch", top_k: int = 64, max_context:
                       record.draft[1], time.monotonic() if now is None else now)
 
 
+def mismatch_from_all(every: ReplayItem | None, record) -> ReplayItem | None:
+    """The "mismatch" item of a step, cut from its "all" item (the same context; the rejected row is the last row of
+    "all"), so one step's top-k is computed once when both are wanted (the guard's every-position item and the
+    training item): equal to item_from_step(record, "mismatch", ...) with the same top_k and max_context."""
+    if every is None or record.n_accepted == len(record.proposed):
+        return None
+    return ReplayItem(every.tokens, every.positions[-1:], every.target.select(slice(-1, None)), every.request_id,
+                      every.draft_version, every.created_at)
+
+
 class ReplayBuffer:
     """Thread-safe FIFO of ReplayItems bounded by the number of supervised positions."""
 
