@@ -1,7 +1,6 @@
 """Assemble a running system from configs: target, tokenizer, draft registry, engine."""
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +14,7 @@ from osd.models.loading import gguf_file, load_model, load_tokenizer
 from osd.models.prepack import prepack_linears, shared_weights_copy
 from osd.models.serving_draft import make_serving_draft
 from osd.models.tokenizer import check_same_tokenizer
+from osd.notice import say
 from osd.models.runner import as_runner
 from osd.propose import DraftModelProposer
 from osd.propose.ngram import LookupThenDraft, NgramProposer
@@ -81,16 +81,6 @@ def why_not_q4(spec: str) -> str:
     if not q4.available():
         return f"the kernel cannot be built on this machine: {(q4.build_error() or 'unknown').splitlines()[0][:160]}"
     return "the file is not a Qwen2 GGUF of Q4_K/Q6_K matrices"
-
-
-def say(line: str) -> None:
-    """A startup line on stderr (once per process): a choice osd made that changes speed or behaviour."""
-    if line not in _said:
-        _said.add(line)
-        print(f"[osd] {line}", file=sys.stderr, flush=True)
-
-
-_said: set[str] = set()
 
 
 def check_target_quantize(models: ModelConfig, target_model=None) -> None:

@@ -24,6 +24,8 @@ import httpx
 
 from osd.bench.llama_server import ensure_llama_server, llama_server_command, running
 from osd.bench.serve_load import Sample, _client, _request_body, one_request, percentile
+from osd.bench.speed import bench_prompts
+from osd.data import load_records
 
 OSD_ARMS = {  # arm -> extra `osd serve` flags
     "osd": ["--no-learn"],
@@ -47,6 +49,24 @@ class CompareConfig:
     osd_args: tuple[str, ...] = ("--lookup",)
     logs: Path = Path("runs/bench-serve-vs")
     long_prompt: str | None = None  # a ~1,000-token prompt whose prefill speed each server gets measured on
+
+
+def interleaved_prompts(n: int, domains=("code", "gsm8k", "spider", "chat"), split: str = "test") -> list[str]:
+    """n test prompts taking the domains in turn (code, gsm8k, spider, chat, code, ...)."""
+    per = -(-n // len(domains))
+    by_domain = [[r["prompt"] for r in bench_prompts(per, split, (d,))] for d in domains]
+    return [by_domain[i % len(domains)][i // len(domains)] for i in range(n)]
+
+
+def long_prompt(chars: int) -> str:
+    """Code test prompts from the end of the split, joined up to `chars` characters, with a closing ask."""
+    parts, total = [], 0
+    for record in reversed(load_records("code", split="test")):
+        parts.append(record["prompt"])
+        total += len(record["prompt"])
+        if total >= chars:
+            break
+    return "Summarise these tasks in one line each:\n\n" + "\n\n".join(parts)
 
 
 def level_prompts(prompts: list[str], levels, per_level: int) -> dict[int, list[str]]:

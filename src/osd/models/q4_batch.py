@@ -23,41 +23,31 @@ from typing import Callable, Iterator
 
 import torch
 
-from osd.errors import ContextTooLong
-from osd.models.q4_runner import Q4Runner, Rows
+from osd.models.q4_runner import Q4Runner
+from osd.models.slots import Feed, Q4Slots
 
 
 class Q4Batch:
-    """`slots` independent sequences (KV caches) over one Q4Runner's weights."""
+    """`slots` independent sequences (KV caches) over one Q4Runner's weights: the scheduler's Q4Slots (models/slots.py,
+    every slot its own cache) behind a slot -> tokens interface."""
 
     def __init__(self, runner: Q4Runner, slots: int, n_ctx: int | None = None):
         self.runner = runner
-        self.caches = [runner.new_cache(n_ctx) for _ in range(slots)]
-        self.window = self.caches[0][0][0].shape[1]
-        self.lengths = [0] * slots
+        self.slots = Q4Slots(runner, slots, n_ctx, exclusive=True)
+        self.window = self.slots.context_window
+
+    @property
+    def lengths(self) -> list[int]:
+        return [self.slots.length(slot) for slot in range(self.slots.n_slots)]
 
     def reset(self, slot: int) -> None:
-        self.lengths[slot] = 0
+        self.slots.reset(slot)
 
-    @torch.inference_mode()
     def feed(self, feeds: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         """Append tokens to each named slot's sequence in one forward -> slot: (V,) logits at its last fed position."""
-        slots = [slot for slot, tokens in feeds.items() if tokens]
-        ids, groups = [], []
-        for slot in slots:
-            tokens, length = feeds[slot], self.lengths[slot]
-            if length + len(tokens) > self.window:
-                raise ContextTooLong(f"{length + len(tokens)} tokens exceed the batch slot's context of {self.window}")
-            groups.append(Rows(len(ids), len(ids) + len(tokens), torch.arange(length, length + len(tokens)),
-                               self.caches[slot]))
-            ids += tokens
-        if not ids:
-            return {}
-        hidden = self.runner.forward_rows(self.runner.embed(ids), groups)  # (rows, hidden)
-        logits = self.runner.logits(hidden[[g.stop - 1 for g in groups]])  # (slots, V)
-        for slot, g in zip(slots, groups):
-            self.lengths[slot] += g.stop - g.start
-        return {slot: logits[i] for i, slot in enumerate(slots)}
+        named = [(slot, tokens) for slot, tokens in feeds.items() if tokens]
+        logits = self.slots.feed([Feed(slot, tokens, 1) for slot, tokens in named])
+        return {slot: rows[0] for (slot, _), rows in zip(named, logits)}
 
     def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
         """Start the slot's sequence with `tokens` (alone, in the runner's chunks) -> (V,) logits after the last."""
@@ -90,7 +80,7 @@ def greedy_many(runner, prompts: list[list[int]], max_tokens: list[int], eos_ids
         busy[slot] = [i, [], [], batch.prefill(slot, prompts[i])]
         return True
 
-    for slot in range(len(batch.caches)):
+    for slot in range(batch.slots.n_slots):
         start(slot)
     while busy:
         feeds = {}

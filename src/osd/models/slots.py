@@ -6,7 +6,7 @@ cache per slot and answers:
                          positions (n_logits = 0: prompt rows, no logits); one pass over each weight matrix where
                          the backend can
   rollback(slot, length) keep the first `length` cached tokens of the slot
-  reset(slot), length(slot), n_slots, batched (True: one pass for all feeds), max_rows (per sequence, bitwise),
+  reset(slot), length(slot), n_slots,
   exclusive (True: only these slots write their caches, so a slot's cached prefix may serve the next request)
 
 `Q4Slots`: osd's Q4 kernel (models/q4_runner.py `forward_rows`): the matrices see every row of every slot in one
@@ -19,8 +19,6 @@ that holds one sequence only (llama.cpp here): one slot, requests take turns.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from osd.errors import ContextTooLong, InvalidArgument
@@ -42,13 +40,12 @@ class Q4Slots:
     allocated on first use (pages touched only as they fill), which nothing else writes: `exclusive`, so the scheduler
     may reuse what a slot holds for the next request with the same prefix."""
 
-    batched = True
-
-    def __init__(self, runner, n_slots: int, n_ctx: int | None = None):
+    def __init__(self, runner, n_slots: int, n_ctx: int | None = None, exclusive: bool | None = None):
+        """n_ctx: each slot's context (at most the runner's); exclusive: own caches for every slot (default: with
+        several slots; models/q4_batch.py always asks for them)."""
         self.runner, self.n_slots = runner, int(n_slots)
-        self.max_rows = runner.max_rows
         self.context_window = min(n_ctx or runner.context_window, runner.context_window)
-        self.exclusive = self.n_slots > 1
+        self.exclusive = self.n_slots > 1 if exclusive is None else exclusive
         self._caches: list = [None if self.exclusive else runner._kv] + [None] * (self.n_slots - 1)
         self._lengths = [0] * self.n_slots  # slot 0's is the runner's unless exclusive
 
@@ -86,7 +83,7 @@ class Q4Slots:
                 raise ContextTooLong(f"{length + len(f.tokens)} tokens exceed the Q4 backend's context of "
                                      f"{self.context_window}")
             if self._caches[f.slot] is None:
-                self._caches[f.slot] = self.runner.new_cache()
+                self._caches[f.slot] = self.runner.new_cache(self.context_window)
             ids += f.tokens
             groups.append(Rows(start, len(ids), torch.arange(length, length + len(f.tokens)), self._caches[f.slot]))
             keep += range(len(ids) - min(f.n_logits, len(f.tokens)), len(ids))
@@ -106,21 +103,13 @@ class Q4Slots:
 class RunnerSlots:
     """One runner per slot, fed one after another (no shared pass): for backends without a multi-sequence forward."""
 
-    batched = False
-
     def __init__(self, runners: list, exclusive: bool = False):
         """exclusive: nothing but these slots feeds the runners (the scheduler may reuse a slot's cached prefix)."""
         self.runners, self.n_slots, self.exclusive = runners, len(runners), exclusive
-        self.max_rows = getattr(runners[0], "max_rows", None)
-        self.context_window = runners[0].context_window
 
     @classmethod
     def single(cls, runner) -> "RunnerSlots":
         return cls([runner])
-
-    @classmethod
-    def of(cls, factory: Callable[[], object], n_slots: int) -> "RunnerSlots":
-        return cls([factory() for _ in range(n_slots)])
 
     def length(self, slot: int) -> int:
         return self.runners[slot].length

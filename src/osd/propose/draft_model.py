@@ -1,7 +1,6 @@
 """Draft-model proposer: k autoregressive draft forwards over a KV cache kept across steps."""
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
@@ -10,6 +9,7 @@ from osd.config import SamplingConfig
 from osd.drafts import DraftRegistry, weights_fingerprint
 from osd.models.cached import CachedModel
 from osd.models.glue_draft import glue_draft_runner, qualifies
+from osd.notice import say
 from osd.propose.base import Proposal
 from osd.verify.sampling import sample_from, warp_probs
 
@@ -46,15 +46,11 @@ class DraftModelProposer:
             self.runner.feed(list(prompt_ids[:-1]))
 
     def _transformers_runner(self, model) -> CachedModel:
-        """The fallback draft runner, said once per draft: the glue runner costs ~1.6x less per draft token."""
-        if not DraftModelProposer._said_fallback.get(self.name):
-            DraftModelProposer._said_fallback[self.name] = True
-            why = qualifies(model) or "the glue kernels cannot be built here"
-            print(f"[osd] draft {self.name!r} runs on transformers, not the compiled glue runner ({why}): each draft "
-                  "token costs ~1.6x more, so speculation pays less", file=sys.stderr, flush=True)
+        """The fallback draft runner, said once: the glue runner costs ~1.6x less per draft token."""
+        why = qualifies(model) or "the glue kernels cannot be built here"
+        say(f"draft {self.name!r} runs on transformers, not the compiled glue runner ({why}): each draft token costs "
+            "~1.6x more, so speculation pays less")
         return CachedModel(model)
-
-    _said_fallback: dict = {}
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """(V',) draft logits -> (V,) logits over the target's vocabulary (-inf where not covered)."""

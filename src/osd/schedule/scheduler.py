@@ -117,9 +117,11 @@ class Scheduler:
                 n += 1
             return n
 
-        slot = max(self._free, key=shared) if self.slots.exclusive else self._free[0]
-        self._free.remove(slot)
-        return slot, shared(slot) if self.slots.exclusive else 0
+        if not self.slots.exclusive:
+            return self._free.pop(0), 0
+        counts = [shared(slot) for slot in self._free]
+        best = counts.index(max(counts))  # the first of the longest
+        return self._free.pop(best), counts[best]
 
     def _proposer(self, slot: int):
         if slot not in self._proposers:

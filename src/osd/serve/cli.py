@@ -115,32 +115,10 @@ def serve(engine, tokenizer, model_name: str, settings: ServeSettings, learner=N
         app.state.lifecycle.stop()  # idempotent: normally done already by the lifespan shutdown
 
 
-def interleaved_prompts(n: int, domains=("code", "gsm8k", "spider", "chat"), split: str = "test") -> list[str]:
-    """n test prompts taking the domains in turn (code, gsm8k, spider, chat, code, ...)."""
-    from osd.bench.speed import bench_prompts
-
-    per = -(-n // len(domains))
-    by_domain = [[r["prompt"] for r in bench_prompts(per, split, (d,))] for d in domains]
-    return [by_domain[i % len(domains)][i // len(domains)] for i in range(n)]
-
-
-def long_prompt(chars: int) -> str:
-    """Code test prompts from the end of the split, joined up to `chars` characters, with a closing ask."""
-    from osd.data import load_records
-
-    parts, total = [], 0
-    for record in reversed(load_records("code", split="test")):
-        parts.append(record["prompt"])
-        total += len(record["prompt"])
-        if total >= chars:
-            break
-    return "Summarise these tasks in one line each:\n\n" + "\n\n".join(parts)
-
-
 def cmd_bench_serve_vs(args) -> None:
     import shlex
 
-    from osd.bench.serve_compare import CompareConfig, run_compare
+    from osd.bench.serve_compare import CompareConfig, interleaved_prompts, long_prompt, run_compare
     from osd.bench.serve_report import report_vs
     from osd.errors import InvalidArgument
     from osd.models.loading import gguf_file
