@@ -76,6 +76,17 @@ def mismatch_from_all(every: ReplayItem | None, record) -> ReplayItem | None:
                       every.draft_version, every.created_at)
 
 
+def items_of_step(record, mode: str, top_k: int, max_context: int, guard: bool,
+                  now: float | None = None) -> tuple[ReplayItem | None, ReplayItem | None]:
+    """One step's (training item, every-position item for the guard or None): what the learner observes. With the
+    guard the top-k is computed once (the training item is cut from the every-position one). The serving replicas of
+    a cluster build these where the step ran and ship them to the one learner (cluster/samples.py)."""
+    if not guard:
+        return item_from_step(record, mode, top_k, max_context, now), None
+    every = item_from_step(record, "all", top_k, max_context, now)
+    return (every if mode == "all" else mismatch_from_all(every, record)), every
+
+
 class ReplayBuffer:
     """Thread-safe FIFO of ReplayItems bounded by the number of supervised positions."""
 

@@ -75,19 +75,26 @@ class Lifecycle:
 
 
 def create_app(engine, tokenizer, model_name: str, learner=None, settings: ServeSettings | None = None,
-               routing=None, worker_thread: bool = True) -> FastAPI:
+               routing=None, worker_thread: bool = True, pool=None) -> FastAPI:
     """routing: several drafts and their router (route/system.py), or None (the engine's one proposer).
-    worker_thread=False: the caller runs the model work itself (`app.state.worker.run_here()`, serve/cli.py)."""
+    worker_thread=False: the caller runs the model work itself (`app.state.worker.run_here()`, serve/cli.py).
+    pool: serving replicas on Ray (cluster/pool.py ReplicaPool) instead of a local engine (engine None then)."""
     settings = settings or ServeSettings()
     model_name = settings.model_name or model_name
-    worker, metrics = Worker(engine, own_thread=worker_thread), ServeMetrics()
-    metrics.attach(engine.metrics, learner, lambda: worker.depth, engine=engine)
+    metrics = ServeMetrics()
+    if pool is None:
+        worker = Worker(engine, own_thread=worker_thread)
+        metrics.attach(engine.metrics, learner, lambda: worker.depth, engine=engine)
+        drafts = lambda: _drafts(engine, routing)
+    else:  # replicas on Ray: they bring their own metrics (relabelled) and drafts
+        worker = pool
+        metrics.attach_cluster(pool)
+        drafts = pool.drafts
     if routing is not None:
         from osd.route.metrics import RouteCollector
 
         metrics.registry.register(RouteCollector(routing))
     lifecycle = Lifecycle(worker, learner, routing)
-    drafts = lambda: _drafts(engine, routing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -20,6 +20,12 @@ def register(sub, bench) -> None:
                    help="require 'Authorization: Bearer <key>' on /v1/* (and on /metrics with --metrics-require-key; "
                    "default $OSD_API_KEY; none = open)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
+    p.add_argument("--replicas", type=int, default=0,
+                   help="serve from N engine replicas on Ray behind this one HTTP front, one learner fed by all "
+                        "(needs `pip install 'osd[ray]'`; 0 = one engine in this process, Ray never imported)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --replicas: join this Ray cluster (`auto`, or <head>:6379) instead of starting a local "
+                        "one; its actors then outlive this front")
     p.add_argument("--learn", action=argparse.BooleanOptionalAction, default=True,
                    help="distill the draft online from served traffic (on by default; LearnConfig flags)")
     for cls in (ModelConfig, SpeculationConfig, LearnConfig, RouteConfig):
@@ -82,11 +88,32 @@ def cmd_serve(args) -> None:
     return_freed_memory_to_the_system()  # a long-running process: freed tensors must not stay resident
     settings = config_from(args, ServeSettings)
     models = config_from(args, ModelConfig)
+    if args.replicas:
+        cmd_serve_cluster(args, settings, models)
+        return
     system = build_system(models, config_from(args, SpeculationConfig), route=config_from(args, RouteConfig))
     system.engine.calibrate()
     learner = attach_learner(system, config_from(args, LearnConfig)) if args.learn else None
     name = settings.model_name or default_model_name(models.target)
     serve(system.engine, system.tokenizer, name, settings, learner, system.routing)
+
+
+def cmd_serve_cluster(args, settings, models) -> None:
+    from osd.cli import config_from
+    from osd.config import SpeculationConfig
+    from osd.errors import BackendUnavailable, InvalidArgument
+    from osd.learn.online import LearnConfig
+    from osd.route.config import RouteConfig
+
+    if config_from(args, RouteConfig).names():
+        raise InvalidArgument("--replicas with several drafts (--drafts) is not supported yet: one draft per cluster")
+    try:
+        from osd.cluster.launch import serve_cluster
+    except ImportError as e:
+        raise BackendUnavailable(f"--replicas needs Ray: pip install 'osd[ray]' ({e})") from e
+    learn = config_from(args, LearnConfig) if args.learn else None
+    name = settings.model_name or default_model_name(models.target)
+    serve_cluster(models, config_from(args, SpeculationConfig), learn, settings, name, args.replicas, args.ray_address)
 
 
 def serve(engine, tokenizer, model_name: str, settings: ServeSettings, learner=None, routing=None) -> None:

@@ -59,6 +59,10 @@ class ShuttingDown(ServeError):
     pass
 
 
+class ReplicaFailed(ServeError):
+    """A serving replica of a cluster (cluster/pool.py) died during the request, or none could take it."""
+
+
 # exception type -> (HTTP status, OpenAI error type, code). Looked up along the exception's MRO,
 # so a subclass listed here wins over its base (ContextTooLong before InvalidArgument).
 ERROR_TABLE: dict[type, tuple[int, str, str | None]] = {
@@ -72,6 +76,7 @@ ERROR_TABLE: dict[type, tuple[int, str, str | None]] = {
     Unauthorized: (401, "invalid_request_error", "invalid_api_key"),
     BodyTooLarge: (413, "invalid_request_error", "request_too_large"),
     ShuttingDown: (503, "server_error", "shutting_down"),
+    ReplicaFailed: (503, "server_error", "replica_failed"),
 }
 INTERNAL = (500, "server_error", None)
 

@@ -94,6 +94,16 @@ class ServeMetrics:
         if engine is not None:
             self.registry.register(_EngineCollector(engine))
 
+    def attach_cluster(self, pool) -> None:
+        """A front over replicas (cluster/pool.py): their own metrics and the learner's, labelled `replica`, as the
+        pool last fetched them, and the front's own view of them."""
+        from osd.cluster.metrics import ClusterCollector
+
+        Gauge("osd_queue_depth", "Requests waiting for a replica's scheduler (all replicas).",
+              registry=self.registry).set_function(lambda: pool.depth)
+        self.registry.register(ClusterCollector(lambda: dict(pool.texts)))
+        self.registry.register(_PoolCollector(pool))
+
     def count(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
@@ -141,6 +151,25 @@ class _EngineCollector:
         yield from schedule_families(sched.stats)
         yield InfoMetricFamily("osd_engine", "What serves: target runner, its slots, the k limits.",
                                value=engine_info(e))
+
+
+class _PoolCollector:
+    """The front's view of its replicas: requests in flight to each, which are up, retries and failures."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def collect(self):
+        p = self.pool
+        inflight = GaugeMetricFamily("osd_cluster_inflight", "Requests in flight from this front.", labels=["replica"])
+        up = GaugeMetricFamily("osd_cluster_replica_up", "1 while the replica answers.", labels=["replica"])
+        for i, n in enumerate(p.inflight):
+            inflight.add_metric([str(i)], n)
+            up.add_metric([str(i)], 0 if i in p.down else p.states.get(str(i), {}).get("up", 1))
+        yield inflight
+        yield up
+        for key, value in p.counters.items():
+            yield CounterMetricFamily(f"osd_cluster_{key}", f"Front: {key.replace('_', ' ')}.", value=value)
 
 
 def engine_info(engine) -> dict:
