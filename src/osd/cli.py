@@ -347,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     from osd.bench.target_quant import register as register_bench_target_quant  # `osd bench target-quant`
 
     register_bench_target_quant(bench)
+    from osd.bench.scale import register as register_bench_scale  # `osd bench scale` (imports Ray when run)
+
+    register_bench_scale(bench)
 
     p = bench.add_parser("soak", help="N concurrent clients for M minutes against a live `osd serve`: valid and invalid "
                          "requests, disconnects; every answer checked (greedy = target-only), RSS, threads, learner")

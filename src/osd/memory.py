@@ -30,3 +30,31 @@ def trim() -> bool:
     """Give free heap pages back to the system now (after a big transient, e.g. publishing a draft)."""
     libc = _libc()
     return bool(libc is not None and libc.malloc_trim(0))
+
+
+def process_memory(pid: int | str = "self") -> dict:
+    """{"rss_bytes", "peak_rss_bytes"} of a process (Linux /proc; {} elsewhere)."""
+    keys = {"VmRSS:": "rss_bytes", "VmHWM:": "peak_rss_bytes"}
+    out = {}
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            name = line.split(maxsplit=1)[0]
+            if name in keys:
+                out[keys[name]] = int(line.split()[1]) * 1024
+    except OSError:
+        return {}
+    return out
+
+
+def system_rss_bytes() -> int:
+    """Resident bytes of every process on the machine (what a set of new processes adds is the difference)."""
+    import os
+
+    total, page = 0, os.sysconf("SC_PAGE_SIZE")
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                total += int(open(f"/proc/{entry}/statm").read().split()[1]) * page
+            except (OSError, IndexError, ValueError):
+                pass
+    return total

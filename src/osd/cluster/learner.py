@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from osd.cluster.names import NAMESPACE, replica_name
-from osd.cluster.weights import payload_bytes, trainable_arrays
+from osd.cluster.weights import changed_prefixes, payload_bytes, serving_arrays
 
 log = logging.getLogger("osd.cluster")
 TRAFFIC_WINDOW = 0.5  # seconds: samples arrived this recently = the replicas are busy (the learner's idle windows)
@@ -27,17 +27,19 @@ class Published:
 
 class LearnerNode:
     def __init__(self, models, learn, replicas: int, namespace: str = NAMESPACE):
-        from osd.build import set_threads
+        from osd.build import set_threads, special_ids
         from osd.learn.online import OnlineLearner
-        from osd.models.loading import load_model
+        from osd.models.loading import load_model, load_tokenizer
 
         set_threads(models.threads)
+        self.models, self.special_ids = models, special_ids(load_tokenizer(models.target))
         self.replicas, self.namespace = replicas, namespace
         self.version, self.latest_ref, self.published_at = 0, None, 0.0
         self._last_traffic = 0.0
         self._lock = threading.Lock()
         self.counters = {"samples_received": 0, "sample_bytes_received": 0, "payloads_received": 0,
-                         "requests_received": 0, "publishes": 0, "publish_bytes": 0, "pushes_failed": 0}
+                         "requests_received": 0, "publishes": 0, "publish_bytes": 0, "pushes_failed": 0,
+                         "submit_seconds": 0.0, "build_seconds": 0.0}  # time taking samples in (unpickle + buffer): the ingest cost
         self.by_replica: dict[str, int] = {}
         master = load_model(models.draft, models.draft_dtype)
         self.learner = OnlineLearner(master, self._publish, dataclasses.replace(learn, schedule="background"),
@@ -47,6 +49,7 @@ class LearnerNode:
 
     # --- in: samples --------------------------------------------------------------------------------------------
     def submit(self, payload: bytes, requests: int, replica: str = "?") -> int:
+        start = time.perf_counter()
         now = time.monotonic()
         self._last_traffic = now
         pairs = pickle.loads(payload)
@@ -62,14 +65,24 @@ class LearnerNode:
             c["payloads_received"] += 1
             c["requests_received"] += requests
             self.by_replica[replica] = self.by_replica.get(replica, 0) + len(pairs)
+            c["submit_seconds"] += time.perf_counter() - start
         return len(pairs)
 
     # --- out: versions --------------------------------------------------------------------------------------------
     def _publish(self, master, version: int | None = None) -> Published:
-        """OnlineLearner's publish seam: put the trainable weights once, push the one reference to every replica."""
+        """OnlineLearner's publish seam: build the serving copy once (as every replica serves it: quantized, vocabulary
+        cut), put the tensors an update changes into the object store once, push that one reference to every replica."""
         import ray
 
-        arrays = trainable_arrays(master)
+        from osd.models.serving_draft import make_serving_draft
+
+        start = time.perf_counter()
+        m = self.models
+        serving, _ = make_serving_draft(master, m.draft_quantize, m.draft_vocab, self.special_ids,
+                                        m.allow_kernel_fallback)
+        arrays = serving_arrays(serving, changed_prefixes(master))
+        del serving
+        self.counters["build_seconds"] += time.perf_counter() - start
         with self._lock:
             v = self.version + 1 if version is None else max(version, self.version + 1 if self.latest_ref else version)
             self.version, self.latest_ref, self.published_at = v, ray.put(arrays), time.time()
@@ -89,8 +102,17 @@ class LearnerNode:
             return self.version, [self.latest_ref] if self.latest_ref is not None else [], self.published_at
 
     # --- control ----------------------------------------------------------------------------------------------------
+    def publish_now(self) -> int:
+        """Publish the master as it is as a new version (operations, and `osd bench scale` timing publish-to-swap);
+        no training, no guard: the weights are the ones already serving or checkpointed."""
+        with self.learner.lock():
+            self.learner.version = self._publish(self.learner.master).version
+            return self.learner.version
+
     def stats(self) -> dict:
-        return {**self.learner.stats(), "paused": self.learner.paused, **self.counters,
+        from osd.memory import process_memory
+
+        return {**self.learner.stats(), "paused": self.learner.paused, **self.counters, **process_memory(),
                 "samples_by_replica": dict(self.by_replica)}
 
     def pause(self, timeout: float = 120.0) -> bool:
@@ -120,15 +142,17 @@ class LearnerNode:
     def metrics_text(self) -> bytes:
         from osd.serve.prom import learner_families
 
+        from osd.memory import process_memory
+
         registry = CollectorRegistry()
         node = self
 
         class Collector:
             def collect(self):
                 stats = node.stats()
-                yield from learner_families({k: v for k, v in stats.items() if k not in node.counters})
-                for key, value in node.counters.items():
-                    kind = GaugeMetricFamily if key == "publish_bytes" else CounterMetricFamily
+                yield from learner_families({k: v for k, v in stats.items() if k not in node.counters and "rss" not in k})
+                for key, value in {**node.counters, **process_memory()}.items():
+                    kind = GaugeMetricFamily if key in ("publish_bytes", "rss_bytes", "peak_rss_bytes") else CounterMetricFamily
                     yield kind(f"osd_cluster_{key}", f"Cluster learner {key.replace('_', ' ')}.", value=value)
 
         registry.register(Collector())

@@ -12,9 +12,11 @@ import time
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from osd.build import DEFAULT_DRAFT
 from osd.cluster.names import LEARNER, NAMESPACE
 from osd.cluster.samples import SampleShipper
-from osd.cluster.weights import DraftLoadError, load_arrays, restore
+from osd.cluster.weights import with_arrays
+from osd.memory import trim
 
 log = logging.getLogger("osd.cluster")
 
@@ -28,10 +30,8 @@ class ReplicaNode:
         self.system = build_system(models, spec)
         if calibrate:
             self.system.engine.calibrate()
-        if learn is not None and self.system.draft_master is not None:  # the learner's parameter layout (names)
-            from osd.learn.trainable import configure_trainable
-
-            configure_trainable(self.system.draft_master, learn.trainable, learn.train_layers, learn.lora_rank)
+        self.system.draft_master = None  # replicas do not train: versions arrive as serving tensors (weights.py)
+        trim()
         self.worker = Worker(self.system.engine)
         self.worker.start()
         self.version = 0  # the learner's version this replica serves (0: the draft it loaded)
@@ -39,7 +39,7 @@ class ReplicaNode:
         self.last_swap = {"version": 0, "publish_to_swap_seconds": None, "error": None}
         self._swap_lock = threading.Lock()
         self.shipper = None
-        if learn is not None and self.system.draft_master is not None:
+        if learn is not None and DEFAULT_DRAFT in self.system.registry.names():
             self.shipper = SampleShipper(learn, self._send, _poll, replica=str(index)).attach(self.system.engine)
             self._catch_up()
 
@@ -73,16 +73,12 @@ class ReplicaNode:
             if version <= self.version:  # versions only go forward (a late or repeated push)
                 self.counters["swaps_ignored_old"] += 1
                 return self.stats()
-            master = self.system.draft_master
+            serving = self.system.registry.get(DEFAULT_DRAFT)
             try:
-                before = load_arrays(master, arrays)  # checked whole first: nothing applied when it does not fit
-            except DraftLoadError as e:
+                model = with_arrays(serving.model, arrays)  # checked whole first; the served copy is not touched
+            except Exception as e:
                 return self._refused(version, e)
-            try:
-                self.system.publish_draft(master, version=version)
-            except Exception as e:  # the serving copy could not be built: the master goes back, the old copy serves
-                restore(master, before)
-                return self._refused(version, e)
+            self.system.registry.publish(DEFAULT_DRAFT, model, serving.vocab_ids, version)
             self.version = version
             self.counters["swaps"] += 1
             self.last_swap = {"version": version, "publish_to_swap_seconds": time.time() - published_at, "error": None}
@@ -120,7 +116,10 @@ class ReplicaNode:
     def stats(self) -> dict:
         from osd.serve.app import _drafts
 
+        from osd.memory import process_memory
+
         return {"index": self.index, "version": self.version, "drafts": _drafts(self.system.engine, None),
+                **process_memory(),
                 "running": self.worker.running, "queued": self.worker.depth, **self.counters, "last_swap": self.last_swap,
                 **(self.shipper.counters if self.shipper is not None else {})}
 
@@ -146,6 +145,10 @@ class _StatsCollector:
         yield GaugeMetricFamily("osd_replica_draft_version", "The learner's draft version this replica serves.",
                                 value=s["version"])
         yield GaugeMetricFamily("osd_replica_queued", "Requests waiting for this replica's scheduler.", value=s["queued"])
+        for key in ("rss_bytes", "peak_rss_bytes"):
+            if key in s:
+                yield GaugeMetricFamily(f"osd_replica_{key}", f"This replica's process {key.replace('_', ' ')}.",
+                                        value=s[key])
         for key in ("swaps", "swap_failures", "swaps_ignored_old", "samples_shipped", "sample_bytes_shipped",
                     "payloads_shipped", "samples_dropped", "requests_shipped"):
             if key in s:

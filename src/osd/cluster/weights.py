@@ -1,11 +1,14 @@
-"""A draft version on the wire: the trainable tensors of the learner's master as numpy arrays (what an update
-changes; the frozen rest every replica loads itself), checked whole before any of them is applied."""
+"""A draft version on the wire: the serving copy's tensors (int8 weights and scales where the copy is quantized) of
+the modules an update changes, as numpy arrays. The learner builds the serving copy once per version; each replica
+makes its new serving copy from the one it serves, sharing every unchanged tensor and swapping in the shipped ones:
+no requantization per replica, and nothing is applied unless the whole version fits (names, shapes, dtypes, values)."""
 from __future__ import annotations
 
-import warnings
+import copy
 
 import numpy as np
 import torch
+from torch import nn
 
 from osd.errors import OsdError
 
@@ -14,9 +17,19 @@ class DraftLoadError(OsdError):
     """A published draft version does not fit this replica's draft (names, shapes, values): refused, not served."""
 
 
-def trainable_arrays(model) -> dict[str, np.ndarray]:
-    """name -> a numpy copy of each parameter that trains (requires_grad): one draft version's payload."""
-    return {name: p.detach().float().numpy().copy() for name, p in model.named_parameters() if p.requires_grad}
+def changed_prefixes(master) -> list[str]:
+    """The module paths ("model.layers.23.mlp.down_proj.") holding a trainable parameter of the learner's master: the
+    serving copy's modules at those paths are what an update changes (a LoRA adapter's path is the merged linear's)."""
+    return sorted({name.rpartition(".")[0] + "." for name, p in master.named_parameters() if p.requires_grad})
+
+
+def serving_arrays(serving, prefixes: list[str]) -> dict[str, np.ndarray]:
+    """name -> numpy copy of each serving-copy tensor under one of the prefixes: one version's payload."""
+    out = {}
+    for name, t in serving.state_dict().items():
+        if any(name.startswith(p) for p in prefixes) and isinstance(t, torch.Tensor) and not t.is_quantized:
+            out[name] = t.detach().cpu().numpy().copy()
+    return out
 
 
 def payload_bytes(arrays: dict[str, np.ndarray]) -> int:
@@ -24,35 +37,34 @@ def payload_bytes(arrays: dict[str, np.ndarray]) -> int:
 
 
 def check_arrays(model, arrays: dict[str, np.ndarray]) -> None:
-    """DraftLoadError unless every array names a parameter of `model` with its shape and holds finite values."""
-    params = dict(model.named_parameters())
+    """DraftLoadError unless every array names a tensor of `model` with its shape and dtype, and float ones are finite."""
+    state = model.state_dict()
     if not arrays:
         raise DraftLoadError("the published version carries no weights")
     for name, array in arrays.items():
-        if name not in params:
-            raise DraftLoadError(f"the published version has a weight {name!r} this replica's draft does not have "
-                                 "(another base draft, or another --trainable layout)")
-        if tuple(array.shape) != tuple(params[name].shape):
-            raise DraftLoadError(f"weight {name!r}: shape {tuple(array.shape)} published, "
-                                 f"{tuple(params[name].shape)} here")
-        if not np.isfinite(array).all():
-            raise DraftLoadError(f"weight {name!r} holds non-finite values")
+        if name not in state:
+            raise DraftLoadError(f"the published version has a tensor {name!r} this replica's draft does not have "
+                                 "(another base draft, quantization or --trainable layout)")
+        here = state[name]
+        if tuple(array.shape) != tuple(here.shape) or str(array.dtype) != str(here.dtype).removeprefix("torch."):
+            raise DraftLoadError(f"tensor {name!r}: {array.dtype}{tuple(array.shape)} published, "
+                                 f"{str(here.dtype).removeprefix('torch.')}{tuple(here.shape)} here")
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise DraftLoadError(f"tensor {name!r} holds non-finite values")
 
 
-def load_arrays(model, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """Copy checked arrays into `model`'s parameters; returns the values they replaced (to put back on failure)."""
+def with_arrays(model, arrays: dict[str, np.ndarray]):
+    """A new serving copy: `model`'s modules, every tensor shared except the shipped ones (checked first; `model` is
+    left as it is, so requests holding it finish on it)."""
     check_arrays(model, arrays)
-    params, before = dict(model.named_parameters()), {}
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # arrays from Ray's object store are read-only views: copied, never written
-        for name, array in arrays.items():
-            before[name] = params[name].detach().clone()
-            params[name].copy_(torch.from_numpy(array))
-    return before
-
-
-def restore(model, before: dict[str, torch.Tensor]) -> None:
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in before.items():
-            params[name].copy_(value)
+    shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    new = copy.deepcopy(model, dict(shared))
+    for name, array in arrays.items():
+        module_name, _, attr = name.rpartition(".")
+        module = new.get_submodule(module_name)
+        value = torch.tensor(array)  # a copy: arrays from Ray's object store are read-only views
+        if attr in module._parameters:
+            module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+        else:
+            module._buffers[attr] = value
+    return new

@@ -1,0 +1,228 @@
+"""`osd bench scale`: 1 vs 2 (vs N) serving replicas on Ray with one learner, on this machine, the same prompts and
+load for every arm: aggregate tokens/s, the learner's samples per second and bytes per sample, publish-to-swap
+latency per replica, RSS per replica and of the learner, Ray's own cost (start time, idle RSS); and a projection
+past this machine, computed from those measured inputs and marked as a model.
+
+The bench process is the HTTP front (the same app `osd serve --replicas` runs), so it holds the actors' handles: it
+times a publish (`publish_now`) and reads each process's memory. Each arm starts Ray afresh and stops it after."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from osd.bench.record import emit_report, write_result
+from osd.bench.serve_compare import run_level, summarise_level
+from osd.bench.serve_load import _client, _request_body, one_request
+
+
+@dataclasses.dataclass
+class ScaleConfig:
+    models: object  # ModelConfig (threads = each replica's)
+    spec: object  # SpeculationConfig
+    learn: object | None  # LearnConfig (None: no learner)
+    prompts: list[str]
+    replicas: tuple[int, ...] = (1, 2)
+    concurrency: int = 8
+    max_tokens: int = 64
+
+
+@contextmanager
+def serving(app):
+    """uvicorn on a free loopback port in a thread; yields the base URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the HTTP front did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+
+
+def run_arm(config: ScaleConfig, n: int) -> tuple[dict, list]:
+    import ray
+
+    from osd.cluster.launch import connect, start_cluster
+    from osd.memory import system_rss_bytes
+    from osd.models.loading import load_tokenizer
+    from osd.serve.app import create_app
+
+    before = system_rss_bytes()
+    ray_start = connect()
+    ray_idle = system_rss_bytes() - before
+    cluster = start_cluster(config.models, config.spec, config.learn, n)
+    app = create_app(None, load_tokenizer(config.models.target), "osd", learner=cluster.learner, pool=cluster.pool)
+    learner = cluster.pool.learner_actor
+    try:
+        with serving(app) as url:
+            record, texts = asyncio.run(_load(url, config, n))
+            got = ray.get(learner.stats.remote()) if learner is not None else {}
+            record["publish"] = _time_publish(cluster.pool) if learner is not None else None
+            replicas = [ray.get(h.stats.remote()) for h in cluster.pool.replicas]
+            learned = ray.get(learner.stats.remote()) if learner is not None else {}
+    finally:
+        cluster.pool.stop(timeout=30)
+        if cluster.learner is not None:
+            cluster.learner.stop()
+        ray.shutdown()
+    wall = record["wall_seconds"]
+    record.update(replicas=n, ray_start_seconds=ray_start, ray_idle_rss_bytes=ray_idle,
+                  replicas_ready_seconds=cluster.ready_seconds,
+                  replica_peak_rss_bytes=[r.get("peak_rss_bytes") for r in replicas],
+                  samples_dropped=sum(r.get("samples_dropped", 0) for r in replicas),
+                  learner={key: learned.get(key) for key in ("peak_rss_bytes", "samples_received", "sample_bytes_received",
+                                                             "requests_received", "submit_seconds", "updates_published",
+                                                             "updates_rejected", "optimizer_steps", "train_seconds",
+                                                             "version", "samples_by_replica")} if learner else None)
+    if got:  # samples that arrived while the load ran
+        record["learner_samples_per_s"] = got["samples_received"] / wall if wall else None
+        record["bytes_per_sample"] = got["sample_bytes_received"] / got["samples_received"] if got["samples_received"] else None
+    return record, texts
+
+
+async def _load(url: str, config: ScaleConfig, n: int) -> tuple[dict, list]:
+    async with _client(url, None, 1800.0, config.concurrency + 2) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        for i in range(n):  # one warm-up request per replica (least-loaded: each takes one), not counted
+            await asyncio.gather(*(one_request(client, *_request_body(model, config.prompts[0], 8, True))
+                                   for _ in range(n)))
+        samples, wall = await run_level(client, model, config.prompts, config.max_tokens, config.concurrency)
+    record = summarise_level(f"osd x{n}", config.learn is not None, config.concurrency, [s for _, s in samples], wall,
+                             None, {})
+    print(f"  {n} replica(s): {record['aggregate_tokens_per_s']:.1f} tok/s, TTFT p50 {record['ttft_p50_s'] or 0:.2f} s, "
+          f"errors {record['errors']}", flush=True)
+    return record, [s.text if s.ok else None for _, s in samples]
+
+
+def _time_publish(pool, timeout: float = 60.0) -> dict:
+    """Publish once and wait until every replica serves it: seconds to the last replica, and each replica's own."""
+    import ray
+
+    start = time.perf_counter()
+    version = ray.get(pool.learner_actor.publish_now.remote())
+    while True:
+        states = [ray.get(h.stats.remote()) for h in pool.replicas]
+        if all(s["version"] >= version for s in states) or time.perf_counter() - start > timeout:
+            break
+        time.sleep(0.02)
+    return {"version": version, "all_replicas_seconds": time.perf_counter() - start,
+            "publish_to_swap_seconds": [s["last_swap"]["publish_to_swap_seconds"] for s in states],
+            "payload_bytes": ray.get(pool.learner_actor.stats.remote()).get("publish_bytes")}
+
+
+def projection(records: list[dict]) -> dict | None:
+    """A model, not a measurement: how far one learner carries, from the widest arm's measured inputs."""
+    r = max((r for r in records if r.get("learner") and r["learner"].get("samples_received")), key=lambda r: r["replicas"],
+            default=None)
+    if r is None:
+        return None
+    learner, n, wall = r["learner"], r["replicas"], r["wall_seconds"]
+    per_replica = r["learner_samples_per_s"] / n
+    ingest = learner["submit_seconds"] / learner["samples_received"]
+    return {"from_replicas": n, "samples_per_s_per_replica": per_replica,
+            "bytes_per_sample": r["bytes_per_sample"],
+            "network_bytes_per_s_per_replica": per_replica * r["bytes_per_sample"],
+            "learner_ingest_seconds_per_sample": ingest,
+            "replicas_one_learner_ingests": 1.0 / (ingest * per_replica) if ingest and per_replica else None,
+            "publish_payload_bytes": (r.get("publish") or {}).get("payload_bytes"),
+            "note": "model: one learner keeps up while the samples all replicas ship take less than its time "
+                    "(ingest only; training draws batches from the buffer and does not need every sample)"}
+
+
+def run_scale(config: ScaleConfig) -> dict:
+    records, texts = [], {}
+    for n in config.replicas:
+        print(f"[scale] {n} replica(s), {config.concurrency} clients, {len(config.prompts)} requests", flush=True)
+        record, texts[n] = run_arm(config, n)
+        records.append(record)
+    first = config.replicas[0]
+    identity = {str(n): {"same": sum(a is not None and a == b for a, b in zip(texts[n], texts[first])),
+                         "of": len(texts[first])} for n in config.replicas[1:]}
+    return {"records": records, "identity_vs_first_arm": identity, "projection": projection(records)}
+
+
+def register(bench) -> None:
+    p = bench.add_parser("scale", help="1 vs 2 serving replicas on Ray with one learner, same prompts: tokens/s, "
+                         "samples shipped, publish-to-swap latency, memory, Ray's own cost; and a projection")
+    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--threads", type=int, default=1, help="threads of each replica")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--osd-args", default="--lookup", help="osd serve flags for every arm's replicas (one string)")
+    p.add_argument("--no-learn", action="store_true", help="replicas only, no learner")
+    p.add_argument("--out", default="benchmarks/bench-scale.json")
+    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args) -> None:
+    import argparse
+    import shlex
+    import tempfile
+
+    from osd.bench.serve_compare import interleaved_prompts
+    from osd.cli import add_config_flags, config_from
+    from osd.config import ModelConfig, SpeculationConfig
+    from osd.learn.online import LearnConfig
+
+    flags = argparse.ArgumentParser(add_help=False)
+    for cls in (ModelConfig, SpeculationConfig, LearnConfig):
+        add_config_flags(flags, cls)
+    flags.set_defaults(max_batch=8, busy_share=0.1, schedule="background")  # as `osd serve`
+    osd = flags.parse_args(shlex.split(args.osd_args))
+    models = dataclasses.replace(config_from(osd, ModelConfig), threads=args.threads)
+    learn = None if args.no_learn else dataclasses.replace(config_from(osd, LearnConfig),
+                                                            checkpoint_dir=tempfile.mkdtemp(prefix="osd-scale-"))
+    config = ScaleConfig(models, config_from(osd, SpeculationConfig), learn, interleaved_prompts(args.requests + 1)[1:],
+                         tuple(args.replicas), args.concurrency, args.max_tokens)
+    result = run_scale(config)
+    result["config"] = {"replicas": list(args.replicas), "threads": args.threads, "requests": args.requests,
+                        "concurrency": args.concurrency, "max_tokens": args.max_tokens, "osd_args": args.osd_args,
+                        "learning": learn is not None, "temperature": 0}
+    report_scale(result, args.out, args.markdown)
+
+
+def report_scale(result: dict, out: str, markdown: str | None) -> None:
+    path = write_result(result, out)
+    gb = lambda b: f"{b / 1e9:.2f}" if b else "-"
+    rows = ["| replicas | aggregate tok/s | TTFT p50 / p95 s | errors | learner samples/s | bytes/sample | "
+            "publish -> all replicas s | replica peak RSS GB | learner peak RSS GB | Ray start s / idle RSS GB |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["records"]:
+        pub = r.get("publish") or {}
+        rows.append(f"| {r['replicas']} | {r['aggregate_tokens_per_s']:.1f} | {r['ttft_p50_s'] or 0:.2f} / "
+                    f"{r['ttft_p95_s'] or 0:.2f} | {r['errors']} | {r.get('learner_samples_per_s') or 0:.1f} | "
+                    f"{r.get('bytes_per_sample') or 0:.0f} | {pub.get('all_replicas_seconds') or 0:.2f} | "
+                    f"{', '.join(gb(b) for b in r['replica_peak_rss_bytes'])} | "
+                    f"{gb((r.get('learner') or {}).get('peak_rss_bytes'))} | "
+                    f"{r['ray_start_seconds']:.1f} / {gb(r['ray_idle_rss_bytes'])} |")
+    blocks = ["\n".join(rows), f"Greedy answers identical to the first arm's: {result['identity_vs_first_arm']}"]
+    p = result.get("projection")
+    if p:
+        blocks.append(f"Projection (a model from the {p['from_replicas']}-replica arm's measured inputs, not a "
+                      f"measurement): {p['samples_per_s_per_replica']:.1f} samples/s per replica x "
+                      f"{p['bytes_per_sample']:.0f} B = {p['network_bytes_per_s_per_replica'] / 1e3:.1f} kB/s per "
+                      f"replica to the learner; the learner takes a sample in {p['learner_ingest_seconds_per_sample'] * 1e3:.2f} ms, "
+                      f"so one learner ingests the samples of ~{p['replicas_one_learner_ingests'] or 0:.0f} such "
+                      f"replicas; each published version ships {(p['publish_payload_bytes'] or 0) / 1e6:.1f} MB once "
+                      "to the object store.")
+    c = result["config"]
+    emit_report("Scale-out on Ray (osd bench scale)",
+                f"`osd bench scale` ({c['requests']} requests, {c['concurrency']} clients, {c['max_tokens']} tokens, "
+                f"{c['threads']} thread(s) per replica, `{c['osd_args']}`, learning {c['learning']})", blocks,
+                Path(path), markdown)
