@@ -201,13 +201,15 @@ def report_scale(result: dict, out: str, markdown: str | None) -> None:
     path = write_result(result, out)
     gb = lambda b: f"{b / 1e9:.2f}" if b else "-"
     rows = ["| replicas | aggregate tok/s | TTFT p50 / p95 s | errors | learner samples/s | bytes/sample | "
-            "publish -> all replicas s | replica peak RSS GB | learner peak RSS GB | Ray start s / idle RSS GB |",
+            "publish -> swap s, per replica (-> all, from the call) | replica peak RSS GB | learner peak RSS GB | Ray start s / idle RSS GB |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["records"]:
         pub = r.get("publish") or {}
         rows.append(f"| {r['replicas']} | {r['aggregate_tokens_per_s']:.1f} | {r['ttft_p50_s'] or 0:.2f} / "
                     f"{r['ttft_p95_s'] or 0:.2f} | {r['errors']} | {r.get('learner_samples_per_s') or 0:.1f} | "
-                    f"{r.get('bytes_per_sample') or 0:.0f} | {pub.get('all_replicas_seconds') or 0:.2f} | "
+                    f"{r.get('bytes_per_sample') or 0:.0f} | "
+                    f"{', '.join(f'{x:.2f}' for x in pub.get('publish_to_swap_seconds') or [] if x is not None)} "
+                    f"({pub.get('all_replicas_seconds') or 0:.2f}) | "
                     f"{', '.join(gb(b) for b in r['replica_peak_rss_bytes'])} | "
                     f"{gb((r.get('learner') or {}).get('peak_rss_bytes'))} | "
                     f"{r['ray_start_seconds']:.1f} / {gb(r['ray_idle_rss_bytes'])} |")
