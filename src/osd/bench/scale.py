@@ -165,6 +165,10 @@ def register(bench) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--osd-args", default="--lookup", help="osd serve flags for every arm's replicas (one string)")
     p.add_argument("--no-learn", action="store_true", help="replicas only, no learner")
+    p.add_argument("--faults", action="store_true",
+                   help="instead: a Ray cluster started apart, `osd serve --replicas 2 --ray-address auto`, and under "
+                        "load in turn no fault, kill -9 of a replica, of the learner, of the front (started again): "
+                        "answered / failed / hung requests per phase and the recovery (bench/scale_faults.py)")
     p.add_argument("--out", default="benchmarks/bench-scale.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
     p.set_defaults(func=_cmd)
@@ -180,6 +184,8 @@ def _cmd(args) -> None:
     from osd.config import ModelConfig, SpeculationConfig
     from osd.learn.online import LearnConfig
 
+    if args.faults:
+        return _cmd_faults(args)
     flags = argparse.ArgumentParser(add_help=False)
     for cls in (ModelConfig, SpeculationConfig, LearnConfig):
         add_config_flags(flags, cls)
@@ -195,6 +201,31 @@ def _cmd(args) -> None:
                         "concurrency": args.concurrency, "max_tokens": args.max_tokens, "osd_args": args.osd_args,
                         "learning": learn is not None, "temperature": 0}
     report_scale(result, args.out, args.markdown)
+
+
+def _cmd_faults(args) -> None:
+    import shlex
+
+    from osd.bench.scale_faults import FAULTS, run_faults
+    from osd.bench.serve_compare import interleaved_prompts
+
+    result = run_faults(shlex.split(args.osd_args), interleaved_prompts(args.requests * len(FAULTS) + 1)[1:],
+                        args.requests, args.concurrency, args.max_tokens)
+    result["config"] = {"requests_per_phase": args.requests, "concurrency": args.concurrency,
+                        "max_tokens": args.max_tokens, "osd_args": args.osd_args, "replicas": 2, "threads": 1}
+    path = write_result(result, args.out.replace(".json", "-faults.json") if args.out.endswith(".json") else args.out)
+    rows = ["| fault | answered | failed (clear error) | hung | back in s | replica versions after | learner version |",
+            "|---|---|---|---|---|---|---|"]
+    for p in result["phases"]:
+        back = "-" if p["recovered_seconds"] is None else f"{p['recovered_seconds']:.1f}"
+        rows.append(f"| {p['fault']} | {p['ok']}/{p['requests']} | {p['errors']} | {p['hung']} | {back} | "
+                    f"{p['replica_versions']} | {p['learner_version']} |")
+    notes = [f"- {p['fault']}: {'; '.join(p['error_examples'])}" for p in result["phases"] if p["error_examples"]]
+    emit_report("Scale-out on Ray: faults under load (osd bench scale --faults)",
+                f"`osd bench scale --faults` ({args.requests} requests per phase, {args.concurrency} clients, "
+                f"{args.max_tokens} tokens, `{args.osd_args}`; `{result['command']}`)",
+                ["\n".join(rows)] + (["Errors seen:\n" + "\n".join(notes)] if notes else []), Path(path),
+                args.markdown)
 
 
 def report_scale(result: dict, out: str, markdown: str | None) -> None:

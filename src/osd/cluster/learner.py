@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pickle
 import threading
 import time
@@ -113,6 +114,7 @@ class LearnerNode:
         from osd.memory import process_memory
 
         return {**self.learner.stats(), "paused": self.learner.paused, **self.counters, **process_memory(),
+                "pid": os.getpid(),
                 "samples_by_replica": dict(self.by_replica)}
 
     def pause(self, timeout: float = 120.0) -> bool:
@@ -132,8 +134,6 @@ class LearnerNode:
 
     def pid(self) -> int:
         """This actor's process (the fault tests kill -9 it)."""
-        import os
-
         return os.getpid()
 
     def ready(self) -> int:
@@ -150,9 +150,10 @@ class LearnerNode:
         class Collector:
             def collect(self):
                 stats = node.stats()
-                yield from learner_families({k: v for k, v in stats.items() if k not in node.counters and "rss" not in k})
-                for key, value in {**node.counters, **process_memory()}.items():
-                    kind = GaugeMetricFamily if key in ("publish_bytes", "rss_bytes", "peak_rss_bytes") else CounterMetricFamily
+                yield from learner_families({k: v for k, v in stats.items() if k not in node.counters and "rss" not in k
+                                             and k != "pid"})
+                for key, value in {**node.counters, **process_memory(), "pid": os.getpid()}.items():
+                    kind = GaugeMetricFamily if key in ("publish_bytes", "rss_bytes", "peak_rss_bytes", "pid") else CounterMetricFamily
                     yield kind(f"osd_cluster_{key}", f"Cluster learner {key.replace('_', ' ')}.", value=value)
 
         registry.register(Collector())

@@ -1,8 +1,9 @@
 """The front's side of the replicas: what serve/app.py submits requests to instead of a local Worker (same
 `submit` -> Job, `depth`, `alive`, `start`, `stop`). Each request goes to the replica with the fewest requests in
 flight from this front; its events stream back through Ray. A replica that dies before the request streamed anything
-is marked down and the request is retried on another; after text was streamed the client gets a clear error
-(ReplicaFailed, 503). A marked-down replica comes back once it answers again (Ray restarts it)."""
+is marked down and the request is retried on another; after text was streamed, a greedy or seeded request is run
+again on another replica and its stream goes on where it stopped (the same tokens: `reproducible`), any other gets a
+clear error (ReplicaFailed, 503). A marked-down replica comes back once it answers again (Ray restarts it)."""
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +28,7 @@ class ReplicaPool:
         self.down: set[int] = set()
         self.states: dict[str, dict] = {}  # label -> last stats (replicas and learner), refreshed by the poller
         self.texts: dict[str, str] = {}  # label -> last /metrics text
-        self.counters = {"retries": 0, "replica_failures": 0, "failed_mid_stream": 0}
+        self.counters = {"retries": 0, "resumed": 0, "replica_failures": 0, "failed_mid_stream": 0}
         self._closing = False
         self._tasks: set[asyncio.Task] = set()
         self._rr = 0
@@ -77,6 +78,7 @@ class ReplicaPool:
     # --- one request ----------------------------------------------------------------------------------------------
     async def _drive(self, job: Job) -> None:
         tried: list[int] = []
+        sent = ""  # text already streamed to the client
         while True:
             i = self._pick(tried)
             if i is None:
@@ -84,7 +86,7 @@ class ReplicaPool:
                 return
             tried.append(i)
             self.inflight[i] += 1
-            streamed = False
+            text = ""  # this attempt's text; a resumed attempt re-derives `sent` first and streams only what follows
             gen = self.replicas[i].generate.options(num_returns="streaming").remote(job.prompt_ids, job.sampling,
                                                                                     job.draft)
             try:
@@ -93,11 +95,18 @@ class ReplicaPool:
                     if kind != "text":
                         job.emit(kind, payload)
                         return
-                    streamed = True
-                    if job.first_text_at is None:
-                        job.first_text_at = time.perf_counter()
-                    if job.stream:
-                        job.emit("text", payload)
+                    text += payload
+                    if len(text) > len(sent):
+                        if not text.startswith(sent):  # a resumed attempt that differs: never splice two answers
+                            job.emit("error", ReplicaFailed("a replica failed during the request and the retry's "
+                                                            "text differs from what was streamed: send it again"))
+                            ray.cancel(gen)
+                            return
+                        if job.first_text_at is None:
+                            job.first_text_at = time.perf_counter()
+                        if job.stream:
+                            job.emit("text", text[len(sent):])
+                        sent = text
                     if job.cancelled:  # the client went away: the replica drops the sequence
                         ray.cancel(gen)
                         return
@@ -106,13 +115,14 @@ class ReplicaPool:
             except LOST as e:
                 self.counters["replica_failures"] += 1
                 self._mark_down(i)
-                if streamed or job.cancelled:
+                if job.cancelled or (sent and not reproducible(job.sampling)):
                     self.counters["failed_mid_stream"] += 1
                     job.emit("error", ReplicaFailed(f"replica {i} failed during the request ({type(e).__name__}); "
                                                     "the text so far is incomplete: send the request again"))
                     return
-                self.counters["retries"] += 1
-                log.warning("replica %d failed before answering (%s): retrying on another", i, type(e).__name__)
+                self.counters["resumed" if sent else "retries"] += 1
+                log.warning("replica %d failed (%s): %s on another", i, type(e).__name__,
+                            "resuming the stream" if sent else "retrying")
             except asyncio.CancelledError:
                 ray.cancel(gen)
                 raise
@@ -172,6 +182,13 @@ class ReplicaPool:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def reproducible(sampling) -> bool:
+    """Whether another replica gives this request the same tokens: greedy (bitwise identity per row), or sampled with
+    a seed (a request's sampled tokens do not depend on what shares its steps). Such a request that lost its replica
+    mid-stream is run again elsewhere and the client gets only the text it has not seen yet."""
+    return sampling.temperature == 0 or sampling.seed is not None
 
 
 class RemoteLearner:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 
@@ -106,8 +107,6 @@ class ReplicaNode:
 
     def pid(self) -> int:
         """This actor's process (the fault tests kill -9 it)."""
-        import os
-
         return os.getpid()
 
     def ready(self) -> int:
@@ -119,7 +118,7 @@ class ReplicaNode:
         from osd.memory import process_memory
 
         return {"index": self.index, "version": self.version, "drafts": _drafts(self.system.engine, None),
-                **process_memory(),
+                **process_memory(), "pid": os.getpid(),
                 "running": self.worker.running, "queued": self.worker.depth, **self.counters, "last_swap": self.last_swap,
                 **(self.shipper.counters if self.shipper is not None else {})}
 
@@ -145,7 +144,7 @@ class _StatsCollector:
         yield GaugeMetricFamily("osd_replica_draft_version", "The learner's draft version this replica serves.",
                                 value=s["version"])
         yield GaugeMetricFamily("osd_replica_queued", "Requests waiting for this replica's scheduler.", value=s["queued"])
-        for key in ("rss_bytes", "peak_rss_bytes"):
+        for key in ("rss_bytes", "peak_rss_bytes", "pid"):
             if key in s:
                 yield GaugeMetricFamily(f"osd_replica_{key}", f"This replica's process {key.replace('_', ' ')}.",
                                         value=s[key])
