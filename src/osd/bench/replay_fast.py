@@ -148,8 +148,9 @@ def run_fast_replay(models: ModelConfig, learn: LearnConfig, stream: str, split:
 def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: int = 4, baselines: bool = True,
                 baseline_epochs: int = 0, baseline_lr: float = 1e-5, probe: int = 20, max_new_tokens: int | None = None,
                 progress=None, heldout: dict[str, list] | None = None, on_row=None, state_path=None,
-                save_every: int = 25, baseline_arrival: bool = False) -> dict:
+                save_every: int = 25, baseline_arrival: bool = False, keep_online: bool = False) -> dict:
     """The replay itself over target samples in stream order; `base` is the original draft (left unchanged).
+    keep_online: the result also holds the online draft itself under "online_draft" (not JSON: pop it before writing).
 
     heldout: domain -> target samples no draft trains on, measured once at the end of the stream.
     baseline_epochs > 0 adds the epochs recipe (at baseline_lr) as its own, labelled draft; baseline_arrival adds
@@ -209,7 +210,8 @@ def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: 
             **({"heldout_online_vs_offline_arrival": online_vs[ARRIVAL]} if ARRIVAL in variants else {}),
             "baselines": trained,
             "learner": learner.stats(), "updates": learner.history,
-            "timings": {**timings, **{f"{n}_train_seconds": r["seconds"] for n, r in trained.items()}}}
+            "timings": {**timings, **{f"{n}_train_seconds": r["seconds"] for n, r in trained.items()}},
+            **({"online_draft": learner.master} if keep_online else {})}
 
 
 def _online_learner(base, learn: LearnConfig) -> OnlineLearner:

@@ -169,6 +169,12 @@ def register(bench) -> None:
                    help="instead: a Ray cluster started apart, `osd serve --replicas 2 --ray-address auto`, and under "
                         "load in turn no fault, kill -9 of a replica, of the learner, of the front (started again): "
                         "answered / failed / hung requests per phase and the recovery (bench/scale_faults.py)")
+    p.add_argument("--replay", type=int, default=0, metavar="N",
+                   help="instead: a fast greedy replay of one stream split across N simulated replicas, one learner fed "
+                        "by all vs each learning alone, held-out alpha against the never-trained control "
+                        "(bench/scale_replay.py; --replay-dataset, --per-replica)")
+    p.add_argument("--replay-dataset", default="gsm8k")
+    p.add_argument("--per-replica", type=int, default=80, help="--replay: requests each simulated replica serves")
     p.add_argument("--out", default="benchmarks/bench-scale.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
     p.set_defaults(func=_cmd)
@@ -190,7 +196,11 @@ def _cmd(args) -> None:
     for cls in (ModelConfig, SpeculationConfig, LearnConfig):
         add_config_flags(flags, cls)
     flags.set_defaults(max_batch=8, busy_share=0.1, schedule="background")  # as `osd serve`
+    if args.replay:  # the evidence table's recipe (BENCHMARKS.md), synchronous updates
+        flags.set_defaults(schedule="sync", mode="all", lr=1e-4, train_layers=2, rehearsal=0.5, average=0.98)
     osd = flags.parse_args(shlex.split(args.osd_args))
+    if args.replay:
+        return _cmd_replay(args, config_from(osd, ModelConfig), config_from(osd, LearnConfig))
     models = dataclasses.replace(config_from(osd, ModelConfig), threads=args.threads)
     learn = None if args.no_learn else dataclasses.replace(config_from(osd, LearnConfig),
                                                             checkpoint_dir=tempfile.mkdtemp(prefix="osd-scale-"))
@@ -201,6 +211,32 @@ def _cmd(args) -> None:
                         "concurrency": args.concurrency, "max_tokens": args.max_tokens, "osd_args": args.osd_args,
                         "learning": learn is not None, "temperature": 0}
     report_scale(result, args.out, args.markdown)
+
+
+def _cmd_replay(args, models, learn) -> None:
+    from tqdm import tqdm
+
+    from osd.bench.scale_replay import run_split_replay
+
+    models = dataclasses.replace(models, threads=args.threads if args.threads > 1 else 0)
+    result = run_split_replay(models, learn, args.replay_dataset, args.per_replica, args.replay, progress=tqdm)
+    result["config"] = {"learn": dataclasses.asdict(learn), "draft": models.draft, "osd_args": args.osd_args}
+    path = write_result(result, args.out.replace(".json", "-replay.json") if args.out.endswith(".json") else args.out)
+    z = lambda d: f"{d['gained']}/{d['lost']}, z {d['z']:.1f}"
+    rows = ["| draft | held-out alpha | vs never-trained (gained/lost, z) | pooled vs it (gained/lost, z) | optimizer steps |",
+            "|---|---|---|---|---|",
+            f"| never trained (control) | {result['control_alpha']:.3f} | - | - | 0 |",
+            f"| one learner fed by all {args.replay} replicas ({args.replay * args.per_replica} requests) | "
+            f"{result['pooled']['alpha']:.3f} | {z(result['pooled']['vs_control'])} | - | "
+            f"{result['pooled']['optimizer_steps']} |"]
+    for a in result["alone"]:
+        rows.append(f"| replica {a['replica']} learning alone ({args.per_replica} requests) | {a['alpha']:.3f} | "
+                    f"{z(a['vs_control'])} | {z(a['pooled_vs_this'])} | {a['optimizer_steps']} |")
+    emit_report("Scale-out on Ray: one learner fed by N replicas vs each alone (osd bench scale --replay)",
+                f"`osd bench scale --replay {args.replay}` ({args.replay_dataset} train stream, {args.per_replica} "
+                f"requests per simulated replica, held-out: {result['heldout_positions']} positions of the first 40 "
+                f"test requests; draft {models.draft}; fast greedy replay, synchronous updates)", ["\n".join(rows)],
+                Path(path), args.markdown)
 
 
 def _cmd_faults(args) -> None:
