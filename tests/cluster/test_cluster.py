@@ -10,13 +10,9 @@ import subprocess
 import sys
 import time
 
-from pathlib import Path
-
 import pytest
 from conftest import save_tiny_pair
 from helpers import plain_greedy
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "serve"))  # serve_testing.live_server
 
 import ray  # noqa: E402  (a dev dependency: missing, the module fails to import and its tests fail)
 
@@ -26,6 +22,7 @@ from osd.config import ModelConfig, SamplingConfig, SpeculationConfig  # noqa: E
 from osd.learn.online import LearnConfig  # noqa: E402
 from osd.serve.app import create_app  # noqa: E402
 from osd.serve.settings import ServeSettings  # noqa: E402
+from osd.serve.threaded import serve_in_thread  # noqa: E402
 
 # every position, the guard off (tested elsewhere), no automatic trigger: the tests publish with update_now
 LEARN = dict(mode="all", every_requests=0, trainable="all", train_layers=0, guard=False, lr=1e-2, steps_per_update=4,
@@ -191,8 +188,6 @@ def test_the_learner_killed_resumes_from_its_checkpoint_and_replicas_keep_servin
 
 
 def test_http_front_restarted_finds_the_cluster_pins_and_aggregates_metrics(cluster):
-    from serve_testing import live_server
-
     made, root, (models, spec, learn) = cluster
     learner = ray.get_actor(LEARNER, namespace=NAMESPACE)
     version = ray.get(learner.ready.remote())
@@ -203,7 +198,7 @@ def test_http_front_restarted_finds_the_cluster_pins_and_aggregates_metrics(clus
                      pool=again.pool)
     import httpx
 
-    with live_server(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         wait_for(lambda: "osd_replica_draft_version" in http.get("/metrics").text, timeout=20)
         body = {"model": "tiny", "prompt": "ab", "max_tokens": 6, "temperature": 0, "osd": {"draft": "default"}}
         r = http.post("/v1/completions", json=body)

@@ -4,20 +4,17 @@ Named serve_testing (not conftest) so `from conftest import ...` keeps meaning t
 """
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
-import uvicorn
 from conftest import ToyTokenizer, tiny_qwen2
 from helpers import make_engine
 from openai import OpenAI
 
 from osd.serve.app import create_app
 from osd.serve.settings import ServeSettings
+from osd.serve.threaded import serve_in_thread
 
 MODEL = "tiny-target"
 
@@ -57,27 +54,9 @@ class Served:
         return httpx.Client(base_url=self.url, headers=headers, timeout=60)
 
 
-@contextmanager
 def live_server(app, ready_timeout: float = 20.0):
     """Run `app` under uvicorn on a thread; yield its base URL; shut down gracefully (lifespan included)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + ready_timeout
-    while not server.started:  # a readiness poll, not a sleep that correctness depends on
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("test server did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+    return serve_in_thread(app, ready_timeout)
 
 
 @contextmanager

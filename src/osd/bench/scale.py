@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from osd.bench.record import emit_report, write_result
 from osd.bench.serve_compare import run_level, summarise_level
 from osd.bench.serve_load import _client, _request_body, one_request
+from osd.serve.threaded import serve_in_thread
 
 
 @dataclasses.dataclass
@@ -27,33 +25,12 @@ class ScaleConfig:
     learn: object | None  # LearnConfig (None: no learner)
     prompts: list[str]
     replicas: tuple[int, ...] = (1, 2)
+    threads: tuple[int, ...] = (1, 1)  # each arm's threads per replica (paired with replicas)
     concurrency: int = 8
     max_tokens: int = 64
 
 
-@contextmanager
-def serving(app):
-    """uvicorn on a free loopback port in a thread; yields the base URL."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the HTTP front did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        sock.close()
-
-
-def run_arm(config: ScaleConfig, n: int) -> tuple[dict, list]:
+def run_arm(config: ScaleConfig, n: int, threads: int) -> tuple[dict, list]:
     import ray
 
     from osd.cluster.launch import connect, start_cluster
@@ -64,11 +41,11 @@ def run_arm(config: ScaleConfig, n: int) -> tuple[dict, list]:
     before = system_rss_bytes()
     ray_start = connect()
     ray_idle = system_rss_bytes() - before
-    cluster = start_cluster(config.models, config.spec, config.learn, n)
+    cluster = start_cluster(dataclasses.replace(config.models, threads=threads), config.spec, config.learn, n)
     app = create_app(None, load_tokenizer(config.models.target), "osd", learner=cluster.learner, pool=cluster.pool)
     learner = cluster.pool.learner_actor
     try:
-        with serving(app) as url:
+        with serve_in_thread(app, ready_timeout=120) as url:
             record, texts = asyncio.run(_load(url, config, n))
             got = ray.get(learner.stats.remote()) if learner is not None else {}
             record["publish"] = _time_publish(cluster.pool) if learner is not None else None
@@ -80,7 +57,7 @@ def run_arm(config: ScaleConfig, n: int) -> tuple[dict, list]:
             cluster.learner.stop()
         ray.shutdown()
     wall = record["wall_seconds"]
-    record.update(replicas=n, ray_start_seconds=ray_start, ray_idle_rss_bytes=ray_idle,
+    record.update(replicas=n, threads=threads, ray_start_seconds=ray_start, ray_idle_rss_bytes=ray_idle,
                   replicas_ready_seconds=cluster.ready_seconds,
                   replica_peak_rss_bytes=[r.get("peak_rss_bytes") for r in replicas],
                   samples_dropped=sum(r.get("samples_dropped", 0) for r in replicas),
@@ -145,13 +122,14 @@ def projection(records: list[dict]) -> dict | None:
 
 def run_scale(config: ScaleConfig) -> dict:
     records, texts = [], {}
-    for n in config.replicas:
-        print(f"[scale] {n} replica(s), {config.concurrency} clients, {len(config.prompts)} requests", flush=True)
-        record, texts[n] = run_arm(config, n)
+    arms = [f"{n}x{t}" for n, t in zip(config.replicas, config.threads)]
+    for arm, n, t in zip(arms, config.replicas, config.threads):
+        print(f"[scale] {n} replica(s) x {t} thread(s), {config.concurrency} clients, {len(config.prompts)} requests",
+              flush=True)
+        record, texts[arm] = run_arm(config, n, t)
         records.append(record)
-    first = config.replicas[0]
-    identity = {str(n): {"same": sum(a is not None and a == b for a, b in zip(texts[n], texts[first])),
-                         "of": len(texts[first])} for n in config.replicas[1:]}
+    identity = {arm: {"same": sum(a is not None and a == b for a, b in zip(texts[arm], texts[arms[0]])),
+                      "of": len(texts[arms[0]])} for arm in arms[1:]}
     return {"records": records, "identity_vs_first_arm": identity, "projection": projection(records)}
 
 
@@ -159,7 +137,9 @@ def register(bench) -> None:
     p = bench.add_parser("scale", help="1 vs 2 serving replicas on Ray with one learner, same prompts: tokens/s, "
                          "samples shipped, publish-to-swap latency, memory, Ray's own cost; and a projection")
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--threads", type=int, default=1, help="threads of each replica")
+    p.add_argument("--threads", type=int, nargs="+", default=[1],
+                   help="threads of each replica: one value for every arm, or one per --replicas arm (e.g. --replicas "
+                        "1 2 1 --threads 1 1 2: the last arm is one replica on both cores)")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -188,6 +168,7 @@ def _cmd(args) -> None:
     from osd.bench.serve_compare import interleaved_prompts
     from osd.cli import add_config_flags, config_from
     from osd.config import ModelConfig, SpeculationConfig
+    from osd.errors import InvalidArgument
     from osd.learn.online import LearnConfig
 
     if args.faults:
@@ -201,13 +182,16 @@ def _cmd(args) -> None:
     osd = flags.parse_args(shlex.split(args.osd_args))
     if args.replay:
         return _cmd_replay(args, config_from(osd, ModelConfig), config_from(osd, LearnConfig))
-    models = dataclasses.replace(config_from(osd, ModelConfig), threads=args.threads)
+    threads = args.threads * len(args.replicas) if len(args.threads) == 1 else args.threads
+    if len(threads) != len(args.replicas):
+        raise InvalidArgument("--threads takes one value, or one per --replicas arm")
+    models = config_from(osd, ModelConfig)
     learn = None if args.no_learn else dataclasses.replace(config_from(osd, LearnConfig),
                                                             checkpoint_dir=tempfile.mkdtemp(prefix="osd-scale-"))
     config = ScaleConfig(models, config_from(osd, SpeculationConfig), learn, interleaved_prompts(args.requests + 1)[1:],
-                         tuple(args.replicas), args.concurrency, args.max_tokens)
+                         tuple(args.replicas), tuple(threads), args.concurrency, args.max_tokens)
     result = run_scale(config)
-    result["config"] = {"replicas": list(args.replicas), "threads": args.threads, "requests": args.requests,
+    result["config"] = {"replicas": list(args.replicas), "threads": threads, "requests": args.requests,
                         "concurrency": args.concurrency, "max_tokens": args.max_tokens, "osd_args": args.osd_args,
                         "learning": learn is not None, "temperature": 0}
     report_scale(result, args.out, args.markdown)
@@ -218,7 +202,7 @@ def _cmd_replay(args, models, learn) -> None:
 
     from osd.bench.scale_replay import run_split_replay
 
-    models = dataclasses.replace(models, threads=args.threads if args.threads > 1 else 0)
+    models = dataclasses.replace(models, threads=0)  # the replay runs in this process, on every core
     result = run_split_replay(models, learn, args.replay_dataset, args.per_replica, args.replay, progress=tqdm)
     result["config"] = {"learn": dataclasses.asdict(learn), "draft": models.draft, "osd_args": args.osd_args}
     path = write_result(result, args.out.replace(".json", "-replay.json") if args.out.endswith(".json") else args.out)
@@ -267,12 +251,12 @@ def _cmd_faults(args) -> None:
 def report_scale(result: dict, out: str, markdown: str | None) -> None:
     path = write_result(result, out)
     gb = lambda b: f"{b / 1e9:.2f}" if b else "-"
-    rows = ["| replicas | aggregate tok/s | TTFT p50 / p95 s | errors | learner samples/s | bytes/sample | "
+    rows = ["| replicas x threads | aggregate tok/s | TTFT p50 / p95 s | errors | learner samples/s | bytes/sample | "
             "publish -> swap s, per replica (-> all, from the call) | replica peak RSS GB | learner peak RSS GB | Ray start s / idle RSS GB |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["records"]:
         pub = r.get("publish") or {}
-        rows.append(f"| {r['replicas']} | {r['aggregate_tokens_per_s']:.1f} | {r['ttft_p50_s'] or 0:.2f} / "
+        rows.append(f"| {r['replicas']} x {r.get('threads', 1)} | {r['aggregate_tokens_per_s']:.1f} | {r['ttft_p50_s'] or 0:.2f} / "
                     f"{r['ttft_p95_s'] or 0:.2f} | {r['errors']} | {r.get('learner_samples_per_s') or 0:.1f} | "
                     f"{r.get('bytes_per_sample') or 0:.0f} | "
                     f"{', '.join(f'{x:.2f}' for x in pub.get('publish_to_swap_seconds') or [] if x is not None)} "
@@ -293,5 +277,5 @@ def report_scale(result: dict, out: str, markdown: str | None) -> None:
     c = result["config"]
     emit_report("Scale-out on Ray (osd bench scale)",
                 f"`osd bench scale` ({c['requests']} requests, {c['concurrency']} clients, {c['max_tokens']} tokens, "
-                f"{c['threads']} thread(s) per replica, `{c['osd_args']}`, learning {c['learning']})", blocks,
+                f"threads per replica {c['threads']}, `{c['osd_args']}`, learning {c['learning']})", blocks,
                 Path(path), markdown)
