@@ -24,17 +24,13 @@ log = logging.getLogger("osd.cluster")
 
 class ReplicaNode:
     def __init__(self, index: int, models, spec, learn=None, namespace: str = NAMESPACE, calibrate: bool = True):
-        from osd.build import build_system
-        from osd.serve.worker import Worker
-
         self.index, self.namespace, self.learn = index, namespace, learn
-        self.system = build_system(models, spec)
-        if calibrate:
-            self.system.engine.calibrate()
-        self.system.draft_master = None  # replicas do not train: versions arrive as serving tensors (weights.py)
-        trim()
-        self.worker = Worker(self.system.engine)
-        self.worker.start()
+        self._built, self._build_error = threading.Event(), None
+        threading.Thread(target=self._model_work, args=(models, spec, calibrate), name="osd-replica-model",
+                         daemon=True).start()
+        self._built.wait()
+        if self._build_error is not None:
+            raise self._build_error
         self.version = 0  # the learner's version this replica serves (0: the draft it loaded)
         self.counters = {"swaps": 0, "swap_failures": 0, "swaps_ignored_old": 0}
         self.last_swap = {"version": 0, "publish_to_swap_seconds": None, "error": None}
@@ -43,6 +39,27 @@ class ReplicaNode:
         if learn is not None and DEFAULT_DRAFT in self.system.registry.names():
             self.shipper = SampleShipper(learn, self._send, _poll, replica=str(index)).attach(self.system.engine)
             self._catch_up()
+
+    def _model_work(self, models, spec, calibrate: bool) -> None:
+        """Load, calibrate, then run the scheduler, all on this one thread: the kernels' OpenMP thread team belongs to
+        the thread that calls them, and a second team (loading on one thread, serving on another) competes with the
+        first for the cores (serve/worker.py). The actor's own threads only pass messages and swap references."""
+        from osd.build import build_system
+        from osd.serve.worker import Worker
+
+        try:
+            self.system = build_system(models, spec)
+            if calibrate:
+                self.system.engine.calibrate()
+            self.system.draft_master = None  # replicas do not train: versions arrive as serving tensors (weights.py)
+            trim()
+            self.worker = Worker(self.system.engine, own_thread=False)
+        except BaseException as e:  # the actor's constructor raises it: Ray reports (and restarts) the replica
+            self._build_error = e
+            return
+        finally:
+            self._built.set()
+        self.worker.run_here()
 
     # --- the learner link -------------------------------------------------------------------------------------
     def _learner(self):
