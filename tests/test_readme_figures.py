@@ -29,3 +29,29 @@ def test_the_llama_cpp_identity_caveat_is_the_recorded_rate():
     r = result("bench-speed-v2-learned-llama512.json")
     differing, prompts = r["outputs_differing_from_osd_target"]["osd"], len(r["config"]["prompts"])
     assert f"differed from its own target-only output on {differing} of {prompts} prompts" in README.replace("\n", " ")
+
+
+def scale_figures() -> str:
+    """The README's scale-out sentence, recomputed from the three `osd bench scale` results."""
+    arms = {f"{r['replicas']}x{r['threads']}": r for r in result("bench-scale.json")["records"]}
+    one, two, both = arms["1x1"], arms["2x1"], arms["1x2"]
+    tok = lambda r: r["aggregate_tokens_per_s"]
+    swap = max(s for r in arms.values() for s in r["publish"]["publish_to_swap_seconds"])
+    replay = result("bench-scale-replay.json")
+    alone = replay["alone"]
+    faults = {p["fault"]: p for p in result("bench-scale-faults.json")["phases"]}
+    return (f"one replica on one core {tok(one):.1f} tokens/s, two replicas on a core each {tok(two):.1f} "
+            f"({tok(two) / tok(one):.2f}x), one replica on both cores {tok(both):.1f}; "
+            f"a published version served by every replica within {swap:.2f} s; "
+            f"{two['bytes_per_sample']:.0f} bytes a sample; "
+            f"held-out alpha {replay['pooled']['alpha']:.3f} for one learner fed by both replicas against "
+            f"{alone[0]['alpha']:.3f} / {alone[1]['alpha']:.3f} for each learning alone "
+            f"(z {alone[0]['pooled_vs_this']['z']:.1f} / {alone[1]['pooled_vs_this']['z']:.1f}; never trained "
+            f"{replay['control_alpha']:.3f}); "
+            f"kill -9 of a replica: {faults['replica']['ok']}/{faults['replica']['requests']} answered; "
+            f"of the learner: {faults['learner']['ok']}/{faults['learner']['requests']}; "
+            f"of the front: {faults['front']['ok']}/{faults['front']['requests']}")
+
+
+def test_scale_out_figures_are_those_of_bench_scale():
+    assert scale_figures() in README.replace("\n", " ")
