@@ -28,6 +28,7 @@ class ScaleConfig:
     threads: tuple[int, ...] = (1, 1)  # each arm's threads per replica (paired with replicas)
     concurrency: int = 8
     max_tokens: int = 64
+    osd_args: tuple[str, ...] = ()  # the flags of every arm, for the no-Ray arm's `osd serve` (0 replicas)
 
 
 def run_arm(config: ScaleConfig, n: int, threads: int) -> tuple[dict, list]:
@@ -68,6 +69,27 @@ def run_arm(config: ScaleConfig, n: int, threads: int) -> tuple[dict, list]:
     if got:  # samples that arrived while the load ran
         record["learner_samples_per_s"] = got["samples_received"] / wall if wall else None
         record["bytes_per_sample"] = got["sample_bytes_received"] / got["samples_received"] if got["samples_received"] else None
+    return record, texts
+
+
+def run_plain_arm(config: ScaleConfig, threads: int) -> tuple[dict, list]:
+    """The same load on one `osd serve` process without Ray (its own main thread runs the model): what Ray costs."""
+    import shutil
+    import sys
+    import tempfile
+
+    from osd.bench.llama_server import running
+    from osd.bench.serve_compare import peak_rss_bytes
+    from osd.bench.soak_server import free_port
+
+    port, logs = free_port(), Path(tempfile.mkdtemp(prefix="osd-scale-plain-"))
+    osd = shutil.which("osd", path=str(Path(sys.executable).parent)) or "osd"
+    command = [osd, "serve", "--port", str(port), "--threads", str(threads), "--checkpoint-dir", str(logs / "ckpt"),
+               *config.osd_args, *([] if config.learn is not None else ["--no-learn"])]
+    with running(command, f"http://127.0.0.1:{port}", logs / "serve.log") as process:
+        record, texts = asyncio.run(_load(f"http://127.0.0.1:{port}", config, 1))
+        record.update(replicas=0, threads=threads, command=" ".join(command), ray_start_seconds=None,
+                      ray_idle_rss_bytes=None, replica_peak_rss_bytes=[peak_rss_bytes(process.pid)], publish=None)
     return record, texts
 
 
@@ -126,7 +148,7 @@ def run_scale(config: ScaleConfig) -> dict:
     for arm, n, t in zip(arms, config.replicas, config.threads):
         print(f"[scale] {n} replica(s) x {t} thread(s), {config.concurrency} clients, {len(config.prompts)} requests",
               flush=True)
-        record, texts[arm] = run_arm(config, n, t)
+        record, texts[arm] = run_arm(config, n, t) if n else run_plain_arm(config, t)
         records.append(record)
     identity = {arm: {"same": sum(a is not None and a == b for a, b in zip(texts[arm], texts[arms[0]])),
                       "of": len(texts[arms[0]])} for arm in arms[1:]}
@@ -136,7 +158,8 @@ def run_scale(config: ScaleConfig) -> dict:
 def register(bench) -> None:
     p = bench.add_parser("scale", help="1 vs 2 serving replicas on Ray with one learner, same prompts: tokens/s, "
                          "samples shipped, publish-to-swap latency, memory, Ray's own cost; and a projection")
-    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2],
+                   help="replicas of each arm; 0 = one `osd serve` process without Ray (what Ray costs)")
     p.add_argument("--threads", type=int, nargs="+", default=[1],
                    help="threads of each replica: one value for every arm, or one per --replicas arm (e.g. --replicas "
                         "1 2 1 --threads 1 1 2: the last arm is one replica on both cores)")
@@ -189,7 +212,8 @@ def _cmd(args) -> None:
     learn = None if args.no_learn else dataclasses.replace(config_from(osd, LearnConfig),
                                                             checkpoint_dir=tempfile.mkdtemp(prefix="osd-scale-"))
     config = ScaleConfig(models, config_from(osd, SpeculationConfig), learn, interleaved_prompts(args.requests + 1)[1:],
-                         tuple(args.replicas), tuple(threads), args.concurrency, args.max_tokens)
+                         tuple(args.replicas), tuple(threads), args.concurrency, args.max_tokens,
+                         tuple(shlex.split(args.osd_args)))
     result = run_scale(config)
     result["config"] = {"replicas": list(args.replicas), "threads": threads, "requests": args.requests,
                         "concurrency": args.concurrency, "max_tokens": args.max_tokens, "osd_args": args.osd_args,
@@ -263,7 +287,7 @@ def report_scale(result: dict, out: str, markdown: str | None) -> None:
                     f"({pub.get('all_replicas_seconds') or 0:.2f}) | "
                     f"{', '.join(gb(b) for b in r['replica_peak_rss_bytes'])} | "
                     f"{gb((r.get('learner') or {}).get('peak_rss_bytes'))} | "
-                    f"{r['ray_start_seconds']:.1f} / {gb(r['ray_idle_rss_bytes'])} |")
+                    + (f"{r['ray_start_seconds']:.1f} / {gb(r['ray_idle_rss_bytes'])} |" if r["replicas"] else "no Ray |"))
     blocks = ["\n".join(rows), f"Greedy answers identical to the first arm's: {result['identity_vs_first_arm']}"]
     p = result.get("projection")
     if p:
