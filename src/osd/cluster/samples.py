@@ -1,12 +1,17 @@
 """Replica side of the learning loop: each verification step's compact sample (top-k target distributions, not
 full logits: learn/buffer.py items_of_step) is built where the step ran and shipped to the one learner in batches,
-one pickled payload per finished request (or per `flush_items` items), counted in items and bytes. Shipping never
+one pickled payload per finished request, per `flush_items` items, or when the oldest waiting sample is
+`flush_seconds` old, counted in items and bytes. The last keeps samples flowing while a long request decodes: the
+learner reads that flow as "the replicas are busy" (its idle windows, learn/idle.py); without it the gaps between
+finished requests looked idle, and the learner trained at full speed beside decoding (measured: a Ray replica with
+the learner at 22.4 tokens/s against 37.4 for one process with its own). Shipping never
 blocks serving: a payload is fire-and-forget, and one that the learner never received (it was down) is counted
 as dropped when its reference reports the failure."""
 from __future__ import annotations
 
 import pickle
 import threading
+import time
 
 from osd.learn.buffer import items_of_step
 
@@ -17,8 +22,11 @@ class SampleShipper:
     send: returns an object reference whose failure `poll(ref)` reports (None: sent synchronously, nothing to poll).
     """
 
-    def __init__(self, learn, send, poll=None, replica: str = "0", flush_items: int = 64):
+    def __init__(self, learn, send, poll=None, replica: str = "0", flush_items: int = 64, flush_seconds: float = 0.2,
+                 clock=time.monotonic):
         self.learn, self.send, self.poll, self.replica, self.flush_items = learn, send, poll, replica, flush_items
+        self.flush_seconds, self.clock = flush_seconds, clock
+        self._oldest: float | None = None  # when the oldest pending sample was observed
         self._pending: list = []
         self._requests = 0
         self._lock = threading.Lock()
@@ -36,10 +44,12 @@ class SampleShipper:
         item, every = items_of_step(record, c.mode, c.top_k, c.max_context, c.guard)
         if item is None and every is None:
             return
+        now = self.clock()
         with self._lock:
             self._pending.append((item, every))
-            full = len(self._pending) >= self.flush_items
-        if full:
+            self._oldest = now if self._oldest is None else self._oldest
+            due = len(self._pending) >= self.flush_items or now - self._oldest >= self.flush_seconds
+        if due:
             self.flush()
 
     def after_request(self, result=None) -> None:
@@ -50,7 +60,7 @@ class SampleShipper:
     def flush(self) -> None:
         with self._lock:
             pairs, requests = self._pending, self._requests
-            self._pending, self._requests = [], 0
+            self._pending, self._requests, self._oldest = [], 0, None
         if not pairs and not requests:
             return
         payload = pickle.dumps(pairs, protocol=pickle.HIGHEST_PROTOCOL)
