@@ -55,3 +55,12 @@ def scale_figures() -> str:
 
 def test_scale_out_figures_are_those_of_bench_scale():
     assert scale_figures() in README.replace("\n", " ")
+
+
+def test_what_ray_costs_is_that_of_the_no_ray_runs():
+    t = lambda name: [r["aggregate_tokens_per_s"] for r in result(name)["records"]]
+    off, on, before = t("bench-scale-noray-48-nolearn.json"), t("bench-scale-noray-48-flow.json"), \
+        t("bench-scale-noray-48.json")
+    figure = (f"learning off, {off[0]:.1f} tokens/s without Ray against {off[1]:.1f} through one Ray replica; learning "
+              f"on, {on[0]:.1f} against {on[1]:.1f} (before the fix below, {before[0]:.1f} against {before[1]:.1f})")
+    assert figure in README.replace("\n", " ")

@@ -25,6 +25,7 @@ log = logging.getLogger("osd.cluster")
 class ReplicaNode:
     def __init__(self, index: int, models, spec, learn=None, namespace: str = NAMESPACE, calibrate: bool = True):
         self.index, self.namespace, self.learn = index, namespace, learn
+        self._learner_handle = None
         self._built, self._build_error = threading.Event(), None
         threading.Thread(target=self._model_work, args=(models, spec, calibrate), name="osd-replica-model",
                          daemon=True).start()
@@ -63,9 +64,13 @@ class ReplicaNode:
 
     # --- the learner link -------------------------------------------------------------------------------------
     def _learner(self):
+        """The learner's handle, looked up once (a lookup is a round trip to Ray's control store); a restarted learner
+        keeps its handle (Ray restarts the same actor)."""
         import ray
 
-        return ray.get_actor(LEARNER, namespace=self.namespace)
+        if self._learner_handle is None:
+            self._learner_handle = ray.get_actor(LEARNER, namespace=self.namespace)
+        return self._learner_handle
 
     def _send(self, payload: bytes, requests: int):
         return self._learner().submit.remote(payload, requests, str(self.index))
