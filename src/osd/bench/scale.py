@@ -66,7 +66,8 @@ def run_arm(config: ScaleConfig, n: int, threads: int) -> tuple[dict, list]:
                                                              "requests_received", "submit_seconds", "updates_published",
                                                              "updates_rejected", "optimizer_steps", "train_seconds",
                                                              "version", "samples_by_replica")} if learner else None)
-    if got:  # samples that arrived while the load ran
+    if got:  # samples that arrived while the load ran, and what the learner had done by the load's end
+        record["learner_at_load_end"] = {k: got.get(k) for k in ("optimizer_steps", "train_seconds", "updates_published")}
         record["learner_samples_per_s"] = got["samples_received"] / wall if wall else None
         record["bytes_per_sample"] = got["sample_bytes_received"] / got["samples_received"] if got["samples_received"] else None
     return record, texts
@@ -88,6 +89,12 @@ def run_plain_arm(config: ScaleConfig, threads: int) -> tuple[dict, list]:
                *config.osd_args, *([] if config.learn is not None else ["--no-learn"])]
     with running(command, f"http://127.0.0.1:{port}", logs / "serve.log") as process:
         record, texts = asyncio.run(_load(f"http://127.0.0.1:{port}", config, 1))
+        if config.learn is not None:  # what its learner did meanwhile (the Ray arms' learner stats, for comparison)
+            import httpx
+
+            state = httpx.get(f"http://127.0.0.1:{port}/v1/osd/learner", timeout=30).json()
+            record["learner_at_load_end"] = {k: state.get(k) for k in ("optimizer_steps", "train_seconds",
+                                                                       "updates_published")}
         record.update(replicas=0, threads=threads, command=" ".join(command), ray_start_seconds=None,
                       ray_idle_rss_bytes=None, replica_peak_rss_bytes=[peak_rss_bytes(process.pid)], publish=None)
     return record, texts
