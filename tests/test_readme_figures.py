@@ -64,3 +64,12 @@ def test_what_ray_costs_is_that_of_the_no_ray_runs():
     figure = (f"learning off, {off[0]:.1f} tokens/s without Ray against {off[1]:.1f} through one Ray replica; learning "
               f"on, {on[0]:.1f} against {on[1]:.1f} (before the fix below, {before[0]:.1f} against {before[1]:.1f})")
     assert figure in README.replace("\n", " ")
+
+
+def test_the_learners_work_in_the_ray_cost_run_is_the_recorded_one():
+    plain, ray_arm = result("bench-scale-noray-48-steps.json")["records"]
+    t = lambda r: r["aggregate_tokens_per_s"]
+    figure = (f"in a run that also counted the learners' work, {t(plain):.1f} against {t(ray_arm):.1f}, and by the end "
+              f"of the load the one-process learner had taken {plain['learner_at_load_end']['optimizer_steps']} "
+              f"optimizer steps, the Ray learner {ray_arm['learner_at_load_end']['optimizer_steps']}")
+    assert figure in README.replace("\n", " ")
