@@ -103,6 +103,15 @@ async def scheduler_counters(client: httpx.AsyncClient) -> dict[str, float]:
             if s.name.startswith("osd_schedule_") and s.name.endswith("_total")}
 
 
+async def learner_steps(client: httpx.AsyncClient) -> int | None:
+    """The server's learner's optimizer steps so far (GET /v1/osd/learner); None where it has none (404, llama-server)."""
+    try:
+        r = await client.get("/v1/osd/learner")
+        return int(r.json()["optimizer_steps"]) if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
 async def run_level(client, model: str, prompts: list[str], max_tokens: int, concurrency: int) -> tuple[list, float]:
     todo = list(enumerate(prompts))
     samples: list[tuple[int, Sample]] = []
@@ -159,11 +168,14 @@ async def measure_server(server: str, learning: bool, url: str, pid: int, config
         if not warm.ok:
             raise RuntimeError(f"{server}: the warm-up request failed: {warm.error}")
         for c in config.levels:
-            before = await scheduler_counters(client)
+            before, steps_before = await scheduler_counters(client), await learner_steps(client)
             samples, wall = await run_level(client, model, by_level[c], config.max_tokens, c)
-            after = await scheduler_counters(client)
+            after, steps_after = await scheduler_counters(client), await learner_steps(client)
             sched = {k: after[k] - before.get(k, 0.0) for k in after}
             record = summarise_level(server, learning, c, [s for _, s in samples], wall, peak_rss_bytes(pid), sched)
+            # how much learning the level's cost bought (an update in flight at its end counts in the next level)
+            record["learner_optimizer_steps"] = None if steps_before is None or steps_after is None \
+                else steps_after - steps_before
             records.append(record)
             texts[c] = [s.text if s.ok else None for _, s in samples]
             print(f"  {server:16s} c={c:<3d} {record['aggregate_tokens_per_s']:.1f} tok/s, TTFT p50 "
