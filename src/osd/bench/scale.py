@@ -103,9 +103,8 @@ def run_plain_arm(config: ScaleConfig, threads: int) -> tuple[dict, list]:
 async def _load(url: str, config: ScaleConfig, n: int) -> tuple[dict, list]:
     async with _client(url, None, 1800.0, config.concurrency + 2) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        for i in range(n):  # one warm-up request per replica (least-loaded: each takes one), not counted
-            await asyncio.gather(*(one_request(client, *_request_body(model, config.prompts[0], 8, True))
-                                   for _ in range(n)))
+        # one warm-up request per replica (least-loaded: each takes one), not counted
+        await asyncio.gather(*(one_request(client, *_request_body(model, config.prompts[0], 8, True)) for _ in range(n)))
         samples, wall = await run_level(client, model, config.prompts, config.max_tokens, config.concurrency)
     record = summarise_level(f"osd x{n}", config.learn is not None, config.concurrency, [s for _, s in samples], wall,
                              None, {})

@@ -28,11 +28,10 @@ log = logging.getLogger("osd.cluster")
 class Cluster:
     pool: ReplicaPool
     learner: RemoteLearner | None
-    start_seconds: float  # Ray's own start (ray.init), 0 when it was running already
     ready_seconds: float  # until every replica answered (models loaded, calibrated)
 
 
-def connect(address: str | None = None, num_cpus: int | None = None) -> float:
+def connect(address: str | None = None) -> float:
     """ray.init once (local when address is None) -> the seconds it took (0: already connected)."""
     if ray.is_initialized():
         return 0.0
@@ -41,21 +40,20 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> float:
     if address:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), namespace=NAMESPACE, include_dashboard=False, log_to_driver=True)
+        ray.init(num_cpus=os.cpu_count(), namespace=NAMESPACE, include_dashboard=False, log_to_driver=True)
     return time.perf_counter() - start
 
 
 def start_cluster(models, spec, learn, replicas: int, address: str | None = None, calibrate: bool = True,
-                  namespace: str = NAMESPACE, replica_cpus: float | None = None) -> Cluster:
+                  namespace: str = NAMESPACE) -> Cluster:
     """N replicas (each `models.threads` threads, or 1) and, with `learn`, one learner; waits until all answer."""
     if replicas < 1:
         raise InvalidArgument(f"replicas must be >= 1, got {replicas}")
-    started = connect(address)
-    threads = models.threads or 1
-    cpus = replica_cpus if replica_cpus is not None else threads
+    connect(address)
+    threads = models.threads or 1  # each replica asks Ray for a CPU per thread
     have = ray.cluster_resources().get("CPU", 0)
-    if replicas * cpus > have:
-        raise InvalidArgument(f"{replicas} replicas x {cpus:g} CPUs need {replicas * cpus:g} CPUs; the Ray cluster has "
+    if replicas * threads > have:
+        raise InvalidArgument(f"{replicas} replicas x {threads} CPUs need {replicas * threads} CPUs; the Ray cluster has "
                               f"{have:g}: give fewer --replicas or --threads, or add machines (`ray start --address`)")
     if learn is not None and learn.checkpoint_dir:  # the learner's working directory is Ray's, not ours
         learn = dataclasses.replace(learn, checkpoint_dir=os.path.abspath(learn.checkpoint_dir))
@@ -67,7 +65,7 @@ def start_cluster(models, spec, learn, replicas: int, address: str | None = None
     if learn is not None:  # first: a starting replica asks it for the newest version
         learner = ray.remote(LearnerNode).options(name=LEARNER, num_cpus=0, max_concurrency=4, **common).remote(
             models, learn, replicas, namespace)
-    handles = [ray.remote(ReplicaNode).options(name=replica_name(i), num_cpus=cpus, scheduling_strategy="SPREAD",
+    handles = [ray.remote(ReplicaNode).options(name=replica_name(i), num_cpus=threads, scheduling_strategy="SPREAD",
                                                **common).remote(i, models, spec, learn, namespace, calibrate)
                for i in range(replicas)]
     start = time.perf_counter()
@@ -78,7 +76,7 @@ def start_cluster(models, spec, learn, replicas: int, address: str | None = None
     say(f"{replicas} replica(s) ready in {ready:.1f} s")
     pool = ReplicaPool(handles, learner, owns_cluster=not detached)
     remote = RemoteLearner(learner, pool, owns=not detached) if learner is not None else None
-    return Cluster(pool, remote, started, ready)
+    return Cluster(pool, remote, ready)
 
 
 def serve_cluster(models, spec, learn, settings, model_name: str, replicas: int, address: str | None = None) -> None:

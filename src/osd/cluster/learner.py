@@ -18,6 +18,7 @@ from osd.cluster.names import NAMESPACE, replica_name
 from osd.cluster.weights import changed_prefixes, payload_bytes, serving_arrays
 
 log = logging.getLogger("osd.cluster")
+PROCESS_GAUGES = ("rss_bytes", "peak_rss_bytes", "pid")  # of this actor's process (stats())
 TRAFFIC_WINDOW = 0.5  # seconds: samples arrived this recently = the replicas are busy (the learner's idle windows)
 
 
@@ -40,7 +41,8 @@ class LearnerNode:
         self._lock = threading.Lock()
         self.counters = {"samples_received": 0, "sample_bytes_received": 0, "payloads_received": 0,
                          "requests_received": 0, "publishes": 0, "publish_bytes": 0, "pushes_failed": 0,
-                         "submit_seconds": 0.0, "build_seconds": 0.0}  # time taking samples in (unpickle + buffer): the ingest cost
+                         "submit_seconds": 0.0,  # taking samples in (unpickle + buffer): the ingest cost
+                         "build_seconds": 0.0}  # building each version's serving copy and payload
         self.by_replica: dict[str, int] = {}
         master = load_model(models.draft, models.draft_dtype)
         self.learner = OnlineLearner(master, self._publish, dataclasses.replace(learn, schedule="background"),
@@ -140,21 +142,20 @@ class LearnerNode:
         return self.version
 
     def metrics_text(self) -> bytes:
+        """The OnlineLearner's stats as osd_learner_*, this node's own as osd_cluster_* (from one stats() read)."""
         from osd.serve.prom import learner_families
 
-        from osd.memory import process_memory
-
-        registry = CollectorRegistry()
         node = self
 
         class Collector:
             def collect(self):
                 stats = node.stats()
-                yield from learner_families({k: v for k, v in stats.items() if k not in node.counters and "rss" not in k
-                                             and k != "pid"})
-                for key, value in {**node.counters, **process_memory(), "pid": os.getpid()}.items():
-                    kind = GaugeMetricFamily if key in ("publish_bytes", "rss_bytes", "peak_rss_bytes", "pid") else CounterMetricFamily
-                    yield kind(f"osd_cluster_{key}", f"Cluster learner {key.replace('_', ' ')}.", value=value)
+                own = [*node.counters, *PROCESS_GAUGES]
+                yield from learner_families({k: v for k, v in stats.items() if k not in own})
+                for key in (k for k in own if k in stats):
+                    kind = GaugeMetricFamily if key in PROCESS_GAUGES or key == "publish_bytes" else CounterMetricFamily
+                    yield kind(f"osd_cluster_{key}", f"Cluster learner {key.replace('_', ' ')}.", value=stats[key])
 
+        registry = CollectorRegistry()
         registry.register(Collector())
         return generate_latest(registry)

@@ -38,7 +38,7 @@ class ReplicaNode:
         self._swap_lock = threading.Lock()
         self.shipper = None
         if learn is not None and DEFAULT_DRAFT in self.system.registry.names():
-            self.shipper = SampleShipper(learn, self._send, _poll, replica=str(index)).attach(self.system.engine)
+            self.shipper = SampleShipper(learn, self._send, _poll).attach(self.system.engine)
             self._catch_up()
 
     def _model_work(self, models, spec, calibrate: bool) -> None:
@@ -135,11 +135,11 @@ class ReplicaNode:
         return self.index
 
     def stats(self) -> dict:
-        from osd.serve.app import _drafts
-
         from osd.memory import process_memory
 
-        return {"index": self.index, "version": self.version, "drafts": _drafts(self.system.engine, None),
+        registry = self.system.registry  # what a request starting now is served (swaps publish here)
+        return {"index": self.index, "version": self.version,
+                "drafts": {name: registry.get(name).version for name in registry.names()},
                 **process_memory(), "pid": os.getpid(),
                 "running": self.worker.running, "queued": self.worker.depth, **self.counters, "last_swap": self.last_swap,
                 **(self.shipper.counters if self.shipper is not None else {})}

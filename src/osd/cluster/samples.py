@@ -22,9 +22,8 @@ class SampleShipper:
     send: returns an object reference whose failure `poll(ref)` reports (None: sent synchronously, nothing to poll).
     """
 
-    def __init__(self, learn, send, poll=None, replica: str = "0", flush_items: int = 64, flush_seconds: float = 0.2,
-                 clock=time.monotonic):
-        self.learn, self.send, self.poll, self.replica, self.flush_items = learn, send, poll, replica, flush_items
+    def __init__(self, learn, send, poll=None, flush_items: int = 64, flush_seconds: float = 0.2, clock=time.monotonic):
+        self.learn, self.send, self.poll, self.flush_items = learn, send, poll, flush_items
         self.flush_seconds, self.clock = flush_seconds, clock
         self._oldest: float | None = None  # when the oldest pending sample was observed
         self._pending: list = []
