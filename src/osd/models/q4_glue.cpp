@@ -96,8 +96,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 // qkv (M, (H + 2G) D) = the q, k, v projections side by side, bias ((H + 2G) D), cos/sin (T, D/2), pos (M) int64,
 // k_cache/v_cache (G, T, D) of this layer. Adds the biases, rotates q and k (NEOX RoPE at each row's position),
 // writes k and v at the rows' positions; returns q (M, H, D).
-torch::Tensor qkv_rope(torch::Tensor qkv, torch::Tensor bias, torch::Tensor cos, torch::Tensor sin, torch::Tensor pos,
-                       torch::Tensor k_cache, torch::Tensor v_cache, int64_t H) {
+// qkv_rope_at: the same with the keys/values written at cache index at[r] instead of pos[r] (token trees: a node's
+// RoPE position is its depth, its cache index its place in the tree).
+torch::Tensor qkv_rope_at(torch::Tensor qkv, torch::Tensor bias, torch::Tensor cos, torch::Tensor sin, torch::Tensor pos,
+                          torch::Tensor at, torch::Tensor k_cache, torch::Tensor v_cache, int64_t H) {
   check_f32(qkv, 2, "qkv");
   check_f32(bias, 1, "bias");
   check_f32(cos, 2, "cos");
@@ -112,8 +114,12 @@ torch::Tensor qkv_rope(torch::Tensor qkv, torch::Tensor bias, torch::Tensor cos,
   TORCH_CHECK(qkv.size(1) == width && bias.size(0) == width, "qkv_rope: qkv/bias width must be (H + 2G) D = ", width);
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && cos.size(1) == half && sin.sizes() == cos.sizes() &&
                   cos.size(0) >= T, "qkv_rope: cache or RoPE table shapes disagree");
-  const int64_t* P = pos.data_ptr<int64_t>();
-  for (int64_t r = 0; r < M; ++r) TORCH_CHECK(P[r] >= 0 && P[r] < T, "qkv_rope: position ", P[r], " outside the cache");
+  TORCH_CHECK(at.scalar_type() == at::kLong && at.is_contiguous() && at.dim() == 1 && at.size(0) == M,
+              "qkv_rope: at must be (M,) int64");
+  const int64_t *P = pos.data_ptr<int64_t>(), *A = at.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r)
+    TORCH_CHECK(P[r] >= 0 && P[r] < T && A[r] >= 0 && A[r] < T, "qkv_rope: position ", P[r], " / index ", A[r],
+                " outside the cache");
   auto q = torch::empty({M, H, D}, qkv.options());
   const float *X = qkv.data_ptr<float>(), *B = bias.data_ptr<float>();
   const float *C = cos.data_ptr<float>(), *S = sin.data_ptr<float>();
@@ -132,12 +138,12 @@ torch::Tensor qkv_rope(torch::Tensor qkv, torch::Tensor bias, torch::Tensor cos,
   at::parallel_for(0, M, INLINE_ROWS, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* x = X + r * width;
-      const int64_t p = P[r];
+      const int64_t p = P[r], a = A[r];
       for (int64_t h = 0; h < H; ++h) rotate(x + h * D, B + h * D, p, Q + (r * H + h) * D);
       for (int64_t g = 0; g < G; ++g) {
-        rotate(x + (H + g) * D, B + (H + g) * D, p, KC + (g * T + p) * D);
+        rotate(x + (H + g) * D, B + (H + g) * D, p, KC + (g * T + a) * D);
         const float *v = x + (H + G + g) * D, *bv = B + (H + G + g) * D;
-        float* vout = VC + (g * T + p) * D;
+        float* vout = VC + (g * T + a) * D;
         for (int64_t i = 0; i < D; i += 8)
           _mm256_storeu_ps(vout + i, _mm256_add_ps(_mm256_loadu_ps(v + i), _mm256_loadu_ps(bv + i)));
       }
@@ -146,16 +152,82 @@ torch::Tensor qkv_rope(torch::Tensor qkv, torch::Tensor bias, torch::Tensor cos,
   return q;
 }
 
-// q (M, H, D), k_cache/v_cache (G, T, D), pos (M): row r's head h attends to cached positions 0..pos[r] of KV head
-// h / (H / G) with softmax(q k / sqrt(D)). Returns (M, H D). Each (row, head) is computed alone, in a fixed order.
-torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor pos) {
+torch::Tensor qkv_rope(torch::Tensor qkv, torch::Tensor bias, torch::Tensor cos, torch::Tensor sin, torch::Tensor pos,
+                       torch::Tensor k_cache, torch::Tensor v_cache, int64_t H) {
+  return qkv_rope_at(qkv, bias, cos, sin, pos, pos, k_cache, v_cache, H);
+}
+
+namespace {
+
+// One (row, head): softmax(q k / sqrt(D)) over the n keys key(0..n-1) (cache indices, in this order) times their
+// values, into out (D). The same instructions in the same order for a given key sequence, whoever calls it: a
+// tree node attending to its listed ancestors gets bitwise what its path fed as a chain gets.
+template <class KeyAt>
+void attend(const float* qv, const float* K, const float* V, int64_t n, int64_t D, float scale, KeyAt key,
+            std::vector<float>& scores, std::vector<__m256>& acc, float* out) {
+  scores.resize((n + 7) / 8 * 8);
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {  // 4 independent chains; each score is the same chain of fmadds as below
+    const float *k0 = K + key(t) * D, *k1 = K + key(t + 1) * D, *k2 = K + key(t + 2) * D, *k3 = K + key(t + 3) * D;
+    __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
+    for (int64_t j = 0; j < D; j += 8) {
+      const __m256 x = _mm256_loadu_ps(qv + j);
+      d0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + j), d0);
+      d1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1 + j), d1);
+      d2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k2 + j), d2);
+      d3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k3 + j), d3);
+    }
+    scores[t] = hsum8(d0) * scale;
+    scores[t + 1] = hsum8(d1) * scale;
+    scores[t + 2] = hsum8(d2) * scale;
+    scores[t + 3] = hsum8(d3) * scale;
+  }
+  for (; t < n; ++t) {
+    const float* kt = K + key(t) * D;
+    __m256 d = _mm256_setzero_ps();
+    for (int64_t j = 0; j < D; j += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(qv + j), _mm256_loadu_ps(kt + j), d);
+    scores[t] = hsum8(d) * scale;
+  }
+  for (t = n; t < static_cast<int64_t>(scores.size()); ++t) scores[t] = -INFINITY;  // padding: weight 0
+  for (size_t u = 0; u < scores.size(); u += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(&scores[u]));
+  const __m256 mx = _mm256_set1_ps(hmax8(vmax)), ninf = _mm256_set1_ps(-INFINITY);
+  __m256 vsum = _mm256_setzero_ps();
+  for (size_t u = 0; u < scores.size(); u += 8) {
+    const __m256 s = _mm256_loadu_ps(&scores[u]);
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(s, mx)), _mm256_cmp_ps(s, ninf, _CMP_NEQ_OQ));
+    _mm256_storeu_ps(&scores[u], e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  const float inv = 1.f / hsum8(vsum);
+  acc.resize(D / 8);
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 w = _mm256_set1_ps(scores[t]);
+    const float* vt = V + key(t) * D;
+    for (int64_t j = 0; j < D / 8; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * j), acc[j]);
+  }
+  const __m256 vi = _mm256_set1_ps(inv);
+  for (int64_t j = 0; j < D / 8; ++j) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(acc[j], vi));
+}
+
+void check_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
   check_f32(q, 3, "q");
   check_f32(k_cache, 3, "k_cache");
   check_f32(v_cache, 3, "v_cache");
-  const int64_t M = q.size(0), H = q.size(1), D = q.size(2), G = k_cache.size(0), T = k_cache.size(1);
+  const int64_t H = q.size(1), D = q.size(2), G = k_cache.size(0);
   check_width(D, "the head dim");
   TORCH_CHECK(k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes() && G > 0 && H % G == 0,
               "attention: cache shapes disagree with q (G must divide H)");
+}
+
+}  // namespace
+
+// q (M, H, D), k_cache/v_cache (G, T, D), pos (M): row r's head h attends to cached positions 0..pos[r] of KV head
+// h / (H / G) with softmax(q k / sqrt(D)). Returns (M, H D). Each (row, head) is computed alone, in a fixed order.
+torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor pos) {
+  check_attention(q, k_cache, v_cache);
+  const int64_t M = q.size(0), H = q.size(1), D = q.size(2), G = k_cache.size(0), T = k_cache.size(1);
   TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.dim() == 1 && pos.size(0) == M,
               "attention: pos must be (M,) int64");
   const int64_t* P = pos.data_ptr<int64_t>();
@@ -167,51 +239,48 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
   const int64_t group = H / G;
   at::parallel_for(0, M * H, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
-    std::vector<__m256> acc(D / 8);
+    std::vector<__m256> acc;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = i / H, h = i % H, g = h / group, n = P[r] + 1;
-      const float* qv = Q + i * D;
-      const float *K = KC + g * T * D, *V = VC + g * T * D;
-      scores.resize((n + 7) / 8 * 8);
-      __m256 vmax = _mm256_set1_ps(-INFINITY);
-      int64_t t = 0;
-      for (; t + 4 <= n; t += 4) {  // 4 independent chains; each score is the same chain of fmadds as below
-        __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
-        for (int64_t j = 0; j < D; j += 8) {
-          const __m256 x = _mm256_loadu_ps(qv + j);
-          d0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(K + t * D + j), d0);
-          d1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(K + (t + 1) * D + j), d1);
-          d2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(K + (t + 2) * D + j), d2);
-          d3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(K + (t + 3) * D + j), d3);
-        }
-        scores[t] = hsum8(d0) * scale;
-        scores[t + 1] = hsum8(d1) * scale;
-        scores[t + 2] = hsum8(d2) * scale;
-        scores[t + 3] = hsum8(d3) * scale;
-      }
-      for (; t < n; ++t) {
-        __m256 d = _mm256_setzero_ps();
-        for (int64_t j = 0; j < D; j += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(qv + j), _mm256_loadu_ps(K + t * D + j), d);
-        scores[t] = hsum8(d) * scale;
-      }
-      for (t = n; t < static_cast<int64_t>(scores.size()); ++t) scores[t] = -INFINITY;  // padding: weight 0
-      for (size_t u = 0; u < scores.size(); u += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(&scores[u]));
-      const __m256 mx = _mm256_set1_ps(hmax8(vmax)), ninf = _mm256_set1_ps(-INFINITY);
-      __m256 vsum = _mm256_setzero_ps();
-      for (size_t u = 0; u < scores.size(); u += 8) {
-        const __m256 s = _mm256_loadu_ps(&scores[u]);
-        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(s, mx)), _mm256_cmp_ps(s, ninf, _CMP_NEQ_OQ));
-        _mm256_storeu_ps(&scores[u], e);
-        vsum = _mm256_add_ps(vsum, e);
-      }
-      const float inv = 1.f / hsum8(vsum);
-      for (auto& a : acc) a = _mm256_setzero_ps();
-      for (int64_t t = 0; t < n; ++t) {
-        const __m256 w = _mm256_set1_ps(scores[t]);
-        for (int64_t j = 0; j < D / 8; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(V + t * D + 8 * j), acc[j]);
-      }
-      const __m256 vi = _mm256_set1_ps(inv);
-      for (int64_t j = 0; j < D / 8; ++j) _mm256_storeu_ps(O + i * D + 8 * j, _mm256_mul_ps(acc[j], vi));
+      const int64_t r = i / H, g = (i % H) / group;
+      attend(Q + i * D, KC + g * T * D, VC + g * T * D, P[r] + 1, D, scale, [](int64_t t) { return t; }, scores, acc,
+             O + i * D);
+    }
+  });
+  return out;
+}
+
+// Token trees: row r attends to cache positions 0..prefix[r] - 1, then to the cache indices
+// extra[offsets[r] .. offsets[r + 1]) in that order (its ancestors in the tree, then itself). prefix (M), offsets
+// (M + 1), extra (N) int64. The same arithmetic as `attention` over that key sequence.
+torch::Tensor attention_at(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor prefix,
+                           torch::Tensor offsets, torch::Tensor extra) {
+  check_attention(q, k_cache, v_cache);
+  const int64_t M = q.size(0), H = q.size(1), D = q.size(2), G = k_cache.size(0), T = k_cache.size(1);
+  auto is_index = [](const torch::Tensor& t, int64_t n) {
+    return t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1 && (n < 0 || t.size(0) == n);
+  };
+  TORCH_CHECK(is_index(prefix, M) && is_index(offsets, M + 1) && is_index(extra, -1),
+              "attention_at: prefix (M,), offsets (M + 1,) and extra (N,) must be int64");
+  const int64_t *PRE = prefix.data_ptr<int64_t>(), *OFF = offsets.data_ptr<int64_t>(), *EX = extra.data_ptr<int64_t>();
+  const int64_t N = extra.size(0);
+  TORCH_CHECK(OFF[0] == 0, "attention_at: offsets must start at 0");
+  for (int64_t r = 0; r < M; ++r)
+    TORCH_CHECK(PRE[r] >= 0 && PRE[r] <= T && OFF[r] <= OFF[r + 1] && OFF[r + 1] <= N && PRE[r] + OFF[r + 1] - OFF[r] > 0,
+                "attention_at: row ", r, " has no keys or bad offsets");
+  for (int64_t j = 0; j < N; ++j) TORCH_CHECK(EX[j] >= 0 && EX[j] < T, "attention_at: key index ", EX[j], " outside the cache");
+  auto out = torch::empty({M, H * D}, q.options());
+  const float *Q = q.data_ptr<float>(), *KC = k_cache.data_ptr<float>(), *VC = v_cache.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const int64_t group = H / G;
+  at::parallel_for(0, M * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
+    std::vector<__m256> acc;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = i / H, g = (i % H) / group, pre = PRE[r];
+      const int64_t* ex = EX + OFF[r] - pre;
+      attend(Q + i * D, KC + g * T * D, VC + g * T * D, pre + OFF[r + 1] - OFF[r], D, scale,
+             [pre, ex](int64_t t) { return t < pre ? t : ex[t]; }, scores, acc, O + i * D);
     }
   });
   return out;
@@ -243,6 +312,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "x (M, K), w (K), eps -> RMSNorm(x) * w, per row");
   m.def("qkv_rope", &qkv_rope, "biases + NEOX RoPE + KV-cache write; returns q (M, H, D)");
+  m.def("qkv_rope_at", &qkv_rope_at, "qkv_rope with keys/values written at cache indices `at` (token trees)");
   m.def("attention", &attention, "causal GQA attention of each row over the cache up to its position -> (M, H D)");
+  m.def("attention_at", &attention_at, "GQA attention of each row over its listed cache indices (token trees)");
   m.def("silu_mul", &silu_mul, "gate_up (M, 2I) -> silu(gate) * up (M, I)");
 }

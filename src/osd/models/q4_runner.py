@@ -39,6 +39,7 @@ from osd.errors import BackendUnavailable, ContextTooLong, InvalidArgument, Mode
 from osd.models import q4
 from osd.models.kernels import compile_extension
 from osd.models.runner import PositionCache
+from osd.models.tree_rows import TreeRows
 
 ARCHITECTURES = ("qwen2",)
 MATRIX_TYPES = ("Q4_K", "Q6_K")
@@ -337,6 +338,7 @@ class Rows:
     stop: int
     pos: torch.Tensor  # (stop - start,) int64
     kv: list  # per layer: (keys (G, T, D), values (G, T, D)) views
+    tree: "TreeRows | None" = None  # a token-tree feed: positions, cache indices and keys per row (tree_rows.py)
 
 
 class Q4Runner(PositionCache):
@@ -420,10 +422,15 @@ class Q4Runner(PositionCache):
             qkv = layer.qkv(quantize(g.rms_norm(x, layer.attn_norm, s.eps)))  # (M, (H + 2G) D)
             attended = []
             for rows in groups:
-                k_cache, v_cache = rows.kv[i]
-                q = g.qkv_rope(qkv[rows.start : rows.stop], layer.qkv_bias, self.cos, self.sin, rows.pos, k_cache,
-                               v_cache, s.heads)  # (m, H, D)
-                attended.append(g.attention(q, k_cache, v_cache, rows.pos))
+                k_cache, v_cache, t = *rows.kv[i], rows.tree
+                if t is None:
+                    q = g.qkv_rope(qkv[rows.start : rows.stop], layer.qkv_bias, self.cos, self.sin, rows.pos, k_cache,
+                                   v_cache, s.heads)  # (m, H, D)
+                    attended.append(g.attention(q, k_cache, v_cache, rows.pos))
+                else:
+                    q = g.qkv_rope_at(qkv[rows.start : rows.stop], layer.qkv_bias, self.cos, self.sin, t.pos, t.at,
+                                      k_cache, v_cache, s.heads)
+                    attended.append(g.attention_at(q, k_cache, v_cache, t.prefix, t.offsets, t.extra))
             x += layer.attn_output(quantize(attended[0] if len(attended) == 1 else torch.cat(attended)))
             gate_up = layer.gate_up(quantize(g.rms_norm(x, layer.ffn_norm, s.eps)))  # (M, 2 I)
             x += layer.ffn_down(quantize(g.silu_mul(gate_up)))

@@ -24,6 +24,7 @@ import torch
 from osd.errors import ContextTooLong, InvalidArgument
 from osd.models.cached import CachedModel
 from osd.models.q4_runner import Q4Runner, Rows
+from osd.models.tree_rows import accepted_moves, tree_rows
 
 
 @dataclass
@@ -31,6 +32,8 @@ class Feed:
     slot: int
     tokens: list[int]
     n_logits: int  # logits for the last n_logits tokens (0: none, prompt rows)
+    tree: list[int] | None = None  # a token tree: the last len(tree) tokens are its nodes, tree[j] node j's parent
+    # (-1: the token before the nodes); each node attends to its own path only (models/tree_rows.py)
 
 
 class Q4Slots:
@@ -58,6 +61,8 @@ class Q4Slots:
         else:
             self._lengths[slot] = length
 
+    supports_trees = True
+
     def reset(self, slot: int) -> None:
         self._set_length(slot, 0)
 
@@ -67,8 +72,21 @@ class Q4Slots:
         self._set_length(slot, min(self.length(slot), length))
 
     @torch.inference_mode()
+    def keep_path(self, slot: int, base: int, path: list[int]) -> None:
+        """After a tree feed whose nodes start at cache index `base`: keep the accepted nodes `path` (root's child
+        first) where a chain would have written them (cache index base + depth) and drop the rest, so the cache is
+        bitwise what feeding the path as a chain leaves (tests/models/test_tree_rows.py)."""
+        moves = accepted_moves(base, 0, path)
+        if moves:
+            src, dst = (torch.tensor(x, dtype=torch.long) for x in zip(*moves))
+            for k_cache, v_cache in self._caches[slot]:
+                k_cache[:, dst] = k_cache[:, src]
+                v_cache[:, dst] = v_cache[:, src]
+        self.rollback(slot, base + len(path))
+
+    @torch.inference_mode()
     def feed(self, feeds: list[Feed]) -> list[torch.Tensor]:
-        if len(feeds) == 1 and len(feeds[0].tokens) > self.runner.chunk_rows:  # a lone prompt: the runner's chunks
+        if len(feeds) == 1 and len(feeds[0].tokens) > self.runner.chunk_rows and feeds[0].tree is None:  # a lone prompt
             f, step = feeds[0], self.runner.chunk_rows
             parts = [self._feed([Feed(f.slot, f.tokens[i : i + step], max(0, f.n_logits - (len(f.tokens) - i - step)))])[0]
                      for i in range(0, len(f.tokens), step)]
@@ -85,7 +103,8 @@ class Q4Slots:
             if self._caches[f.slot] is None:
                 self._caches[f.slot] = self.runner.new_cache(self.context_window)
             ids += f.tokens
-            groups.append(Rows(start, len(ids), torch.arange(length, length + len(f.tokens)), self._caches[f.slot]))
+            tree = tree_rows(length, len(f.tokens) - len(f.tree), f.tree) if f.tree is not None else None
+            groups.append(Rows(start, len(ids), torch.arange(length, length + len(f.tokens)), self._caches[f.slot], tree))
             keep += range(len(ids) - min(f.n_logits, len(f.tokens)), len(ids))
         if not ids:
             return [torch.empty(0, self.runner.vocab_size) for _ in feeds]
@@ -102,6 +121,8 @@ class Q4Slots:
 
 class RunnerSlots:
     """One runner per slot, fed one after another (no shared pass): for backends without a multi-sequence forward."""
+
+    supports_trees = False
 
     def __init__(self, runners: list, exclusive: bool = False):
         """exclusive: nothing but these slots feeds the runners (the scheduler may reuse a slot's cached prefix)."""
