@@ -51,6 +51,7 @@ class SpeculationConfig:
     lookup: bool = False  # propose by n-gram lookup in this request and earlier traffic first (propose/ngram.py)
     max_batch: int = 1  # sequences decoded together, one target pass per step (schedule/scheduler.py; `osd serve`: 8)
     prefill_rows: int = 64  # prompt rows fed per step beside decoding sequences (chunked prefill; at least 16)
+    tree: int = 0  # most nodes of a token tree per step: the chain plus the target's recycled top tokens (propose/tree.py); 0 = chains only. Greedy requests decoding alone on the osd Q4 backend
 
     def __post_init__(self):
         if self.k is None or self.k < 0:
@@ -67,6 +68,8 @@ class SpeculationConfig:
             raise InvalidArgument(f"alpha_upper_z must be in [0, 5], got {self.alpha_upper_z}")
         if self.max_batch is None or not 1 <= self.max_batch <= 256:
             raise InvalidArgument(f"max_batch must be in [1, 256], got {self.max_batch}")
+        if self.tree is None or not 0 <= self.tree <= 8:
+            raise InvalidArgument(f"tree (nodes per step) must be in [0, 8] (the kernel verifies 9 rows in one pass), got {self.tree}")
         if self.prefill_rows is None or not 1 <= self.prefill_rows <= 4096:
             raise InvalidArgument(f"prefill_rows must be in [1, 4096], got {self.prefill_rows}")
 

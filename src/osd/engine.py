@@ -20,6 +20,7 @@ from osd.metrics import SpecCounters, SpecMetrics
 from osd.models.runner import as_runner, eos_ids_of
 from osd.models.slots import slots_for
 from osd.propose.base import Proposer
+from osd.propose.recycle import RecycledTable
 from osd.schedule.goodput import RowCosts
 from osd.schedule.records import GenerationResult, StepRecord
 from osd.schedule.scheduler import Scheduler
@@ -49,7 +50,11 @@ class SpeculativeEngine:
         k_max = self.spec.k if proposer is not None else 0
         self.k_max = min(k_max, getattr(self.target, "max_rows", k_max + 1) - 1)  # verify only batch-invariant row counts
         self.sources = list(getattr(proposer, "sources", [proposer])) if proposer is not None else []
-        self.target_costs = TargetCosts(self.k_max)
+        self.slots = slots_for(self.target, self.spec.max_batch)
+        tree = min(self.spec.tree, getattr(self.target, "max_rows", 1) - 1) if self.slots.supports_trees else 0
+        self.recycled = RecycledTable(self.target.vocab_size) if tree else None  # the target's top tokens, per token
+        self.tree_nodes = tree
+        self.target_costs = TargetCosts(max(self.k_max, tree))  # rows up to a whole tree's are calibrated
         self.row_costs = RowCosts()  # seconds of one pass by total rows, several sequences sharing it
         self.policies = [KPolicy(self.k_max, self.spec.adaptive, self.spec.alpha_prior, self.spec.alpha_ema,
                                  costs=self.target_costs, upper_z=self.spec.alpha_upper_z,
@@ -60,7 +65,6 @@ class SpeculativeEngine:
         self.context_window = self.target.context_window
         self.vocab_size = self.target.vocab_size
         self.eos_ids = self.target.eos_ids | eos_ids_of(tokenizer)
-        self.slots = slots_for(self.target, self.spec.max_batch)
         self.scheduler = Scheduler(self, self.spec.prefill_rows)
         self.lock = threading.Lock()  # one driver of the scheduler at a time (generate, or the server's worker)
 

@@ -33,6 +33,9 @@ class SpecCounters:
     requests: int = 0
     proposed_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    rows: int = 0  # target rows verified (the pending token's, proposals', tree nodes')
+    tree_steps: int = 0  # steps that verified a token tree (propose/tree.py)
+    tree_tokens: int = 0  # tokens accepted on recycled branches, beyond the chain's accepted prefix
 
     def add_step(self, k: int, n_accepted: int, n_emitted: int, betas: list[float], t_draft: float, t_target: float) -> None:
         self.steps += 1
@@ -54,7 +57,8 @@ class SpecCounters:
             self.accepted_at.append(0)
 
     def merge(self, other: "SpecCounters") -> None:
-        for name in ("steps", "proposed", "accepted", "emitted", "beta_sum", "beta_n", "draft_seconds", "target_seconds", "requests"):
+        for name in ("steps", "proposed", "accepted", "emitted", "beta_sum", "beta_n", "draft_seconds", "target_seconds", "requests",
+                     "rows", "tree_steps", "tree_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self._grow(len(other.proposed_at))
         for i in range(len(other.proposed_at)):
@@ -72,6 +76,9 @@ class SpecCounters:
             "alpha": self.beta_sum / self.beta_n if self.beta_n else None,
             "acceptance_rate": self.accepted / self.proposed if self.proposed else None,
             "tokens_per_step": self.emitted / self.steps if self.steps else None,
+            "rows_per_step": self.rows / self.steps if self.steps else None,
+            "tree_steps": self.tree_steps,
+            "tree_tokens": self.tree_tokens,
             "per_position_acceptance": [a / p if p else None for a, p in zip(self.accepted_at, self.proposed_at)],
             "draft_seconds": self.draft_seconds,
             "target_seconds": self.target_seconds,

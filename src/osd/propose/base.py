@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 from osd.config import SamplingConfig
+from osd.propose.tree import Tree
 
 
 @dataclass
@@ -15,6 +16,7 @@ class Proposal:
     draft_probs: torch.Tensor | None = None  # (k, V) warped draft probabilities (sampling only)
     single_token_seconds: list[float] | None = None  # timings of forwards that fed exactly one token (cost model)
     weights: str | None = None  # fingerprint of the draft weights that made these tokens (None: no weights ran)
+    tree: "Tree | None" = None  # set by the scheduler: these tokens as a chain plus recycled branches (propose/tree.py)
 
     @property
     def k(self) -> int:

@@ -29,10 +29,13 @@ from osd.config import SamplingConfig
 from osd.schedule.records import GenerationResult, StepRecord
 from osd.models.slots import Feed
 from osd.propose.base import Proposal, forkable
+from osd.propose.tree import grow_tree
 from osd.schedule.goodput import allocate_k
 from osd.schedule.sequence import LiveAlpha, Sequence
 from osd.stopping import StopChecker
+from osd.verify.acceptance import VerifyOutcome
 from osd.verify.step import verify_proposal
+from osd.verify.tree import greedy_tree_verify
 
 ALONE_PREFILL_ROWS = 512  # prompt rows per step while no sequence decodes (Q4Slots runs them in chunk_rows chunks)
 MIN_PREFILL_ROWS = 16  # prompt rows per step however many decode rows share it: a prompt always advances
@@ -149,7 +152,7 @@ class Scheduler:
         prefilling = [s for s in self.running if self.slots.length(s.slot) < s.prefill_target]
         t0 = e.clock()
         plans, failed = self._propose(decoding, bool(prefilling))  # [(seq, proposal, source index, draft seconds)]
-        feeds = [Feed(s.slot, s.tokens[self.slots.length(s.slot):] + p.tokens, p.k + 1) for s, p, _, _ in plans]
+        feeds = [self._verify_feed(s, p) for s, p, _, _ in plans]
         decode_rows = sum(len(f.tokens) for f in feeds)
         feeds += self._prefill_feeds(prefilling, self._prefill_budget(decode_rows, len(prefilling)) if decoding
                                      else ALONE_PREFILL_ROWS)
@@ -201,7 +204,7 @@ class Scheduler:
 
     def _propose_alone(self, seq: Sequence):
         """One sequence alone: the first source whose policy asks for k > 0 and that finds tokens (the engine's
-        single-request rule, policies and all)."""
+        single-request rule, policies and all), grown into a token tree where trees are on."""
         e = self.engine
         for j, (source, policy) in enumerate(zip(seq.sources, e.policies)):
             k = policy.choose_k(seq.remaining)
@@ -209,8 +212,29 @@ class Scheduler:
                 t0 = e.clock()
                 proposal = source.propose(seq.tokens, k, seq.sampling, seq.generator)
                 if proposal.k:
-                    return seq, proposal, j, e.clock() - t0
-        return seq, Proposal([]), None, 0.0
+                    t_draft = e.clock() - t0
+                    return seq, self._grow(seq, proposal, policy.alpha, t_draft), j, t_draft
+        return seq, self._grow(seq, Proposal([]), 0.0, 0.0), None, 0.0
+
+    def _grow(self, seq: Sequence, proposal: Proposal, alpha: float, t_draft: float) -> Proposal:
+        """The chain plus the recycled table's branches (propose/tree.py), where the engine has trees (greedy only:
+        sampled requests verify chains) and the measured row costs say they pay."""
+        e = self.engine
+        nodes = min(e.tree_nodes, seq.remaining - 1)
+        costs = e.target_costs.by_rows()
+        if e.recycled is None or not seq.sampling.greedy or nodes <= proposal.k or costs is None:
+            return proposal
+        tree = grow_tree(proposal.tokens, alpha, e.recycled.candidates, seq.tokens[-1], nodes,
+                         lambda rows: t_draft + costs[min(rows, len(costs)) - 1])
+        proposal.tree = tree if tree.size > proposal.k else None
+        return proposal
+
+    def _verify_feed(self, seq: Sequence, proposal: Proposal) -> Feed:
+        """The rows a sequence verifies: the tokens its cache lacks (the pending one) plus its chain or tree."""
+        pending = seq.tokens[self.slots.length(seq.slot):]
+        if proposal.tree is None:
+            return Feed(seq.slot, pending + proposal.tokens, proposal.k + 1)
+        return Feed(seq.slot, pending + proposal.tree.tokens, proposal.tree.size + 1, tree=proposal.tree.parents)
 
     def _ask_free_sources(self, seq: Sequence):
         """-> (source index, proposal made already or None, alpha, draft seconds per token, cap) for the allocation:
@@ -269,10 +293,16 @@ class Scheduler:
     def _commit(self, seq: Sequence, proposal: Proposal, source: int | None, target_logits, t_draft: float,
                 t_target: float) -> bool:
         """Accept, emit, roll back the rejected tail, observe -> whether the sequence is done."""
-        e, k = self.engine, proposal.k
-        outcome, betas = verify_proposal(target_logits, proposal.tokens, proposal.draft_probs, seq.sampling,
-                                         seq.generator)
-        emitted = proposal.tokens[: outcome.n_accepted] + [outcome.next_token]
+        e, k, tree, before = self.engine, proposal.k, proposal.tree, len(seq.tokens)
+        if e.recycled is not None:  # every verified row teaches the recycled table (accepted or not)
+            e.recycled.observe([seq.tokens[-1]] + (tree.tokens if tree else proposal.tokens), target_logits)
+        if tree is None:
+            outcome, betas = verify_proposal(target_logits, proposal.tokens, proposal.draft_probs, seq.sampling,
+                                             seq.generator)
+            emitted = proposal.tokens[: outcome.n_accepted] + [outcome.next_token]
+        else:
+            outcome, betas, emitted = self._verify_tree(seq, tree, target_logits)
+            target_logits = target_logits[: k + 1]  # the chain's rows come first: the learner sees the chain's step
         record = StepRecord(seq.request_id, seq.draft, seq.tokens[:], proposal.tokens, outcome.n_accepted,
                             outcome.next_token, target_logits, proposal.draft_probs, betas, seq.sampling.temperature,
                             t_draft, t_target, proposal.weights) if e.observers else None  # copy only when observed
@@ -280,11 +310,15 @@ class Scheduler:
         self.slots.rollback(seq.slot, len(seq.tokens) - 1)  # keep the accepted prefix; the last token is pending
         if k:
             for s in seq.sources:
-                s.rollback(len(seq.tokens) - 1)
+                s.rollback(before + outcome.n_accepted)  # the chain's accepted prefix: what the draft's cache holds
         if source is not None:
             e.policies[source].observe(k, outcome.n_accepted, proposal.single_token_seconds or [])
             seq.alphas[source].observe(k, outcome.n_accepted)
         seq.counters.add_step(k, outcome.n_accepted, len(emitted), betas, t_draft, t_target)
+        seq.counters.rows += 1 + (tree.size if tree else k)
+        if tree is not None:
+            seq.counters.tree_steps += 1
+            seq.counters.tree_tokens += len(emitted) - 1 - outcome.n_accepted
         seq.steps.append((k, outcome.n_accepted))
         self.stats.accepted += outcome.n_accepted
         self.stats.emitted += len(emitted)
@@ -296,10 +330,21 @@ class Scheduler:
             seq.sent = text
         return seq.finished
 
+    def _verify_tree(self, seq: Sequence, tree, target_logits):
+        """Greedy walk down the tree (verify/tree.py); the cache keeps the accepted path only -> (the outcome of the
+        chain part, as a chain step would report it; its betas; the emitted tokens)."""
+        path, next_token = greedy_tree_verify(target_logits, tree)
+        emitted = [tree.tokens[j] for j in path] + [next_token]
+        self.slots.keep_path(seq.slot, len(seq.tokens), path)
+        agreed = 0  # the chain's accepted prefix: chain node d is node d
+        while agreed < len(path) and agreed < tree.chain and path[agreed] == agreed:
+            agreed += 1
+        return (VerifyOutcome(agreed, emitted[agreed]), [1.0] * agreed + [0.0] * (agreed < tree.chain), emitted)
+
     def _record(self, rows: int, decode_rows: int, seconds: float, alone: bool, plans) -> None:
         e, st = self.engine, self.stats
-        if alone and plans and rows == decode_rows:  # one sequence decoding: the per-k costs the policies read
-            e.target_costs.observe(plans[0][1].k, seconds)
+        if alone and plans and rows == decode_rows:  # one sequence decoding: the per-rows costs the policies read
+            e.target_costs.observe(rows - 1, seconds)
         elif rows:
             e.row_costs.observe(rows, seconds)
         st.steps += 1
