@@ -70,7 +70,8 @@ def cmd_bench_speed(args) -> None:
     result = run_speed(config_from(args, ModelConfig), config_from(args, SpeculationConfig), args.per_domain,
                        args.max_new_tokens, llama_cpp=not args.no_llama_cpp, hf_baseline=args.hf_baseline,
                        spec_k=args.llama_cpp_spec_k, osd_q4=not args.no_osd_q4, learned_draft=args.learned_draft,
-                       domains=tuple(d for d in args.domains.split(",") if d), offset=args.offset)
+                       domains=tuple(d for d in args.domains.split(",") if d), offset=args.offset,
+                       only=tuple(a for a in args.arms.split(",") if a))
     report_speed(result, args.out, args.markdown)
 
 
@@ -302,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--domains", default="code,gsm8k,spider,chat", help="comma list of the prompt datasets")
     p.add_argument("--offset", type=int, default=0, help="first record of each dataset's test split (skip the "
                    "requests a --learned-draft trained on)")
+    p.add_argument("--arms", default="", help="comma list: time only these arms (and the baseline and references)")
     p.add_argument("--out", default="benchmarks/bench-speed.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
     for cls in (ModelConfig, SpeculationConfig):

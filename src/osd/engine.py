@@ -20,13 +20,16 @@ from osd.metrics import SpecCounters, SpecMetrics
 from osd.models.runner import as_runner, eos_ids_of
 from osd.models.slots import slots_for
 from osd.propose.base import Proposer
-from osd.propose.recycle import RecycledTable
+from osd.propose.recycle import RankRates, RecycledTable
 from osd.schedule.goodput import RowCosts
 from osd.schedule.records import GenerationResult, StepRecord
 from osd.schedule.scheduler import Scheduler
 from osd.speed_model import KPolicy, TargetCosts
 
 __all__ = ["GenerationResult", "SpeculativeEngine", "StepRecord"]
+
+RUNNERS_UP = 3  # the draft's next-best tokens offered as tree branches at each depth
+RUNNER_UP_PRIOR = (0.25, 0.10, 0.05)  # chance each is the target's token where the draft's best is not, before evidence
 
 
 class SpeculativeEngine:
@@ -50,9 +53,13 @@ class SpeculativeEngine:
         k_max = self.spec.k if proposer is not None else 0
         self.k_max = min(k_max, getattr(self.target, "max_rows", k_max + 1) - 1)  # verify only batch-invariant row counts
         self.sources = list(getattr(proposer, "sources", [proposer])) if proposer is not None else []
+        for source in self.sources:  # with trees, a draft names its runners-up too (forks inherit it)
+            if hasattr(source, "runners_up") and self.spec.tree:
+                source.runners_up = RUNNERS_UP
         self.slots = slots_for(self.target, self.spec.max_batch)
         tree = min(self.spec.tree, getattr(self.target, "max_rows", 1) - 1) if self.slots.supports_trees else 0
         self.recycled = RecycledTable(self.target.vocab_size) if tree else None  # the target's top tokens, per token
+        self.runner_up_rates = RankRates(RUNNER_UP_PRIOR, RUNNERS_UP) if tree else None  # the draft's next-best tokens
         self.tree_nodes = tree
         self.target_costs = TargetCosts(max(self.k_max, tree))  # rows up to a whole tree's are calibrated
         self.row_costs = RowCosts()  # seconds of one pass by total rows, several sequences sharing it

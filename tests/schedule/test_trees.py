@@ -144,3 +144,25 @@ def test_recycled_table_ranks_and_counts():
     table.observe([1], torch.tensor([[0, 0, 0, 0, 9, 0, 0, 1.]]))  # target's argmax 4 was the rank-1 entry
     assert table.asks == 1 and table.hits == [0, 1]
     assert table.candidates(5) == []
+
+
+def test_the_drafts_runners_up_hang_beside_its_chain(tiny, runner):
+    flat = grow_tree([2, 3], 0.5, lambda t: [], root_token=1, max_nodes=8, step_seconds=lambda rows: 1.0,
+                     runners_up=[[(7, 0.4)], [(8, 0.4), (3, 0.9)]])
+    assert (-1, 7) in zip(flat.parents, flat.tokens)  # beside chain[0]: under the root
+    assert (0, 8) in zip(flat.parents, flat.tokens)  # beside chain[1]: under chain[0]
+    assert flat.scores[flat.tokens.index(7)] == pytest.approx(0.5 * 0.4)  # (1 - alpha) * chance
+    assert flat.tokens.count(3) == 1  # the chain's own token is not offered again beside itself
+    registry = DraftRegistry()
+    registry.publish("d", tiny_torch_model(7))
+    proposer = DraftModelProposer(registry, "d", VOCAB)
+    engine = engine_with(runner, proposer, k=3, adaptive=False)
+    assert proposer.runners_up == 3 and proposer.fork().runners_up == 3
+    result = engine.generate(PROMPT, SamplingConfig(max_new_tokens=N))
+    assert result.token_ids == target_only(runner, PROMPT, N)
+    assert engine.runner_up_rates.asks > 0  # measured where the draft's best was rejected
+    proposer.begin(PROMPT)
+    proposal = proposer.propose(PROMPT, 2, SamplingConfig(max_new_tokens=4))
+    assert len(proposal.runners_up) == 2 and all(len(r) == 3 and t not in r for r, t in zip(proposal.runners_up, proposal.tokens))
+    chains = SpeculativeEngine(runner, ByteTokenizer(), DraftModelProposer(registry, "d", VOCAB), SpeculationConfig(k=3))
+    assert chains.sources[0].runners_up == 0 and chains.runner_up_rates is None  # chains only: no extra work

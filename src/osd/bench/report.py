@@ -14,7 +14,7 @@ def table(rows: list[list], header: list[str]) -> str:
 
 
 def report_speed(result: dict, out: str, markdown: str) -> None:
-    from osd.bench.speed import decode_speedup_by_domain
+    from osd.bench.speed import decode_speedup_by_domain, work_by_domain
 
     path = write_result(result, out)
     decode, e2e = result["decode_tokens_per_second"], result["end_to_end_tokens_per_second"]
@@ -25,7 +25,8 @@ def report_speed(result: dict, out: str, markdown: str) -> None:
                      "outputs != reference"])
     s, cal = result["osd_spec_stats"], result["calibration"]
     rss = ", ".join(f"{k} {v:.2f}" for k, v in result["peak_rss_gib"].items())
-    notes = (f"osd: alpha {s['alpha']:.3f}, tokens/step {s['tokens_per_step']:.2f}, acceptance {s['acceptance_rate']:.3f}, "
+    f3 = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731 - an arm left out by --arms has no stats
+    notes = (f"osd: alpha {f3(s['alpha'])}, tokens/step {f3(s['tokens_per_step'])}, acceptance {f3(s['acceptance_rate'])}, "
              f"proposed {s.get('proposed', '-')}; measured c = {cal['c']:.3f}, verify cost (k+1 tokens / 1) = "
              + ", ".join(f"{v:.2f}" for v in cal["verify_cost"])
              + f"; target backend {result['target_backend']} (max rows per verify {result['target_max_rows']}); "
@@ -39,10 +40,26 @@ def report_speed(result: dict, out: str, markdown: str) -> None:
         q, qc = learned["spec_stats"], learned["calibration"]
         notes += (f"\nosd_q4_learned (draft version {learned['draft_version']} from {result['config']['learned_draft']}): "
                   f"alpha {q['alpha']:.3f}, tokens/step {q['tokens_per_step']:.2f}, measured c = {qc['c']:.3f}")
+    for name, tree in (result.get("trees") or {}).items():
+        q, hits = tree["spec_stats"], (tree["recycled"] or {}).get("hit_rate_by_rank", [])
+        notes += (f"\n{name} (trees of <= {tree['tree_nodes']} nodes): tokens/step {q['tokens_per_step']:.2f}, rows/step "
+                  f"{q['rows_per_step']:.2f}, tree steps {q['tree_steps']} of {q['steps']}, tokens from recycled branches "
+                  f"{q['tree_tokens']}; recycled table hit rate by rank " + ", ".join(f"{h:.2f}" for h in hits)
+                  + "; the draft's runners-up where its best missed, hit rate by rank "
+                  + ", ".join(f"{h:.2f}" for h in (tree.get("draft_runners_up") or {}).get("hit_rate_by_rank", []))
+                  + "; shapes (nodes per depth: steps) " + ", ".join(f"{tuple(s)}: {n}" for s, n in tree["top_shapes"][:5]))
     by_domain = decode_speedup_by_domain(result)
     arms = list(decode)
     domains = table([[domain] + [by_domain[domain].get(arm) for arm in arms] for domain in by_domain],
                     ["decode x " + base + " by domain"] + arms)
+    work = work_by_domain(result)
+    if work:
+        osd_arms = sorted({arm for d in work.values() for arm in d})
+        work_table = table([[domain] + [f"{w[a]['tokens_per_step']:.2f} / {w[a]['rows_per_step']:.2f} / "
+                                        f"{w[a]['recycled_per_step']:.2f}" if a in w else None for a in osd_arms]
+                            for domain, w in work.items()],
+                           ["tokens per step / rows per step / recycled tokens per step"] + osd_arms)
+        domains = domains + "\n\n" + work_table
     cfg, m = result["config"], machine()
     emit_report("Speed (`osd bench speed`)",
                 f"`{redacted_command(sys.argv[1:])}` per_domain={cfg['per_domain']} max_new_tokens={cfg['max_new_tokens']} "

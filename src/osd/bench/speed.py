@@ -11,6 +11,9 @@ of them alike. Arms (same GGUF files, same prompts, same token counts, greedy):
   osd_lookup        osd with the n-gram lookup proposer alone (drafting costs ~0), adaptive k
   osd_q4_target     osd with k = 0 on its own Q4_K kernel (models/q4_runner.py, same GGUF; --no-osd-q4 drops it)
   osd_q4            osd speculative on its own Q4_K kernel, a proposer of the osd arm's kind (same draft), adaptive k
+  osd_q4_tree       osd_q4 with token trees (--tree N: the chain plus the recycled table's branches, propose/tree.py);
+                    with --tree, osd_q4 runs chains only, so the two stand side by side
+  osd_q4_recycle    osd on its own Q4_K kernel with no draft at all: trees of recycled tokens only (--tree N)
   osd_q4_learned    osd_q4 with the draft an online learner published (--learned-draft: its checkpoint directory, on
                     the same base draft), so never-trained and learned draft run side by side; give --domains and
                     --offset so the prompts are requests the learner never saw. `--learned-draft derived:<dir>`
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 import resource
 import time
+from collections import Counter
+from dataclasses import replace
 
 import torch
 from tqdm import tqdm
@@ -35,7 +40,7 @@ from osd.errors import InvalidArgument
 
 DOMAINS = ("code", "gsm8k", "spider", "chat")
 REFERENCE = {"osd_q4": "osd_q4_target", "osd_q4_target": "osd_q4_target",  # arm -> the arm its outputs must equal
-             "osd_q4_learned": "osd_q4_target"}
+             "osd_q4_learned": "osd_q4_target", "osd_q4_tree": "osd_q4_target", "osd_q4_recycle": "osd_q4_target"}
 
 
 def bench_prompts(per_domain: int, split: str = "test", domains=DOMAINS, offset: int = 0) -> list[dict]:
@@ -57,8 +62,9 @@ def rss_gib() -> float:
 class Timed:
     """One arm's output and timings for one prompt."""
 
-    def __init__(self, tokens: list[int], seconds: float, prompt_seconds: float):
+    def __init__(self, tokens: list[int], seconds: float, prompt_seconds: float, counters=None):
         self.tokens, self.seconds, self.prompt_seconds = tokens, seconds, prompt_seconds
+        self.counters = counters  # an osd arm's SpecCounters for this prompt (steps, rows, accepted, tree tokens)
 
 
 def _engine_arm(engine: SpeculativeEngine, max_new: int):
@@ -66,7 +72,7 @@ def _engine_arm(engine: SpeculativeEngine, max_new: int):
 
     def run(ids):
         result = engine.generate(ids, sampling)
-        return Timed(result.token_ids, result.seconds, result.prefill_seconds)
+        return Timed(result.token_ids, result.seconds, result.prefill_seconds, result.counters)
     run.engine = engine
     return run
 
@@ -157,9 +163,16 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
         q4_target = Q4Runner(target_gguf, models.n_ctx)
         arms["osd_q4_target"] = _engine_arm(SpeculativeEngine(q4_target, system.tokenizer, None,
                                                               SpeculationConfig(k=0, adaptive=False)), max_new)
-        q4_engine = speculative_engine(system, q4_target, spec)
+        q4_engine = speculative_engine(system, q4_target, replace(spec, tree=0))
         arms["osd_q4"] = _engine_arm(q4_engine, max_new)
         arms["osd_q4"].calibration = q4_engine.calibrate()
+        if spec.tree:
+            tree_engine = speculative_engine(system, q4_target, spec)
+            arms["osd_q4_tree"] = _engine_arm(tree_engine, max_new)
+            arms["osd_q4_tree"].calibration = tree_engine.calibrate()
+            recycle = SpeculativeEngine(q4_target, system.tokenizer, None, SpeculationConfig(k=0, tree=spec.tree))
+            arms["osd_q4_recycle"] = _engine_arm(recycle, max_new)
+            arms["osd_q4_recycle"].calibration = recycle.calibrate()
         rss["osd Q4 kernel target"] = rss_gib() - before
         if learned_draft:
             arms["osd_q4_learned"] = _learned_arm(system, q4_target, spec, learned_draft, max_new)
@@ -190,13 +203,19 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
 
 def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2, max_new_tokens: int = 64,
               llama_cpp: bool = True, hf_baseline: bool = False, spec_k: int = 4, osd_q4: bool = True,
-              learned_draft: str = "", domains=DOMAINS, offset: int = 0) -> dict:
+              learned_draft: str = "", domains=DOMAINS, offset: int = 0, only: tuple[str, ...] = ()) -> dict:
+    """only: run just these arms (the others are built but not timed); the baseline arm is always kept."""
     records = bench_prompts(per_domain, domains=domains, offset=offset)  # (checked before anything loads)
     if models.target_backend == "auto" and target_backend(models) == "osd":
-        from dataclasses import replace
-
         models = replace(models, target_backend="llama.cpp")  # osd_target / osd on llama.cpp, osd_q4* on the Q4 kernel
     arms, system, rss = build_arms(models, spec, max_new_tokens, llama_cpp, hf_baseline, spec_k, osd_q4, learned_draft)
+    if only:
+        unknown = set(only) - set(arms)
+        if unknown:
+            raise InvalidArgument(f"--arms: no arm {sorted(unknown)} in this run (arms: {sorted(arms)})")
+        keep = set(only) | {"llama_cpp_target" if "llama_cpp_target" in arms else "osd_target"}
+        keep |= {REFERENCE[a] for a in only if a in REFERENCE} | {"osd_target"}
+        arms = {name: run for name, run in arms.items() if name in keep}
     engine = system.engine
     calibration = engine.calibrate()
     warm = prompt_ids(system.tokenizer, "Write a haiku about the sea.")
@@ -207,9 +226,10 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
     per_prompt, mismatches = [], {name: 0 for name in arms}
     engine.metrics.reset()
     q4_engine = arms["osd_q4"].engine if "osd_q4" in arms else None
-    for name in ("osd_q4", "osd_q4_learned"):
+    for name in ("osd_q4", "osd_q4_learned", "osd_q4_tree", "osd_q4_recycle"):
         if name in arms:
             arms[name].engine.metrics.reset()
+            arms[name].engine.scheduler.stats.tree_shapes.clear()
     for record in tqdm(records, desc="bench speed", unit="prompt"):
         ids = prompt_ids(system.tokenizer, record["prompt"])
         row, outputs = {"id": record["id"], "domain": record["domain"], "prompt_tokens": len(ids)}, {}
@@ -221,6 +241,10 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
             totals[name]["decode_seconds"] += timed.seconds - timed.prompt_seconds
             row[name] = {"tokens": len(timed.tokens), "seconds": round(timed.seconds, 3),
                          "prompt_seconds": round(timed.prompt_seconds, 3)}
+            if timed.counters is not None:  # speculation's work for this prompt
+                c = timed.counters
+                row[name].update(steps=c.steps, rows=c.rows, proposed=c.proposed, accepted=c.accepted,
+                                 tree_steps=c.tree_steps, tree_tokens=c.tree_tokens)
         for name, out in outputs.items():
             reference = REFERENCE.get(name, "osd_target")
             same = out == outputs[reference]
@@ -248,6 +272,7 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
         "osd_spec_stats": engine.metrics.total().summary(),
         "osd_q4_spec_stats": q4_engine.metrics.total().summary() if q4_engine is not None else None,
         "osd_q4_calibration": arms["osd_q4"].calibration if q4_engine is not None else None,
+        "trees": {name: tree_report(arms[name]) for name in ("osd_q4_tree", "osd_q4_recycle") if name in arms},
         "osd_q4_learned": {"draft_version": arms["osd_q4_learned"].version,
                            "spec_stats": arms["osd_q4_learned"].engine.metrics.total().summary(),
                            "calibration": arms["osd_q4_learned"].calibration} if "osd_q4_learned" in arms else None,
@@ -255,6 +280,32 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
         "warmup_excluded": True,
         "per_prompt": per_prompt,
     }
+
+
+def tree_report(run) -> dict:
+    """What a tree arm did overall: its counters, the shapes it verified most (nodes per depth), its recycled table."""
+    engine = run.engine
+    shapes = engine.scheduler.stats.tree_shapes
+    return {"spec_stats": engine.metrics.total().summary(), "tree_nodes": engine.tree_nodes,
+            "top_shapes": [[list(shape), n] for shape, n in shapes.most_common(8)], "distinct_shapes": len(shapes),
+            "recycled": engine.recycled.stats() if engine.recycled is not None else None,
+            "draft_runners_up": engine.runner_up_rates.stats() if engine.runner_up_rates is not None else None,
+            "calibration": getattr(run, "calibration", None)}
+
+
+def work_by_domain(result: dict) -> dict[str, dict[str, dict[str, float]]]:
+    """domain -> osd arm -> tokens per step (target passes), rows per step, accepted chain tokens per step and tokens
+    from recycled branches per step, from the per-prompt rows."""
+    sums: dict[str, dict[str, Counter]] = {}
+    for row in result["per_prompt"]:
+        for arm, timed in row.items():
+            if isinstance(timed, dict) and "steps" in timed:
+                c = sums.setdefault(row.get("domain", "all"), {}).setdefault(arm, Counter())
+                c.update({key: timed[key] for key in ("tokens", "steps", "rows", "accepted", "tree_tokens")})
+    return {domain: {arm: {"tokens_per_step": c["tokens"] / max(c["steps"], 1), "rows_per_step": c["rows"] / max(c["steps"], 1),
+                           "accepted_per_step": c["accepted"] / max(c["steps"], 1),
+                           "recycled_per_step": c["tree_tokens"] / max(c["steps"], 1)}
+                     for arm, c in arms.items()} for domain, arms in sums.items()}
 
 
 def decode_speedup_by_domain(result: dict) -> dict[str, dict[str, float]]:

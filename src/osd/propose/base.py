@@ -17,6 +17,7 @@ class Proposal:
     single_token_seconds: list[float] | None = None  # timings of forwards that fed exactly one token (cost model)
     weights: str | None = None  # fingerprint of the draft weights that made these tokens (None: no weights ran)
     tree: "Tree | None" = None  # set by the scheduler: these tokens as a chain plus recycled branches (propose/tree.py)
+    runners_up: list[list[int]] | None = None  # per depth, the draft's next-best tokens after tokens[d] (trees; greedy)
 
     @property
     def k(self) -> int:

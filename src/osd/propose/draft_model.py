@@ -25,6 +25,8 @@ class DraftModelProposer:
     checksum of the serving copy taken at that propose call), so a swap inside a request would show per step.
     """
 
+    runners_up = 0  # greedy proposals also name the draft's next-best tokens at each depth (token trees: the engine sets it)
+
     def __init__(self, registry: DraftRegistry, name: str, vocab_size: int):
         self.registry, self.name, self.vocab_size = registry, name, vocab_size
         self.version = -1
@@ -33,7 +35,9 @@ class DraftModelProposer:
 
     def fork(self) -> "DraftModelProposer":
         """A proposer for another sequence: the same draft (its latest snapshot at each begin), its own cache."""
-        return DraftModelProposer(self.registry, self.name, self.vocab_size)
+        fork = DraftModelProposer(self.registry, self.name, self.vocab_size)
+        fork.runners_up = self.runners_up
+        return fork
 
     def begin(self, prompt_ids: list[int]) -> None:
         snap = self.registry.get(self.name)
@@ -61,6 +65,13 @@ class DraftModelProposer:
         full[ids] = logits[: len(ids)]
         return full
 
+    def _runners_up(self, logits: torch.Tensor, token: int) -> list[int]:
+        """The draft's next-best target ids after its argmax `token`, best first."""
+        n = self.vocab_size if self.vocab_ids is None else len(self.vocab_ids)
+        top = logits[:n].topk(self.runners_up + 1).indices
+        ids = top.tolist() if self.vocab_ids is None else self.vocab_ids[top].tolist()
+        return [t for t in ids if t != token][: self.runners_up]
+
     def _greedy(self, logits: torch.Tensor) -> int:
         """The target id of the draft's argmax, taken in the draft's own vocabulary (no (V,) scatter per token);
         the same id as the argmax over _full_vocab (first maximum) where the map is increasing."""
@@ -71,7 +82,7 @@ class DraftModelProposer:
         return int(self.vocab_ids[int(logits[: len(self.vocab_ids)].argmax())])
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator=None) -> Proposal:
-        proposed, probs, timings = [], [], []
+        proposed, probs, timings, runners_up = [], [], [], []
         runner = self.runner
         pending = tokens[runner.length :]
         for _ in range(k):
@@ -81,6 +92,8 @@ class DraftModelProposer:
                 timings.append(time.perf_counter() - t0)
             if sampling.greedy:
                 token = self._greedy(logits)
+                if self.runners_up:
+                    runners_up.append(self._runners_up(logits, token))
             else:
                 q = warp_probs(self._full_vocab(logits), sampling.temperature, sampling.top_k, sampling.top_p)
                 token = sample_from(q, generator)
@@ -88,7 +101,7 @@ class DraftModelProposer:
             proposed.append(token)
             pending = [token]
         return Proposal(proposed, torch.stack(probs) if probs else None, single_token_seconds=timings,
-                        weights=self.fingerprint(runner))
+                        weights=self.fingerprint(runner), runners_up=runners_up or None)
 
     def fingerprint(self, runner) -> str:
         """'<name>@v<version>:<checksum of the weights `runner` holds now>' (no checksum for a non-torch runner)."""

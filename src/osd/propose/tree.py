@@ -63,10 +63,12 @@ def chain_tree(tokens: list[int], alpha: float = 1.0) -> Tree:
 
 def grow_tree(chain: list[int], chain_alpha: float, candidates: Callable[[int], list[tuple[int, float]]],
               root_token: int, max_nodes: int, step_seconds: Callable[[int], float],
-              min_score: float = 0.02) -> Tree:
+              min_score: float = 0.02, runners_up: list[list[tuple[int, float]]] | None = None) -> Tree:
     """The chain (kept whole: its length was chosen by the source's k policy) plus recycled candidates.
 
     candidates(token) -> [(next token, chance it is the target's next token)] after `token`, best first.
+    runners_up[d]: the draft's next-best tokens where it proposed chain[d], each with the chance that it is the
+    target's token given that chain[d] is not; offered beside chain[d] with (1 - chain_alpha) times that chance.
     step_seconds(rows) -> measured seconds of one target pass over `rows` rows (the root's row + nodes).
     Nodes are added best-first by score (a child's score is its parent's times its own chance; a chain node's is
     chain_alpha per depth), never twice the same token under one parent, up to max_nodes; the tree is then cut to
@@ -77,17 +79,19 @@ def grow_tree(chain: list[int], chain_alpha: float, candidates: Callable[[int], 
     heap: list[tuple[float, int, int, int]] = []  # (-score, order, parent node, token)
     order = 0
 
-    def offer(parent: int, token: int, parent_score: float) -> None:
+    def offer(parent: int, parent_score: float, options: list[tuple[int, float]]) -> None:
         nonlocal order
-        for nxt, chance in candidates(token):
+        for nxt, chance in options:
             score = parent_score * chance
             if score >= min_score and (parent, nxt) not in seen:
                 heapq.heappush(heap, (-score, order, parent, nxt))
                 order += 1
 
-    offer(-1, root_token, 1.0)
+    for d, options in enumerate((runners_up or [])[: tree.size]):  # beside chain node d, under its parent
+        offer(d - 1, tree.scores[d - 1] if d else 1.0, [(t, (1 - chain_alpha) * c) for t, c in options])
+    offer(-1, 1.0, candidates(root_token))
     for j in range(tree.size):
-        offer(j, tree.tokens[j], tree.scores[j])
+        offer(j, tree.scores[j], candidates(tree.tokens[j]))
     fixed = tree.size
     while heap and tree.size < max_nodes:
         neg, _, parent, token = heapq.heappop(heap)
@@ -97,7 +101,7 @@ def grow_tree(chain: list[int], chain_alpha: float, candidates: Callable[[int], 
         tree.tokens.append(token)
         tree.parents.append(parent)
         tree.scores.append(-neg)
-        offer(tree.size - 1, token, -neg)
+        offer(tree.size - 1, -neg, candidates(token))
     best, best_rate, expected = fixed, None, 1.0 + sum(tree.scores[:fixed])
     for n in range(fixed, tree.size + 1):
         if n > fixed:

@@ -21,7 +21,8 @@ the shared target pass fails every sequence in that step (each gets the error).
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,6 +60,7 @@ class StepStats:
     last_rows: int = 0
     last_seconds: float = 0.0
     reused_rows: int = 0  # prompt tokens whose keys/values a slot held already (prefix reuse)
+    tree_shapes: Counter = field(default_factory=Counter)  # nodes per depth of each verified tree -> steps
 
 
 class Scheduler:
@@ -224,8 +226,10 @@ class Scheduler:
         costs = e.target_costs.by_rows()
         if e.recycled is None or not seq.sampling.greedy or nodes <= proposal.k or costs is None:
             return proposal
+        rates = e.runner_up_rates
+        runners_up = [[(t, rates.chance(r)) for r, t in enumerate(tokens)] for tokens in proposal.runners_up or []]
         tree = grow_tree(proposal.tokens, alpha, e.recycled.candidates, seq.tokens[-1], nodes,
-                         lambda rows: t_draft + costs[min(rows, len(costs)) - 1])
+                         lambda rows: t_draft + costs[min(rows, len(costs)) - 1], runners_up=runners_up)
         proposal.tree = tree if tree.size > proposal.k else None
         return proposal
 
@@ -303,6 +307,8 @@ class Scheduler:
         else:
             outcome, betas, emitted = self._verify_tree(seq, tree, target_logits)
             target_logits = target_logits[: k + 1]  # the chain's rows come first: the learner sees the chain's step
+        if proposal.runners_up and outcome.n_accepted < k and e.runner_up_rates is not None:  # the draft's best missed
+            e.runner_up_rates.observe(proposal.runners_up[outcome.n_accepted], outcome.next_token)
         record = StepRecord(seq.request_id, seq.draft, seq.tokens[:], proposal.tokens, outcome.n_accepted,
                             outcome.next_token, target_logits, proposal.draft_probs, betas, seq.sampling.temperature,
                             t_draft, t_target, proposal.weights) if e.observers else None  # copy only when observed
@@ -317,6 +323,7 @@ class Scheduler:
         seq.counters.add_step(k, outcome.n_accepted, len(emitted), betas, t_draft, t_target)
         seq.counters.rows += 1 + (tree.size if tree else k)
         if tree is not None:
+            self.stats.tree_shapes[tree.shape()] += 1
             seq.counters.tree_steps += 1
             seq.counters.tree_tokens += len(emitted) - 1 - outcome.n_accepted
         seq.steps.append((k, outcome.n_accepted))
