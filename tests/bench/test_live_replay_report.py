@@ -146,22 +146,22 @@ def _live_result(rows: list[dict]) -> dict:
 
 
 def test_speed_plot_draws_every_arm_on_the_requests_they_all_decoded(tmp_path, monkeypatch):
-    import osd.bench.replay as replay
+    import osd.bench.report as report
 
     rows = _rows(6, 20.0, 40.0)
     for r in rows[1::2]:  # --compare-every 2: the other arms skipped the odd requests
         for key in ("static_tokens_per_second", "target_only_tokens_per_second", "llama_cpp_target_tokens_per_second"):
             del r[key]
     drawn = {}
-    monkeypatch.setattr(replay, "plot_alpha_curves", lambda curves, boundaries, title, ylabel, path, window, x:
+    monkeypatch.setattr(report, "plot_alpha_curves", lambda curves, boundaries, title, ylabel, path, window, x:
                         drawn.update(curves=curves, x=x, ylabel=ylabel) or path)
-    assert replay.plot_live_speed(_live_result(rows), str(tmp_path / "s.png")) == str(tmp_path / "s.png")
+    assert report.plot_live_speed(_live_result(rows), str(tmp_path / "s.png")) == str(tmp_path / "s.png")
     assert drawn["x"] == [0, 2, 4] and drawn["ylabel"] == "tokens/s"
     assert drawn["curves"] == {"online (osd, learning)": [20.0, 20.0, 40.0], "control (never trained)": [20.0] * 3,
                                "osd target-only": [25.0] * 3, "llama.cpp target-only": [30.0] * 3}
     for r in rows:  # no request decoded by the other arms: nothing to compare, no plot
         r.pop("static_tokens_per_second", None)
-    assert replay.plot_live_speed(_live_result(rows), str(tmp_path / "t.png")) is None
+    assert report.plot_live_speed(_live_result(rows), str(tmp_path / "t.png")) is None
 
 
 def test_from_result_re_renders_the_report_with_the_recorded_command_and_measures_nothing(tmp_path, monkeypatch):

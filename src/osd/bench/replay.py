@@ -19,8 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from osd.bench.baselines import SHARES, draft_copy, offline_trainer, train_equal_steps
-from osd.bench.plots import domain_boundaries, plot_alpha_curves
+from osd.bench.record import emit_report
 from osd.bench.replay_fast import TEACHER_FORCED, paired_difference, stream_parts
+from osd.bench.report import measured_command, table
 from osd.bench.speed import llama_cpp_target_arm
 from osd.build import attach_learner, build_system
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
@@ -235,40 +236,10 @@ def _heldout(engine, tokenizer, variants, stream, split, per_segment, heldout, h
     return alphas, vs_control
 
 
-def plot_replay(result: dict, path: str, window: int = 10) -> str | None:
-    rows = result["requests"]
-    curves = {"online (osd)": [r["alpha"] for r in rows]}  # None: no proposals (k = 0), a gap, not a 0
-    if any("static_alpha" in r for r in rows):  # None where it did not run (--compare-every) or proposed nothing
-        curves["control (never trained, served)"] = [r.get("static_alpha") for r in rows]
-    return plot_alpha_curves(curves, domain_boundaries(rows), f"osd replay: {result['config']['stream']}", "alpha",
-                             path, window)
-
-
-SPEED_LABELS = {"online": "online (osd, learning)", "static": "control (never trained)", "plain": "osd target-only",
-                "llama": "llama.cpp target-only"}  # the arms of report.ARM_SPEED_KEYS, and the online draft
-
-
-def plot_live_speed(result: dict, path: str, window: int = 5) -> str | None:
-    """Tokens/s against the request index on the requests every arm decoded (--compare-every), one line per arm:
-    the live stream's headline as a curve. None without compared requests (or matplotlib)."""
-    rows = [r for r in result["requests"] if "static_tokens_per_second" in r]
-    if not rows:
-        return None
-    from osd.bench.report import ARM_SPEED_KEYS
-
-    keys = {"online": "tokens_per_second", **ARM_SPEED_KEYS}
-    curves = {SPEED_LABELS[arm]: [r.get(key) for r in rows] for arm, key in keys.items() if any(key in r for r in rows)}
-    title = f"osd replay: {result['config']['stream']}, tokens/s on the {len(rows)} requests every arm decoded"
-    return plot_alpha_curves(curves, domain_boundaries(result["requests"]), title, "tokens/s", path, window,
-                             x=[r["i"] for r in rows])
-
-
 def report_live_comparison(result: dict, out: str, markdown: str, window: int = 10) -> None:
     """The fair-comparison block of a live replay: every draft against the control on the same positions (per segment,
     recovery side by side, held-out with z) and the figure of the four drafts."""
-    from osd.bench.record import emit_report
     from osd.bench.replay_fast_report import heldout_rows, plot, recovery_notes, summary
-    from osd.bench.report import measured_command, table
 
     rows = [r for r in result["requests"] if "original_alpha" in r and "online_alpha" in r]
     if not rows:

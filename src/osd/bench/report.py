@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
+from osd.bench.plots import domain_boundaries, plot_alpha_curves
 from osd.bench.record import emit_report, machine, redacted_command, write_result
 
 
@@ -73,10 +75,6 @@ def report_speed(result: dict, out: str, markdown: str) -> None:
 def report_replay(result: dict, out: str, markdown: str, window: int = 10) -> None:
     """The live replay's table by quarter of the stream. With --compare-every N the other arms decode every Nth
     request only: their columns, and the online column they are divided by, are over those requests."""
-    from pathlib import Path
-
-    from osd.bench.replay import plot_live_speed, plot_replay
-
     path = write_result(result, out)
     png = plot_replay(result, str(Path(out).with_suffix(".png")), window)
     speed_png = plot_live_speed(result, str(Path(out).with_suffix(".speed.png")), max(2, window // 2))
@@ -146,6 +144,32 @@ def mean_present(values) -> float | None:
 
 ARM_SPEED_KEYS = {"static": "static_tokens_per_second", "plain": "target_only_tokens_per_second",
                   "llama": "llama_cpp_target_tokens_per_second"}
+
+
+def plot_replay(result: dict, path: str, window: int = 10) -> str | None:
+    rows = result["requests"]
+    curves = {"online (osd)": [r["alpha"] for r in rows]}  # None: no proposals (k = 0), a gap, not a 0
+    if any("static_alpha" in r for r in rows):  # None where it did not run (--compare-every) or proposed nothing
+        curves["control (never trained, served)"] = [r.get("static_alpha") for r in rows]
+    return plot_alpha_curves(curves, domain_boundaries(rows), f"osd replay: {result['config']['stream']}", "alpha",
+                             path, window)
+
+
+SPEED_LABELS = {"online": "online (osd, learning)", "static": "control (never trained)", "plain": "osd target-only",
+                "llama": "llama.cpp target-only"}  # the arms of report.ARM_SPEED_KEYS, and the online draft
+
+
+def plot_live_speed(result: dict, path: str, window: int = 5) -> str | None:
+    """Tokens/s against the request index on the requests every arm decoded (--compare-every), one line per arm:
+    the live stream's headline as a curve. None without compared requests (or matplotlib)."""
+    rows = [r for r in result["requests"] if "static_tokens_per_second" in r]
+    if not rows:
+        return None
+    keys = {"online": "tokens_per_second", **ARM_SPEED_KEYS}
+    curves = {SPEED_LABELS[arm]: [r.get(key) for r in rows] for arm, key in keys.items() if any(key in r for r in rows)}
+    title = f"osd replay: {result['config']['stream']}, tokens/s on the {len(rows)} requests every arm decoded"
+    return plot_alpha_curves(curves, domain_boundaries(result["requests"]), title, "tokens/s", path, window,
+                             x=[r["i"] for r in rows])
 
 
 def ratio_interval(numerators: list[float], denominators: list[float], paired: bool, draws: int = 2000,

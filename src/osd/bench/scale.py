@@ -15,6 +15,7 @@ from pathlib import Path
 from osd.bench.record import emit_report, write_result
 from osd.bench.serve_compare import run_level, summarise_level
 from osd.bench.serve_load import _client, _request_body, one_request
+from osd.flags import add_config_flags, config_from
 from osd.serve.threaded import serve_in_thread
 
 
@@ -195,7 +196,6 @@ def _cmd(args) -> None:
     import tempfile
 
     from osd.bench.serve_compare import interleaved_prompts
-    from osd.cli import add_config_flags, config_from
     from osd.config import ModelConfig, SpeculationConfig
     from osd.errors import InvalidArgument
     from osd.learn.online import LearnConfig

@@ -12,10 +12,10 @@ import time
 
 import torch
 
+from osd.distill.teacher import greedy_answers
+
 
 def _arm(runner, prompts, max_tokens, eos_ids, top_k, slots):
-    from osd.distill.heal import greedy_answers
-
     greedy_answers(runner, prompts[:1], [4], eos_ids, top_k, 1).__next__()  # warm-up, untimed
     t0 = time.perf_counter()
     out = {i: (answer, dist) for i, answer, dist in greedy_answers(runner, prompts, [max_tokens] * len(prompts),

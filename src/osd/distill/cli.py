@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import time
 
+from osd.flags import add_config_flags, config_from
+
 
 def add_stream_flags(p, split: str = "train", limit: int = 200) -> None:
     p.add_argument("--dataset", default="gsm8k", help="dataset name (shared/datasets) or JSONL path "
@@ -18,7 +20,6 @@ def add_stream_flags(p, split: str = "train", limit: int = 200) -> None:
 
 
 def register(sub) -> None:
-    from osd.cli import add_config_flags
     from osd.config import ModelConfig
     from osd.distill.cache import DecodeSettings
 
@@ -69,7 +70,6 @@ def progress_bar(desc: str):
 
 
 def cmd_target_cache(args) -> None:
-    from osd.cli import config_from
     from osd.config import ModelConfig
     from osd.distill.cache import DecodeSettings
     from osd.distill.target_outputs import dataset_samples
@@ -84,7 +84,6 @@ def cmd_target_cache(args) -> None:
 
 
 def cmd_distill(args) -> None:
-    from osd.cli import config_from
     from osd.config import ModelConfig
     from osd.distill.cache import DecodeSettings
     from osd.distill.evaluate import newest_calibration
@@ -109,7 +108,6 @@ def cmd_export_draft(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from osd.cli import config_from
     from osd.config import ModelConfig
     from osd.distill.cache import DecodeSettings
     from osd.distill.evaluate import newest_calibration

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from osd.distill.cache import TargetSample
+from osd.distill.teacher import greedy_answer, greedy_answers, score_answer  # noqa: F401 - heal's API too
 from osd.errors import InvalidArgument
 from osd.learn.compact import CompactDist, compress
 
@@ -69,34 +70,6 @@ class HealConfig:
 
 
 # ---- the teacher: the target's distribution at every answer position -------------------------------------------
-
-@torch.no_grad()
-def score_answer(runner, prompt: list[int], answer: list[int], top_k: int) -> CompactDist:
-    """The target's distribution at each answer position: one prefill, logits at the last len(answer) positions."""
-    runner.reset()
-    logits = runner.feed(prompt + answer[:-1], n_logits=len(answer))  # (R, V): row j predicts answer[j]
-    return compress(logits, top_k)
-
-
-@torch.no_grad()
-def greedy_answer(runner, prompt: list[int], max_tokens: int, eos_ids: set[int], top_k: int):
-    """The target's greedy answer (stops after an EOS token) and its distribution at each answer position."""
-    from osd.models.q4_batch import greedy_alone
-
-    answer, dists = greedy_alone(runner, prompt, max_tokens, eos_ids, lambda logits: compress(logits, top_k))
-    return answer, CompactDist.cat(dists)
-
-
-@torch.no_grad()
-def greedy_answers(runner, prompts: list[list[int]], max_tokens: list[int], eos_ids: set[int], top_k: int,
-                   slots: int = 8):
-    """greedy_answer for many prompts -> yields (index, answer, CompactDist) as each ends. On osd's Q4 runner
-    `slots` prompts decode together, bitwise as each would alone (models/q4_batch.py); else one at a time."""
-    from osd.models.q4_batch import greedy_many
-
-    for i, answer, dists in greedy_many(runner, prompts, max_tokens, eos_ids, lambda l: compress(l, top_k), slots):
-        yield i, answer, CompactDist.cat(dists)
-
 
 class TeacherStore:
     """Teacher samples on disk: one safetensors file per (teacher, prompt, answer mode, reference, limits), atomic."""

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
+from osd.flags import add_config_flags, config_from
+
 
 def register(sub) -> None:
-    from osd.cli import add_config_flags
     from osd.config import ModelConfig
     from osd.distill.heal import HealConfig
     from osd.models.derived import DeriveConfig
@@ -76,7 +77,6 @@ def _progress():
 
 
 def cmd_derive(args) -> None:
-    from osd.cli import config_from
     from osd.models.derived import DeriveConfig, build_derived, save_derived
 
     model, recipe = build_derived(config_from(args, DeriveConfig))
@@ -86,7 +86,6 @@ def cmd_derive(args) -> None:
 
 def _heal(args, out: str, derive) -> None:
     from osd.build import set_threads
-    from osd.cli import config_from
     from osd.distill.heal import HealConfig, run_heal
 
     set_threads(args.threads)
@@ -100,7 +99,6 @@ def cmd_heal(args) -> None:
 
 
 def cmd_build(args) -> None:
-    from osd.cli import config_from
     from osd.models.derived import DeriveConfig
 
     _heal(args, args.out, config_from(args, DeriveConfig))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from osd.distill.cache import DecodeSettings, TargetCache, TargetSample
 from osd.distill.generate import decode_batch
+from osd.distill.teacher import greedy_answers
 
 
 def target_samples(cache: TargetCache, target, prompts: list[list[int]], settings: DecodeSettings,
@@ -33,8 +34,6 @@ def serving_samples(cache: TargetCache, runner, prompts: list[list[int]], settin
                     progress=None, slots: int = 8) -> list[TargetSample]:
     """Greedy samples from a serving runner (llama.cpp: one prompt at a time; osd's Q4 kernel: `slots` prompts
     decoded together, bitwise as alone); only the missing ones, each stored as it ends."""
-    from osd.distill.heal import greedy_answers
-
     missing = [i for i, p in enumerate(prompts) if (p, settings) not in cache]
     bar = progress(total=len(missing), desc="target cache: filling", unit="req") if progress and missing else None
     answers = greedy_answers(runner, [prompts[i] for i in missing], [settings.max_new_tokens] * len(missing), eos_ids,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from osd.models.eos import eos_ids_of
+
 
 class CachedModel:
     """Feeds tokens into a model whose KV cache holds the first `length` tokens of one sequence.
@@ -18,8 +20,6 @@ class CachedModel:
     """
 
     def __init__(self, model):
-        from osd.models.runner import eos_ids_of
-
         self.model = model
         self.cache = None
         self.length = 0  # tokens whose keys/values are in the cache

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from osd.errors import InvalidArgument, ModelNotFound
+from osd.models.plain import load_plain_model, load_plain_tokenizer
 from osd.models.vocab_map import set_vocab_ids
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "drafts"  # shipped derived drafts: derived:<name>
@@ -227,10 +228,8 @@ def norm_parameters(model) -> list[nn.Parameter]:
 
 def build_derived(config: DeriveConfig, dtype: str = "float32", tokenizer=None):
     """The bundled (or given) base cut to a derived draft -> (model, recipe). Counting the data takes seconds."""
-    from osd.models.loading import load_model, load_tokenizer
-
-    tokenizer = tokenizer or load_tokenizer(config.base)
-    base = load_model(config.base, dtype)
+    tokenizer = tokenizer or load_plain_tokenizer(config.base)
+    base = load_plain_model(config.base, dtype)
     vocab_size = int(base.config.vocab_size)
     counts = token_counts(tokenizer, dataset_texts(config.vocab_datasets, "train", config.vocab_limit), vocab_size)
     vocab_ids = choose_vocab(counts, config.vocab, [i for i in special_token_ids(tokenizer) if i < vocab_size],
@@ -285,18 +284,16 @@ def widen_derived(spec: str, out_dir: str | Path, sources: str, add: int, tokeni
     entries) that it lacks, trained rows kept, new rows from the base's head. For traffic the map was not chosen for
     (another language: the shipped draft's map holds 0.09-0.34 of Arabic, Chinese, Russian tokens); the new rows are
     untrained, so the draft proposes them as the cut base would until it learns."""
-    from osd.models.loading import load_model, load_tokenizer
-
     where = derived_dir(spec)
     recipe = json.loads((where / RECIPE).read_text())
     tensors = load_file(str(where / TENSORS))
     vocab_ids = tensors["vocab_ids"].long()
     base_spec = recipe["derive"]["base"]
-    tokenizer = tokenizer or load_tokenizer(base_spec)
+    tokenizer = tokenizer or load_plain_tokenizer(base_spec)
     texts = dataset_texts(sources)
     if not texts:
         raise InvalidArgument(f"no texts in {sources!r} to count")
-    base = load_model(base_spec, "float32")
+    base = load_plain_model(base_spec, "float32")
     head = base.get_output_embeddings()
     counts = token_counts(tokenizer, texts, head.weight.shape[0])
     wider = widen_vocab_ids(vocab_ids, counts, add)
@@ -353,13 +350,12 @@ def load_derived(spec: str, dtype: str = "float32", with_delta: bool = True):
     """Rebuild a derived draft from its base and recipe, apply the trained delta (unless with_delta is False: the
     draft as derived, before healing), fold LoRA in -> a frozen plain model."""
     from osd.learn.trainable import merge_lora
-    from osd.models.loading import load_model
 
     where = derived_dir(spec)
     recipe = json.loads((where / RECIPE).read_text())
     tensors = load_file(str(where / TENSORS))
     derive = recipe["derive"]
-    base = load_model(derive["base"], dtype)
+    base = load_plain_model(derive["base"], dtype)
     model = derive_model(base, parse_layers(derive["layers"], len(base.model.layers)), tensors["vocab_ids"].long(),
                          {k: v for k, v in recipe.items() if k != "trained"})
     delta = {k[len(DELTA):]: v for k, v in tensors.items() if k.startswith(DELTA)}

@@ -17,6 +17,8 @@ from typing import Protocol
 import torch
 
 from osd.errors import InvalidArgument
+from osd.models.cached import CachedModel
+from osd.models.eos import eos_ids_of, eos_token_ids  # noqa: F401 - the runners' and engine's import
 
 
 class Runner(Protocol):
@@ -48,27 +50,8 @@ class PositionCache:
         self.length = min(self.length, length)
 
 
-def eos_ids_of(*sources) -> set[int]:
-    """End-of-sequence ids named by configs / tokenizers (an int or a list each)."""
-    ids = set()
-    for source in sources:
-        eos = getattr(source, "eos_token_id", None)
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos:
-            ids.update(int(e) for e in eos)
-    return ids
-
-
-def eos_token_ids(model, tokenizer) -> set[int]:
-    """A torch model's end-of-sequence ids (generation config, model config) plus the tokenizer's."""
-    return eos_ids_of(getattr(model, "generation_config", None), model.config, tokenizer)
-
-
 def as_runner(target) -> Runner:
     """A runner as given, or a torch causal LM wrapped in the torch runner."""
     if hasattr(target, "feed") and hasattr(target, "rollback"):
         return target
-    from osd.models.cached import CachedModel
-
     return CachedModel(target)

@@ -4,12 +4,12 @@ from __future__ import annotations
 import argparse
 import os
 
+from osd.flags import add_config_flags, config_from
 from osd.serve.settings import ServeSettings
 
 
 def register(sub, bench) -> None:
     """Add the serving subcommands to the `osd` parser (sub) and the `osd bench` parser (bench)."""
-    from osd.cli import add_config_flags
     from osd.config import ModelConfig, SpeculationConfig
     from osd.learn.online import LearnConfig
     from osd.route.config import RouteConfig
@@ -79,7 +79,6 @@ def default_model_name(target: str) -> str:
 
 def cmd_serve(args) -> None:
     from osd.build import attach_learner, build_system
-    from osd.cli import config_from
     from osd.config import ModelConfig, SpeculationConfig
     from osd.learn.online import LearnConfig
     from osd.memory import return_freed_memory_to_the_system
@@ -99,7 +98,6 @@ def cmd_serve(args) -> None:
 
 
 def cmd_serve_cluster(args, settings, models) -> None:
-    from osd.cli import config_from
     from osd.config import SpeculationConfig
     from osd.errors import BackendUnavailable, InvalidArgument
     from osd.learn.online import LearnConfig
