@@ -73,3 +73,38 @@ def test_the_learners_work_in_the_ray_cost_run_is_the_recorded_one():
               f"of the load the one-process learner had taken {plain['learner_at_load_end']['optimizer_steps']} "
               f"optimizer steps, the Ray learner {ray_arm['learner_at_load_end']['optimizer_steps']}")
     assert figure in README.replace("\n", " ")
+
+
+def test_the_serve_vs_table_is_that_of_bench_serve_vs():
+    r = result("bench-serve-vs.json")
+    by = {(x["server"], x["concurrency"]): x for x in r["records"]}
+    tok = lambda server, c: by[(server, c)]["aggregate_tokens_per_s"]  # noqa: E731
+    for c in r["config"]["levels"]:
+        base = tok("llama-server", c)
+        cells = [f"{base:.1f}"] + [f"{tok(s, c):.1f} ({tok(s, c) / base:.2f}x)" for s in ("osd", "osd-learning",
+                                                                                        "osd-target-only")]
+        cells += [f"{by[('llama-server', c)]['ttft_p95_s']:.2f} / {by[('osd', c)]['ttft_p95_s']:.2f} s",
+                  f"{by[('osd', c)]['peak_rss_bytes'] / 1e9:.2f} GB"]
+        assert f"| {c} | " + " | ".join(cells) + " |" in README, c
+    prefill = {p["server"]: p for p in r["prefill"]}
+    osd, llama = prefill["osd"]["prompt_tokens_per_s"], prefill["llama-server"]["prompt_tokens_per_s"]
+    assert (f"Prefill of one {prefill['osd']['prompt_tokens']:,}-token prompt alone: osd {osd:.0f} prompt tokens/s, "
+            f"llama-server {llama:.0f} ({osd / llama:.2f}x") in README.replace("\n", " ")
+
+
+def test_the_q4_row_costs_are_those_of_bench_rows():
+    backends = result("bench-rows-osd-q4.json")["backends"]
+    osd = backends["osd, own Q4_K kernel (q4_runner)"]
+    llama = backends["llama.cpp, Q4_K repacked (default)"]
+    cost = osd["cost_vs_one_row"]
+    assert (f"one token {osd['seconds'][0] * 1e3:.1f} ms (llama.cpp {llama['seconds'][0] * 1e3:.1f}), 2 / 3 / 4 / 8 "
+            f"tokens {cost[1]:.2f} / {cost[2]:.2f} / {cost[3]:.2f} / {cost[7]:.2f}x one token") in " ".join(README.split())
+
+
+def test_the_intel_speed_headline_is_that_of_its_run():
+    r = result("bench-speed-heal-v2.json")
+    decode, e2e = r["decode_speedup_vs_baseline"], r["end_to_end_speedup_vs_baseline"]
+    assert "Intel" in r["machine"]["cpu"] and r["config"]["models"]["draft"] == "derived:cheap-0.5b"
+    assert (f"{decode['osd_q4']:.2f}x llama.cpp's decode with the first shipped draft `cheap-0.5b` and "
+            f"{decode['osd_q4_learned']:.2f}x with `cheap-0.5b-v2`, as a fresh install serves it "
+            f"({e2e['osd_q4']:.2f}x / {e2e['osd_q4_learned']:.2f}x end to end") in README.replace("\n", " ")
