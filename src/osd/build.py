@@ -170,6 +170,10 @@ def speculative_engine(system: System, target, spec: SpeculationConfig, draft: s
     if engine.k_max < spec.k and proposer is not None:
         say(f"k capped at {engine.k_max} (asked {spec.k}): the {type(engine.target).__name__} backend verifies at most "
             f"{engine.k_max + 1} rows bitwise as one row (greedy identity); longer proposals would change outputs")
+    if spec.tree and engine.tree_nodes < spec.tree:
+        say(f"token trees of {spec.tree} nodes asked, {engine.tree_nodes} served: the {type(engine.target).__name__} "
+            "backend " + ("verifies chains only (trees need osd's Q4 backend, --target-backend osd)" if not
+                          engine.tree_nodes else f"verifies at most {engine.tree_nodes + 1} rows in one pass"))
     if isinstance(proposer, LookupThenDraft):  # the lookup learns continuations from every finished request
         engine.request_observers.append(lambda r: proposer.observe_request(r.prompt_ids + r.token_ids))
     return engine

@@ -49,7 +49,8 @@ def test_concurrent_requests_share_steps_and_each_answer_is_the_one_it_gets_alon
     values = metric_values(text)
     info = next(s.labels for f in text_string_to_metric_families(text) for s in f.samples if s.name == "osd_engine_info")
     assert info == {"target_backend": "CachedModel", "slots": "RunnerSlots", "draft_runner": "CachedModel",
-                    "k_limit": "4", "k_asked": "4", "max_batch": "4", "greedy_identity": "exact"}
+                    "k_limit": "4", "k_asked": "4", "max_batch": "4", "greedy_identity": "exact", "tree_nodes": "0"}
+    assert values["osd_spec_rows_total"] >= values["osd_spec_steps_total"] > 0  # every step verified a row at least
     assert values["osd_sequence_capacity"] == 4 and values["osd_sequences_running"] == 0
     assert values["osd_schedule_sequence_steps_total"] > values["osd_schedule_steps_total"] > 0  # steps were shared
     assert values["osd_schedule_emitted_total"] >= sum(len(w) for w in want)

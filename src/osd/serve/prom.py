@@ -13,6 +13,7 @@ scraper's to derive:
   osd_spec_beta_sum_total, osd_spec_beta_n_total    alpha = beta_sum / beta_n
   osd_spec_{proposed,accepted}_at_total{draft,draft_version,position}   per-position acceptance
   osd_spec_{draft,target}_seconds_total
+  osd_spec_{rows,tree_steps,tree_tokens}_total{draft,draft_version}   rows verified; token-tree steps and their extra tokens
   osd_learner_<stat>                                the learner's stats: LEARNER_GAUGES are gauges, every other
                                                     numeric stat is a counter, osd_learner_<stat>_total
   osd_kernel_info{path,fallback,avx512_vnni,error}  osd.models.kernels.status(): path is "compiled" (osd's
@@ -61,6 +62,9 @@ SPEC_COUNTERS = {  # SpecCounters field -> help
     "beta_sum": "Sum of exact per-position acceptance probabilities (alpha = beta_sum / beta_n).",
     "beta_n": "Positions summed in beta_sum.", "draft_seconds": "Seconds in draft proposals.",
     "target_seconds": "Seconds in target verification.",
+    "rows": "Target rows verified (pending tokens, proposals, tree nodes).",
+    "tree_steps": "Steps that verified a token tree (--tree).",
+    "tree_tokens": "Tokens accepted on a tree's recycled or runner-up branches, beyond the chain's accepted prefix.",
 }
 LEARNER_GAUGES = {"version", "training", "paused", "parked", "buffer_positions", "requests_since_update", "rehearsal_items",
                   "memory_optimizer_bytes", "memory_versions_bytes", "memory_average_bytes", "memory_trainable_bytes",
@@ -179,7 +183,8 @@ def engine_info(engine) -> dict:
     return {"target_backend": type(engine.target).__name__, "slots": type(engine.slots).__name__,
             "draft_runner": ",".join(sorted(runners)) or "none", "k_limit": str(engine.k_max),
             "k_asked": str(engine.spec.k), "max_batch": str(engine.scheduler.capacity),
-            "greedy_identity": getattr(engine.target, "greedy_identity", "exact")}
+            "greedy_identity": getattr(engine.target, "greedy_identity", "exact"),
+            "tree_nodes": str(getattr(engine, "tree_nodes", 0))}
 
 
 def schedule_families(stats) -> list:
