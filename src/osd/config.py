@@ -51,7 +51,7 @@ class SpeculationConfig:
     lookup: bool = False  # propose by n-gram lookup in this request and earlier traffic first (propose/ngram.py)
     max_batch: int = 1  # sequences decoded together, one target pass per step (schedule/scheduler.py; `osd serve`: 8)
     prefill_rows: int = 64  # prompt rows fed per step beside decoding sequences (chunked prefill; at least 16)
-    tree: int = 0  # most nodes of a token tree per step: the chain plus the target's recycled top tokens (propose/tree.py); 0 = chains only. Greedy requests decoding alone on the osd Q4 backend
+    tree: int = 0  # most nodes of a token tree per step: the chain plus the draft's runners-up and the target's recycled top tokens (propose/tree.py); 0 = chains only. A request decoding alone on the osd Q4 backend (greedy and sampled, both lossless)
 
     def __post_init__(self):
         if self.k is None or self.k < 0:

@@ -74,11 +74,21 @@ def test_trees_beside_a_draft_and_the_lookup_give_target_only_output(tiny, runne
         assert result.counters.tree_steps > 0 or k >= 8
 
 
-def test_sampled_requests_verify_chains_only(runner):
-    engine = engine_with(runner)
-    engine.generate(PROMPT, SamplingConfig(max_new_tokens=N))  # warm the table
-    sampled = engine.generate(PROMPT, SamplingConfig(max_new_tokens=N, temperature=0.8, seed=1))
-    assert sampled.counters.tree_steps == 0 and sampled.counters.rows == sampled.counters.steps + sampled.counters.proposed
+def test_sampled_requests_verify_trees_reproducibly(tiny, runner):
+    """Sampled requests verify trees too (lossless: tests/verify/test_tree_sampling.py); with a seed, two engines in the
+    same state give the same answer (the recycled table is part of that state: it shapes the trees)."""
+    registry = DraftRegistry()
+    registry.publish("d", tiny_torch_model(7))
+    sampling = SamplingConfig(max_new_tokens=N, temperature=0.8, top_p=0.95, seed=1)
+    answers = []
+    for _ in range(2):
+        engine = engine_with(runner, DraftModelProposer(registry, "d", VOCAB), k=2, adaptive=False)
+        engine.generate(PROMPT, SamplingConfig(max_new_tokens=N))  # warm the table
+        answers.append(engine.generate(PROMPT, sampling))
+    first = answers[0]
+    assert first.counters.tree_steps > 0 and first.counters.rows > first.counters.steps + first.counters.proposed
+    assert first.token_ids == answers[1].token_ids
+    assert len(first.token_ids) == N and all(0 <= t < VOCAB for t in first.token_ids)
 
 
 def test_the_recycled_table_learns_from_verification_rows_only(runner):

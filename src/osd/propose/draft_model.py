@@ -98,6 +98,9 @@ class DraftModelProposer:
                 q = warp_probs(self._full_vocab(logits), sampling.temperature, sampling.top_k, sampling.top_p)
                 token = sample_from(q, generator)
                 probs.append(q)
+                if self.runners_up:  # the likeliest other tokens under q (deterministic given the context)
+                    top = q.topk(self.runners_up + 1).indices.tolist()
+                    runners_up.append([t for t in top if t != token and q[t] > 0][: self.runners_up])
             proposed.append(token)
             pending = [token]
         return Proposal(proposed, torch.stack(probs) if probs else None, single_token_seconds=timings,

@@ -3,7 +3,8 @@
 A `Tree` hangs off the sequence's pending token (the root, not a node): node j has a token and a parent
 (`parents[j]` < j; -1 = the root). The target sees the root's row and one row per node, each row attending to the
 committed prefix, its ancestors and itself (models/tree_rows.py), so every row's logits are bitwise those of its path
-fed as a chain (tests/models/test_tree_rows.py); greedy verification walks down the tree (verify/tree.py).
+fed as a chain (tests/models/test_tree_rows.py); verification walks down the tree (verify/tree.py: greedy, or
+recursive rejection sampling at T > 0, lossless either way).
 
 `grow_tree` is the shape policy, a pure function: a chain proposal (the lookup's or the draft's tokens, each with its
 estimated chance of acceptance) plus candidates from the recycled-token table (propose/recycle.py) at every node,

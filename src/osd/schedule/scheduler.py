@@ -34,9 +34,10 @@ from osd.propose.tree import grow_tree
 from osd.schedule.goodput import allocate_k
 from osd.schedule.sequence import LiveAlpha, Sequence
 from osd.stopping import StopChecker
-from osd.verify.acceptance import VerifyOutcome
+from osd.verify.acceptance import VerifyOutcome, acceptance_beta
+from osd.verify.sampling import warp_probs
 from osd.verify.step import verify_proposal
-from osd.verify.tree import greedy_tree_verify
+from osd.verify.tree import greedy_tree_verify, sampled_tree_verify
 
 ALONE_PREFILL_ROWS = 512  # prompt rows per step while no sequence decodes (Q4Slots runs them in chunk_rows chunks)
 MIN_PREFILL_ROWS = 16  # prompt rows per step however many decode rows share it: a prompt always advances
@@ -224,7 +225,7 @@ class Scheduler:
         e = self.engine
         nodes = min(e.tree_nodes, seq.remaining - 1)
         costs = e.target_costs.by_rows()
-        if e.recycled is None or not seq.sampling.greedy or nodes <= proposal.k or costs is None:
+        if e.recycled is None or nodes <= proposal.k or costs is None:
             return proposal
         rates = e.runner_up_rates
         runners_up = [[(t, rates.chance(r)) for r, t in enumerate(tokens)] for tokens in proposal.runners_up or []]
@@ -305,7 +306,7 @@ class Scheduler:
                                              seq.generator)
             emitted = proposal.tokens[: outcome.n_accepted] + [outcome.next_token]
         else:
-            outcome, betas, emitted = self._verify_tree(seq, tree, target_logits)
+            outcome, betas, emitted = self._verify_tree(seq, proposal, target_logits)
             target_logits = target_logits[: k + 1]  # the chain's rows come first: the learner sees the chain's step
         if proposal.runners_up and outcome.n_accepted < k and e.runner_up_rates is not None:  # the draft's best missed
             e.runner_up_rates.observe(proposal.runners_up[outcome.n_accepted], outcome.next_token)
@@ -337,16 +338,25 @@ class Scheduler:
             seq.sent = text
         return seq.finished
 
-    def _verify_tree(self, seq: Sequence, tree, target_logits):
-        """Greedy walk down the tree (verify/tree.py); the cache keeps the accepted path only -> (the outcome of the
-        chain part, as a chain step would report it; its betas; the emitted tokens)."""
-        path, next_token = greedy_tree_verify(target_logits, tree)
+    def _verify_tree(self, seq: Sequence, proposal: Proposal, target_logits):
+        """Walk down the tree (verify/tree.py: greedy, or lossless recursive rejection sampling); the cache keeps the
+        accepted path only -> (the outcome of the chain part, as a chain step would report it; its betas; the
+        emitted tokens)."""
+        tree, s = proposal.tree, seq.sampling
+        if s.greedy:
+            path, next_token = greedy_tree_verify(target_logits, tree)
+        else:
+            target_probs = warp_probs(target_logits, s.temperature, s.top_k, s.top_p)
+            path, next_token = sampled_tree_verify(target_probs, tree, proposal.draft_probs, seq.generator)
         emitted = [tree.tokens[j] for j in path] + [next_token]
         self.slots.keep_path(seq.slot, len(seq.tokens), path)
         agreed = 0  # the chain's accepted prefix: chain node d is node d
         while agreed < len(path) and agreed < tree.chain and path[agreed] == agreed:
             agreed += 1
-        return (VerifyOutcome(agreed, emitted[agreed]), [1.0] * agreed + [0.0] * (agreed < tree.chain), emitted)
+        on_path = min(agreed + 1, tree.chain)
+        betas = [1.0] * agreed + [0.0] * (agreed < tree.chain) if s.greedy else acceptance_beta(
+            target_probs[:on_path], proposal.draft_probs[:on_path]).tolist() if tree.chain else []
+        return VerifyOutcome(agreed, emitted[agreed]), betas, emitted
 
     def _record(self, rows: int, decode_rows: int, seconds: float, alone: bool, plans) -> None:
         e, st = self.engine, self.stats
