@@ -325,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     from osd.bench.target_quant import register as register_bench_target_quant  # `osd bench target-quant`
 
     register_bench_target_quant(bench)
+    from osd.bench.feature_head import register as register_bench_feature_head  # `osd bench feature-head`
+
+    register_bench_feature_head(bench)
     from osd.bench.scale import register as register_bench_scale  # `osd bench scale` (imports Ray when run)
 
     register_bench_scale(bench)

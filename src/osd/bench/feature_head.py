@@ -1,0 +1,238 @@
+"""`osd bench feature-head`: would a draft that reads the target's features (EAGLE / Hydra family) propose better
+than the shipped cheap draft? A feasibility study, measured before the serving path is built.
+
+The target (bundled GGUF on osd's Q4 kernel) answers train-split prompts greedily; a second pass over each prompt +
+answer keeps its final hidden state (after the output norm: the LM head's input) at every answer position. A small
+head is distilled on them: from the target's feature at position t and the embedding of the token at t + 1 (the one
+the target has just emitted) it predicts the target's token at t + 2, over the cheap draft's vocabulary map. That is
+the first proposal of a speculative step, so its top-1 agreement with the target's greedy answer on held-out
+prompts is the first proposal's acceptance; the cheap draft is scored on the same held-out positions, teacher-forced
+(its argmax after the same prefix). Also timed: one head forward against one draft token (both fp32 torch here; the
+serving copies would be int8). Deeper proposals (the head fed its own output) are not measured here.
+
+Head (`FeatureHead`): Linear(2H -> H) over [feature; embedding], one SiLU-gated MLP block with a residual, RMSNorm,
+and an LM head over the map initialised from the target's own output rows (dequantized from the GGUF). Loss: cross
+entropy on the target's greedy token (positions whose token is outside the map are left out of training and count as
+misses in the agreement, as they are for the draft, which cannot propose them either).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from osd.data import load_records, prompt_ids, with_context
+
+
+class FeatureHead(nn.Module):
+    def __init__(self, hidden: int, inter: int, head_rows: torch.Tensor):
+        super().__init__()
+        self.fc = nn.Linear(2 * hidden, hidden)
+        self.norm_in = nn.RMSNorm(hidden, eps=1e-6)
+        self.gate_up = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down = nn.Linear(inter, hidden, bias=False)
+        self.norm_out = nn.RMSNorm(hidden, eps=1e-6)
+        self.head = nn.Linear(hidden, head_rows.shape[0], bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(head_rows)
+            self.down.weight.mul_(0.1)
+
+    def forward(self, feature: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        x = self.fc(torch.cat([feature, embedding], dim=-1))
+        gate, up = self.gate_up(self.norm_in(x)).chunk(2, dim=-1)
+        x = x + self.down(nn.functional.silu(gate) * up)
+        return self.head(self.norm_out(x))
+
+
+def target_features(runner, ids: list[int]) -> torch.Tensor:
+    """(len(ids), H): the target's LM-head input (final hidden state after the output norm) at every position."""
+    runner.reset()
+    rows = [runner._forward(ids[i : i + runner.chunk_rows]) for i in range(0, len(ids), runner.chunk_rows)]
+    return runner._glue.rms_norm(torch.cat(rows), runner.output_norm, runner.shape.eps)
+
+
+def head_rows_of(gguf_path, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """(len(vocab_ids), H) float32 rows of the target's output matrix (the embedding table where it is tied)."""
+    from gguf import GGUFReader, dequantize
+
+    tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    t = tensors.get("output.weight") or tensors["token_embd.weight"]
+    rows = dequantize(np.asarray(t.data)[vocab_ids.numpy()], t.tensor_type)
+    return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).reshape(len(vocab_ids), -1)
+
+
+def examples(runner, samples: list[tuple[list[int], list[int]]], index: torch.Tensor):
+    """samples [(prompt, answer)] -> (features (N, H), embeddings (N, H), labels (N,) map index or -1, sequences):
+    one example per answer position t + 2 whose t + 1 is an answer position or the prompt's end."""
+    feats, embs, labels = [], [], []
+    for prompt, answer in samples:
+        seq = prompt + answer
+        f = target_features(runner, seq[:-1])  # f[t] predicts seq[t + 1]
+        ts = range(len(prompt) - 1, len(seq) - 2)
+        if not ts:
+            continue
+        feats.append(f[list(ts)])
+        embs.append(runner.embed([seq[t + 1] for t in ts]))
+        labels.append(index[torch.tensor([seq[t + 2] for t in ts])])
+    return torch.cat(feats), torch.cat(embs), torch.cat(labels)
+
+
+def train_head(head: FeatureHead, data, epochs: int, lr: float, batch: int, seed: int = 0, progress=None) -> list[float]:
+    """AdamW on cross entropy (positions outside the map left out) -> mean loss per epoch."""
+    feats, embs, labels = data
+    keep = labels >= 0
+    feats, embs, labels = feats[keep], embs[keep], labels[keep]
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in (progress(range(epochs), desc="feature head", unit="epoch") if progress else range(epochs)):
+        order, total, n = torch.randperm(len(labels), generator=g), 0.0, 0
+        for i in range(0, len(order), batch):
+            j = order[i : i + batch]
+            loss = nn.functional.cross_entropy(head(feats[j], embs[j]), labels[j])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total, n = total + loss.item() * len(j), n + len(j)
+        losses.append(total / max(n, 1))
+    return losses
+
+
+@torch.no_grad()
+def head_agreement(head: FeatureHead, data) -> float:
+    feats, embs, labels = data
+    return float((head(feats, embs).argmax(-1) == labels).float().mean())
+
+
+@torch.no_grad()
+def draft_agreement(draft, samples, index: torch.Tensor) -> float:
+    """The draft's teacher-forced top-1 agreement at the same positions: its argmax after seq[:t + 2] vs seq[t + 2]."""
+    hits = total = 0
+    for prompt, answer in samples:
+        seq = prompt + answer
+        ts = list(range(len(prompt) - 1, len(seq) - 2))
+        if not ts:
+            continue
+        logits = draft(torch.tensor([seq[:-1]])).logits[0]  # row i predicts seq[i + 1] (over the map)
+        guess = logits[[t + 1 for t in ts]].argmax(-1)
+        hits += int((guess == index[torch.tensor([seq[t + 2] for t in ts])]).sum())
+        total += len(ts)
+    return hits / max(total, 1)
+
+
+def seconds_per_token(fn, repeats: int = 20) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
+def run_feature_head(target: str, draft: str, train_domains, train_per_domain: int, heldout_domains,
+                     heldout_per_domain: int, max_new_tokens: int, epochs: int, lr: float, batch: int, inter: int,
+                     progress=None) -> dict:
+    from osd.models.loading import gguf_file, load_model, load_tokenizer
+    from osd.models.q4_batch import greedy_many
+    from osd.models.q4_runner import Q4Runner
+    from osd.models.runner import eos_ids_of
+    from osd.models.vocab_map import vocab_ids_of
+
+    gguf = gguf_file(target)
+    runner, tokenizer = Q4Runner(gguf, n_ctx=2048), load_tokenizer(target)
+    draft_model = load_model(draft)
+    vocab_ids = vocab_ids_of(draft_model)
+    index = torch.full((runner.vocab_size,), -1, dtype=torch.long)  # target id -> row of the map
+    index[vocab_ids] = torch.arange(len(vocab_ids))
+    eos = runner.eos_ids | eos_ids_of(tokenizer)
+
+    def answered(domains, split, per_domain):
+        prompts = [prompt_ids(tokenizer, with_context(r)) for d in domains for r in load_records(d, split, per_domain)]
+        prompts = [p for p in prompts if len(p) <= 512]
+        out = [None] * len(prompts)
+        it = greedy_many(runner, prompts, [max_new_tokens] * len(prompts), eos, lambda logits: None, 8)
+        for i, answer, _ in (progress(it, total=len(prompts), desc=f"target answers ({split})", unit="req")
+                             if progress else it):
+            out[i] = (prompts[i], [t for t in answer if t not in eos])
+        return out
+
+    t0 = time.perf_counter()
+    train_samples, heldout_samples = answered(train_domains, "train", train_per_domain), \
+        answered(heldout_domains, "test", heldout_per_domain)
+    train, heldout = examples(runner, train_samples, index), examples(runner, heldout_samples, index)
+    data_seconds = time.perf_counter() - t0
+    torch.manual_seed(0)
+    head = FeatureHead(runner.shape.hidden, inter, head_rows_of(gguf, vocab_ids))
+    before = head_agreement(head, heldout)
+    t0 = time.perf_counter()
+    losses = train_head(head, train, epochs, lr, batch, progress=progress)
+    train_seconds = time.perf_counter() - t0
+    f1, e1 = heldout[0][:1], heldout[1][:1]
+    one = torch.tensor([[heldout_samples[0][0][-1]]])
+    with torch.no_grad():
+        head_s = seconds_per_token(lambda: head(f1, e1))
+        draft_s = seconds_per_token(lambda: draft_model(one))
+        target_s = seconds_per_token(lambda: (runner.reset(), runner.feed([1], n_logits=1)), repeats=5)
+    return {
+        "config": {"target": target, "draft": draft, "train_domains": list(train_domains), "train_per_domain":
+                   train_per_domain, "heldout_domains": list(heldout_domains), "heldout_per_domain": heldout_per_domain,
+                   "max_new_tokens": max_new_tokens, "epochs": epochs, "lr": lr, "batch": batch, "inter": inter,
+                   "map_rows": len(vocab_ids)},
+        "train_positions": int(len(train[2])), "train_positions_in_map": int((train[2] >= 0).sum()),
+        "heldout_positions": int(len(heldout[2])), "heldout_positions_in_map": int((heldout[2] >= 0).sum()),
+        "head_parameters": sum(p.numel() for p in head.parameters()),
+        "loss_by_epoch": losses,
+        "first_proposal_agreement": {"feature_head_untrained": before, "feature_head": head_agreement(head, heldout),
+                                     "cheap_draft": draft_agreement(draft_model, heldout_samples, index)},
+        "seconds_per_token_fp32": {"feature_head": head_s, "cheap_draft_torch": draft_s, "target_q4": target_s},
+        "data_seconds": data_seconds, "train_seconds": train_seconds,
+    }
+
+
+def register(bench) -> None:
+    p = bench.add_parser("feature-head", help="feasibility: a head on the target's features vs the cheap draft, "
+                         "first-proposal agreement on held-out prompts")
+    p.add_argument("--target", default="bundled:qwen2.5-coder-1.5b")
+    p.add_argument("--draft", default="derived:cheap-0.5b-v2", help="the draft to compare with; its map is the head's")
+    p.add_argument("--train-domains", default="gsm8k,spider,code,support")
+    p.add_argument("--train-per-domain", type=int, default=40)
+    p.add_argument("--heldout-domains", default="code,gsm8k,spider,chat")
+    p.add_argument("--heldout-per-domain", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--inter", type=int, default=2048, help="the head's MLP width")
+    p.add_argument("--out", default="benchmarks/feature-head.json")
+    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args) -> None:
+    import sys
+
+    from tqdm import tqdm
+
+    from osd.bench.record import emit_report, redacted_command, write_result
+    from osd.bench.report import table
+
+    split = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
+    result = run_feature_head(args.target, args.draft, split(args.train_domains), args.train_per_domain,
+                              split(args.heldout_domains), args.heldout_per_domain, args.max_new_tokens, args.epochs,
+                              args.lr, args.batch, args.inter, progress=tqdm)
+    path = write_result(result, args.out)
+    a, s = result["first_proposal_agreement"], result["seconds_per_token_fp32"]
+    rows = [["feature head (trained)", a["feature_head"], s["feature_head"] * 1e3],
+            ["feature head (untrained)", a["feature_head_untrained"], None],
+            [f"cheap draft ({args.draft})", a["cheap_draft"], s["cheap_draft_torch"] * 1e3]]
+    notes = (f"{result['train_positions']} training positions ({result['train_positions_in_map']} in the map), "
+             f"{result['heldout_positions']} held-out ({result['heldout_positions_in_map']} in the map); head "
+             f"{result['head_parameters'] / 1e6:.1f}M parameters; loss by epoch "
+             + ", ".join(f"{x:.2f}" for x in result["loss_by_epoch"])
+             + f"; target one token on the Q4 kernel {s['target_q4'] * 1e3:.1f} ms; data {result['data_seconds']:.0f} s, "
+             f"training {result['train_seconds']:.0f} s")
+    emit_report("A draft that reads the target's features (`osd bench feature-head`)",
+                f"`{redacted_command(sys.argv[1:])}`",
+                [table(rows, ["proposer", "first-proposal agreement (held-out)", "ms per token (fp32 torch)"]), notes],
+                path, args.markdown)
