@@ -130,7 +130,7 @@ def _learned_arm(system, q4_target, spec: SpeculationConfig, checkpoint: str, ma
     if state is None:
         raise InvalidArgument(f"no draft checkpoint in {checkpoint!r}")
     system.publish_draft(learned, name="learned", version=state["version"])
-    engine = speculative_engine(system, q4_target, spec, draft="learned")
+    engine = speculative_engine(system, q4_target, replace(spec, tree=0), draft="learned")  # chains, as osd_q4
     run = _engine_arm(engine, max_new)
     run.calibration, run.version = engine.calibrate(), state["version"]
     return run
