@@ -83,7 +83,7 @@ class ModelConfig:
     target: str = "bundled:qwen2.5-coder-1.5b"  # hub id, local dir, .gguf file or bundled:<name>
     # the shipped cheap derived draft (models/derived.py): on the Q4 target it pays where the bundled 0.5B costs
     # too much per token to (BENCHMARKS.md "Speed"); any model sharing the target's tokenizer may be named instead
-    draft: str = "derived:cheap-0.5b-v2"
+    draft: str = "derived:cheap-0.5b-v3"
     dtype: str = "float32"  # target dtype (the baseline uses the same)
     draft_dtype: str = "float32"  # dtype of the draft's master weights
     draft_quantize: str = "int8"  # "none" | "int8" | "int8_vnni": serving copy of the draft (int8 linears, models/serving_draft.py)

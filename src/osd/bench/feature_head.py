@@ -194,7 +194,7 @@ def register(bench) -> None:
     p = bench.add_parser("feature-head", help="feasibility: a head on the target's features vs the cheap draft, "
                          "first-proposal agreement on held-out prompts")
     p.add_argument("--target", default="bundled:qwen2.5-coder-1.5b")
-    p.add_argument("--draft", default="derived:cheap-0.5b-v2", help="the draft to compare with; its map is the head's")
+    p.add_argument("--draft", default="derived:cheap-0.5b-v3", help="the draft to compare with; its map is the head's")
     p.add_argument("--train-domains", default="gsm8k,spider,code,support")
     p.add_argument("--train-per-domain", type=int, default=40)
     p.add_argument("--heldout-domains", default="code,gsm8k,spider,chat")
