@@ -108,3 +108,22 @@ def test_the_intel_speed_headline_is_that_of_its_run():
     assert (f"{decode['osd_q4']:.2f}x llama.cpp's decode with the first shipped draft `cheap-0.5b` and "
             f"{decode['osd_q4_learned']:.2f}x with `cheap-0.5b-v2`, as a fresh install serves it "
             f"({e2e['osd_q4']:.2f}x / {e2e['osd_q4_learned']:.2f}x end to end") in README.replace("\n", " ")
+
+
+def test_the_v3_draft_and_tree_figures_are_those_of_their_runs():
+    flat = " ".join(README.split())
+    heal, v3 = result("heal-cheap-0.5b-v3.json"), result("bench-speed-v3.json")
+    d3 = v3["decode_speedup_vs_baseline"]
+    assert f"held-out greedy alpha **{heal['eval_after']['alpha_greedy']:.3f}** (v2: 0.330)" in flat
+    assert f"v3 decodes at {d3['osd_q4_learned']:.2f}x llama.cpp against v2's {d3['osd_q4']:.2f}x" in flat
+    assert v3["config"]["learned_draft"] == "derived:/work/runs/cheap-v3" and sum(v3["outputs_differing_from_osd_target"][a]
+                                                                                  for a in ("osd_q4", "osd_q4_learned")) == 0
+    trees = result("bench-speed-trees.json")
+    d = trees["decode_speedup_vs_baseline"]
+    q, qc = trees["trees"]["osd_q4_tree"]["spec_stats"], trees["osd_q4_spec_stats"]
+    assert (f"osd chains (v2 draft + lookup) {d['osd_q4']:.2f}x, trees {d['osd_q4_tree']:.2f}x; trees took "
+            f"{q['tokens_per_step']:.2f} tokens per step against the chains' {qc['tokens_per_step']:.2f} but verified "
+            f"{q['rows_per_step']:.2f} rows per step") in flat
+    assert f"Recycled trees with no draft at all: {d['osd_q4_recycle']:.2f}x against osd's target alone " \
+           f"{d['osd_q4_target']:.2f}x" in flat
+    assert all(trees["outputs_differing_from_osd_target"][a] == 0 for a in ("osd_q4", "osd_q4_tree", "osd_q4_recycle"))
