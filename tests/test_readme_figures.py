@@ -127,3 +127,11 @@ def test_the_v3_draft_and_tree_figures_are_those_of_their_runs():
     assert f"Recycled trees with no draft at all: {d['osd_q4_recycle']:.2f}x against osd's target alone " \
            f"{d['osd_q4_target']:.2f}x" in flat
     assert all(trees["outputs_differing_from_osd_target"][a] == 0 for a in ("osd_q4", "osd_q4_tree", "osd_q4_recycle"))
+
+
+def test_the_feature_head_figures_are_those_of_its_run():
+    r = result("feature-head.json")
+    a = r["first_proposal_agreement"]
+    flat = " ".join(README.split())
+    assert (f"agrees with the target's first token after a step {a['feature_head']:.3f} of the time on "
+            f"{r['heldout_positions']:,} held-out positions, the shipped `cheap-0.5b-v3` {a['cheap_draft']:.3f}") in flat
