@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -221,17 +222,12 @@ void check_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const
               "attention: cache shapes disagree with q (G must divide H)");
 }
 
-}  // namespace
-
-// q (M, H, D), k_cache/v_cache (G, T, D), pos (M): row r's head h attends to cached positions 0..pos[r] of KV head
-// h / (H / G) with softmax(q k / sqrt(D)). Returns (M, H D). Each (row, head) is computed alone, in a fixed order.
-torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor pos) {
-  check_attention(q, k_cache, v_cache);
+// Every (row, head) of q over the cache, split across threads by (row, head): keys_of(r) -> (n, key) names the n
+// cache indices key(0..n-1) row r attends to, in order. Returns (M, H D).
+template <class KeysOf>
+torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                          KeysOf keys_of) {
   const int64_t M = q.size(0), H = q.size(1), D = q.size(2), G = k_cache.size(0), T = k_cache.size(1);
-  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.dim() == 1 && pos.size(0) == M,
-              "attention: pos must be (M,) int64");
-  const int64_t* P = pos.data_ptr<int64_t>();
-  for (int64_t r = 0; r < M; ++r) TORCH_CHECK(P[r] >= 0 && P[r] < T, "attention: position ", P[r], " outside the cache");
   auto out = torch::empty({M, H * D}, q.options());
   const float *Q = q.data_ptr<float>(), *KC = k_cache.data_ptr<float>(), *VC = v_cache.data_ptr<float>();
   float* O = out.data_ptr<float>();
@@ -241,12 +237,27 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
     std::vector<float> scores;
     std::vector<__m256> acc;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = i / H, g = (i % H) / group;
-      attend(Q + i * D, KC + g * T * D, VC + g * T * D, P[r] + 1, D, scale, [](int64_t t) { return t; }, scores, acc,
-             O + i * D);
+      const int64_t g = (i % H) / group;
+      const auto [n, key] = keys_of(i / H);
+      attend(Q + i * D, KC + g * T * D, VC + g * T * D, n, D, scale, key, scores, acc, O + i * D);
     }
   });
   return out;
+}
+
+}  // namespace
+
+// q (M, H, D), k_cache/v_cache (G, T, D), pos (M): row r's head h attends to cached positions 0..pos[r] of KV head
+// h / (H / G) with softmax(q k / sqrt(D)). Returns (M, H D). Each (row, head) is computed alone, in a fixed order.
+torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor pos) {
+  check_attention(q, k_cache, v_cache);
+  const int64_t M = q.size(0), T = k_cache.size(1);
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.dim() == 1 && pos.size(0) == M,
+              "attention: pos must be (M,) int64");
+  const int64_t* P = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) TORCH_CHECK(P[r] >= 0 && P[r] < T, "attention: position ", P[r], " outside the cache");
+  return attend_rows(q, k_cache, v_cache,
+                     [P](int64_t r) { return std::make_pair(P[r] + 1, [](int64_t t) { return t; }); });
 }
 
 // Token trees: row r attends to cache positions 0..prefix[r] - 1, then to the cache indices
@@ -255,7 +266,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
 torch::Tensor attention_at(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor prefix,
                            torch::Tensor offsets, torch::Tensor extra) {
   check_attention(q, k_cache, v_cache);
-  const int64_t M = q.size(0), H = q.size(1), D = q.size(2), G = k_cache.size(0), T = k_cache.size(1);
+  const int64_t M = q.size(0), T = k_cache.size(1);
   auto is_index = [](const torch::Tensor& t, int64_t n) {
     return t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1 && (n < 0 || t.size(0) == n);
   };
@@ -268,22 +279,10 @@ torch::Tensor attention_at(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     TORCH_CHECK(PRE[r] >= 0 && PRE[r] <= T && OFF[r] <= OFF[r + 1] && OFF[r + 1] <= N && PRE[r] + OFF[r + 1] - OFF[r] > 0,
                 "attention_at: row ", r, " has no keys or bad offsets");
   for (int64_t j = 0; j < N; ++j) TORCH_CHECK(EX[j] >= 0 && EX[j] < T, "attention_at: key index ", EX[j], " outside the cache");
-  auto out = torch::empty({M, H * D}, q.options());
-  const float *Q = q.data_ptr<float>(), *KC = k_cache.data_ptr<float>(), *VC = v_cache.data_ptr<float>();
-  float* O = out.data_ptr<float>();
-  const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  const int64_t group = H / G;
-  at::parallel_for(0, M * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
-    std::vector<__m256> acc;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = i / H, g = (i % H) / group, pre = PRE[r];
-      const int64_t* ex = EX + OFF[r] - pre;
-      attend(Q + i * D, KC + g * T * D, VC + g * T * D, pre + OFF[r + 1] - OFF[r], D, scale,
-             [pre, ex](int64_t t) { return t < pre ? t : ex[t]; }, scores, acc, O + i * D);
-    }
+  return attend_rows(q, k_cache, v_cache, [PRE, OFF, EX](int64_t r) {
+    const int64_t pre = PRE[r], *ex = EX + OFF[r] - pre;
+    return std::make_pair(pre + OFF[r + 1] - OFF[r], [pre, ex](int64_t t) { return t < pre ? t : ex[t]; });
   });
-  return out;
 }
 
 // gate_up (M, 2I): gate columns then up columns -> (M, I) = silu(gate) * up, silu(x) = x / (1 + exp(-x))
