@@ -53,11 +53,11 @@ class SpeculativeEngine:
         k_max = self.spec.k if proposer is not None else 0
         self.k_max = min(k_max, getattr(self.target, "max_rows", k_max + 1) - 1)  # verify only batch-invariant row counts
         self.sources = list(getattr(proposer, "sources", [proposer])) if proposer is not None else []
-        for source in self.sources:  # with trees, a draft names its runners-up too (forks inherit it)
-            if hasattr(source, "runners_up") and self.spec.tree:
-                source.runners_up = RUNNERS_UP
         self.slots = slots_for(self.target, self.spec.max_batch)
         tree = min(self.spec.tree, getattr(self.target, "max_rows", 1) - 1) if self.slots.supports_trees else 0
+        for source in self.sources:  # with trees served, a draft names its runners-up too (forks inherit it)
+            if hasattr(source, "runners_up") and tree:
+                source.runners_up = RUNNERS_UP
         self.recycled = RecycledTable(self.target.vocab_size) if tree else None  # the target's top tokens, per token
         self.runner_up_rates = RankRates(RUNNER_UP_PRIOR, RUNNERS_UP) if tree else None  # the draft's next-best tokens
         self.tree_nodes = tree

@@ -114,8 +114,8 @@ def test_layout_and_moves():
     extra = rows.extra.tolist()
     per_row = [extra[a:b] for a, b in zip(rows.offsets.tolist(), rows.offsets.tolist()[1:])]
     assert per_row == [[], [6], [7], [6, 8], [6, 8, 9]]
-    assert accepted_moves(6, 0, [0, 2, 3]) == [(8, 7), (9, 8)]
-    assert accepted_moves(6, 0, [1]) == [(7, 6)]
-    assert accepted_moves(6, 0, [0]) == []
+    assert accepted_moves(6, [0, 2, 3]) == [(8, 7), (9, 8)]
+    assert accepted_moves(6, [1]) == [(7, 6)]
+    assert accepted_moves(6, [0]) == []
     with pytest.raises(ValueError):
         tree_rows(0, 1, [1])

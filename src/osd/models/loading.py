@@ -32,6 +32,7 @@ def load_model(spec: str, dtype: str = "float32"):
     """Load a causal LM in eval mode, no grad, with the given dtype."""
     if isinstance(spec, str) and spec.startswith("derived:"):
         return load_derived(spec, dtype)
-    if _restricted_head(resolve_model_dir(spec)):  # saved from a derived draft: its LM head covers a vocabulary map
-        return load_restricted_dir(resolve_model_dir(spec), DTYPES[dtype])
-    return load_plain_model(spec, dtype)
+    where = resolve_model_dir(spec)
+    if _restricted_head(where):  # saved from a derived draft: its LM head covers a vocabulary map
+        return load_restricted_dir(where, DTYPES[dtype])
+    return load_plain_model(spec, dtype, where)

@@ -110,11 +110,12 @@ def load_plain_tokenizer(spec: str):
         raise ModelNotFound(f"cannot load tokenizer for {spec!r}: {e}") from e
 
 
-def load_plain_model(spec: str, dtype: str = "float32"):
-    """A plain causal LM (from_pretrained) in eval mode, no grad, with the given dtype."""
+def load_plain_model(spec: str, dtype: str = "float32", where: str | None = None):
+    """A plain causal LM (from_pretrained) in eval mode, no grad, with the given dtype; `where`: the spec already
+    resolved (resolve_model_dir), so a caller that resolved it does not resolve it again."""
     from transformers import AutoModelForCausalLM
 
-    where = resolve_model_dir(spec)
+    where = where or resolve_model_dir(spec)
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=DTYPES[dtype])
     except OSError as e:

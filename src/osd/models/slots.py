@@ -76,7 +76,7 @@ class Q4Slots:
         """After a tree feed whose nodes start at cache index `base`: keep the accepted nodes `path` (root's child
         first) where a chain would have written them (cache index base + depth) and drop the rest, so the cache is
         bitwise what feeding the path as a chain leaves (tests/models/test_tree_rows.py)."""
-        moves = accepted_moves(base, 0, path)
+        moves = accepted_moves(base, path)
         if moves:
             src, dst = (torch.tensor(x, dtype=torch.long) for x in zip(*moves))
             for k_cache, v_cache in self._caches[slot]:

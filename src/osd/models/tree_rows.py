@@ -51,9 +51,8 @@ def tree_rows(length: int, trunk: int, parents: list[int]) -> TreeRows:
     return TreeRows(as_long(pos), as_long(at), as_long(prefix), as_long(offsets), as_long(extra))
 
 
-def accepted_moves(length: int, trunk: int, path: list[int]) -> list[tuple[int, int]]:
-    """(from, to) cache indices that put the accepted nodes `path` (root's child first) where a chain writes them:
-    node j at depth d moves from length + trunk + j to length + trunk + d. Ascending: a source is never overwritten
-    before it is read (j >= d for every node, parents come first)."""
-    base = length + trunk
+def accepted_moves(base: int, path: list[int]) -> list[tuple[int, int]]:
+    """(from, to) cache indices that put the accepted nodes `path` (root's child first) where a chain writes them,
+    `base` being node 0's cache index (length + trunk): node j at depth d moves from base + j to base + d. Ascending:
+    a source is never overwritten before it is read (j >= d for every node, parents come first)."""
     return [(base + j, base + d) for d, j in enumerate(path) if j != d]

@@ -16,8 +16,8 @@ class Proposal:
     draft_probs: torch.Tensor | None = None  # (k, V) warped draft probabilities (sampling only)
     single_token_seconds: list[float] | None = None  # timings of forwards that fed exactly one token (cost model)
     weights: str | None = None  # fingerprint of the draft weights that made these tokens (None: no weights ran)
-    tree: "Tree | None" = None  # set by the scheduler: these tokens as a chain plus recycled branches (propose/tree.py)
-    runners_up: list[list[int]] | None = None  # per depth, the draft's next-best tokens after tokens[d] (trees; greedy)
+    tree: "Tree | None" = None  # set by the scheduler: these tokens as a chain plus other branches (propose/tree.py)
+    runners_up: list[list[int]] | None = None  # per depth d, the draft's next-best tokens beside tokens[d] (trees)
 
     @property
     def k(self) -> int:

@@ -25,7 +25,7 @@ class DraftModelProposer:
     checksum of the serving copy taken at that propose call), so a swap inside a request would show per step.
     """
 
-    runners_up = 0  # greedy proposals also name the draft's next-best tokens at each depth (token trees: the engine sets it)
+    runners_up = 0  # proposals also name the draft's next-best tokens at each depth (token trees: the engine sets it)
 
     def __init__(self, registry: DraftRegistry, name: str, vocab_size: int):
         self.registry, self.name, self.vocab_size = registry, name, vocab_size

@@ -220,8 +220,8 @@ class Scheduler:
         return seq, self._grow(seq, Proposal([]), 0.0, 0.0), None, 0.0
 
     def _grow(self, seq: Sequence, proposal: Proposal, alpha: float, t_draft: float) -> Proposal:
-        """The chain plus the recycled table's branches (propose/tree.py), where the engine has trees (greedy only:
-        sampled requests verify chains) and the measured row costs say they pay."""
+        """The chain plus the draft's runners-up and the recycled table's branches (propose/tree.py), where the engine
+        has trees and the measured row costs say they pay (greedy and sampled requests alike: verify/tree.py)."""
         e = self.engine
         nodes = min(e.tree_nodes, seq.remaining - 1)
         costs = e.target_costs.by_rows()

@@ -1,4 +1,5 @@
-"""Greedy verification of a token tree, a pure function: the longest path the target agrees with."""
+"""Verification of a token tree, pure functions: greedy (the longest path the target agrees with) and lossless
+sampling (recursive rejection sampling down the tree)."""
 from __future__ import annotations
 
 import torch
