@@ -135,3 +135,135 @@ def test_the_feature_head_figures_are_those_of_its_run():
     flat = " ".join(README.split())
     assert (f"agrees with the target's first token after a step {a['feature_head']:.3f} of the time on "
             f"{r['heldout_positions']:,} held-out positions, the shipped `cheap-0.5b-v3` {a['cheap_draft']:.3f}") in flat
+
+
+def test_the_q4_kernel_row_costs_are_those_of_bench_kernel():
+    cost = result("bench-kernel.json")["model_pass"]["cost_vs_one_row"]  # rows 1..8
+    assert (f"1 / 2 / 4 / 8 rows cost {cost[0]:.2f} / {cost[1]:.2f} / {cost[3]:.2f} / {cost[7]:.2f}x one row"
+            in " ".join(README.split()))
+    ms = result("bench-kernel-cpu.json")["model_pass"]["ms"]
+    assert f"one thread: 1 / 4 / 8 rows = {ms[0]:.0f} / {ms[3]:.0f} / {ms[7]:.0f} ms" in " ".join(README.split())
+
+
+def test_the_serve_vs_shortfalls_are_those_of_bench_serve_vs():
+    flat = " ".join(README.split())
+    r = result("bench-serve-vs.json")
+    by = {(x["server"], x["concurrency"]): x for x in r["records"]}
+    tok = lambda server, c: by[(server, c)]["aggregate_tokens_per_s"]  # noqa: E731
+    levels = r["config"]["levels"]
+    cost = [1 - tok("osd-learning", c) / tok("osd", c) for c in levels]
+    assert f"Learning on costs {min(cost) * 100:.0f}-{max(cost) * 100:.0f}% of the aggregate" in flat
+    k = [by[("osd", c)]["mean_k"] for c in levels if c >= 4]
+    assert f"(mean k {min(k):.2f}-{max(k):.2f} there)" in flat
+    assert f"at 1 client speculation pays {tok('osd', 1) / tok('osd-target-only', 1):.2f}x over target-only" in flat
+    assert f"({tok('osd-target-only', 4):.1f} vs {tok('osd', 4):.1f} tokens/s at 4)" in flat
+    p95 = lambda server, c: by[(server, c)]["ttft_p95_s"]  # noqa: E731
+    worse = [c for c in levels if p95("osd", c) > p95("llama-server", c)]
+    assert worse == [2, 8]
+    assert (f"at 2 and 8 clients ({p95('osd', 2):.2f} vs {p95('llama-server', 2):.2f} s, {p95('osd', 8):.2f} vs "
+            f"{p95('llama-server', 8):.2f} s)") in flat
+    same = [v for arm in r["identity"].values() for v in arm.values()]
+    assert all(v["same"] == v["of"] for v in same)
+    assert f"({sum(v['same'] for v in same) // 2} of {sum(v['of'] for v in same) // 2} per arm)" in flat
+    first = result("bench-serve-vs-first.json")
+    fb = {(x["server"], x["concurrency"]): x["aggregate_tokens_per_s"] for x in first["records"]}
+    x = [fb[("osd", c)] / fb[("llama-server", c)] for c in first["config"]["levels"]]
+    assert f"({min(x):.2f}-{max(x):.2f}x, `benchmarks/bench-serve-vs-first.json`)" in flat
+    turns = {x["server"]: x["aggregate_tokens_per_s"] for x in result("bench-serve-vs-learning.json")["records"]
+             if x["concurrency"] == 8}
+    assert f"left the cost at {(1 - turns['osd-learning'] / turns['osd']) * 100:.0f}%" in flat
+
+
+def test_the_ray_memory_and_projection_figures_are_those_of_bench_scale():
+    flat = " ".join(README.split())
+    r = result("bench-scale.json")
+    learner = [x["learner"]["peak_rss_bytes"] / 1e9 for x in r["records"]]
+    idle = [x["ray_idle_rss_bytes"] / 1e9 for x in r["records"]]
+    start = [x["ray_start_seconds"] for x in r["records"]]
+    replica = [b / 1e9 for x in r["records"] for b in x["replica_peak_rss_bytes"]]
+    assert all(abs(b - 3.0) < 0.15 for b in replica)  # "~3.0 GB"
+    assert (f"the learner {min(learner):.1f}-{max(learner):.1f} GB (fp32 master, Adam moments, the drift guard's "
+            f"copies, the average), Ray itself {min(idle):.2f}-{max(idle):.2f} GB idle and {min(start):.1f}-"
+            f"{max(start):.1f} s to start; a version ships {r['projection']['publish_payload_bytes'] / 1e6:.1f} MB once") in flat
+    p = r["projection"]
+    assert (f"{p['samples_per_s_per_replica']:.1f} samples/s per replica x {p['bytes_per_sample']:,.0f} B = "
+            f"{p['network_bytes_per_s_per_replica'] / 1e3:.0f} kB/s per replica to the learner, which takes a sample in "
+            f"{p['learner_ingest_seconds_per_sample'] * 1e3:.2f} ms: one learner ingests the samples of "
+            f"~{p['replicas_one_learner_ingests']:.0f} such replicas") in flat
+
+
+def test_the_evidence_table_is_that_of_evidence_json():
+    rows = {}
+    for line in README.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| replay-"):
+            rows[cells[0]] = cells
+    signed = lambda x: f"{x:+.3f}"  # noqa: E731
+    ev = result("evidence.json")
+    assert len(rows) == len(ev["rows"])
+    for row in ev["rows"]:
+        a, z = row["alpha"], row["z_vs_control"]
+        arrival = a["offline_arrival"]
+        want = [row["run"], row["draft"].removeprefix("derived:"), str(row["requests"]), row["dataset"],
+                f"{a['original']:.3f}", f"{a['online']:.3f}", f"{signed(row['gain'])} ({z['online']:.1f})",
+                f"{a['offline_10pct']:.3f}", f"{a['offline_100pct']:.3f}",
+                f"{signed(row['gap'])} ({row['online_vs_offline_z']:.1f})",
+                "-" if arrival is None else f"{arrival:.3f}",
+                "-" if arrival is None else f"{signed(a['online'] - arrival)} ({row['online_vs_arrival_z']:.1f})",
+                f"{row['steps']['online']} / {row['steps']['offline_100pct']}"]
+        assert rows[row["run"]] == want, row["run"]
+
+
+def test_the_teacher_figures_are_those_of_bench_teacher():
+    arms = result("bench-teacher.json")["arms"]
+    eight, one = arms["osd Q4, 8 prompts at once"], arms["osd Q4, one prompt at a time"]
+    assert (f"{eight['vs_first_arm']:.1f}x llama.cpp's tokens/s with 8 prompts, "
+            f"{eight['tokens_per_second'] / one['tokens_per_second']:.1f}x the Q4 kernel one prompt at a time") \
+        in " ".join(README.split())
+
+
+def test_the_heal_figures_are_those_of_the_heal_results():
+    flat = " ".join(README.split())
+    v3, v2, v1 = result("heal-cheap-0.5b-v3.json"), result("heal-cheap-0.5b-v2.json"), result("heal-cheap-0.5b.json")
+    losses = ", ".join(f"{x:.2f}" for x in v3["loss_by_epoch"])
+    assert f"by epoch {losses})" in flat
+    assert (f"{v3['optimizer_steps']} optimizer steps, {v3['seconds'] / 60:.0f} min on the 2-core AMD EPYC (teacher "
+            f"{v3['teacher_seconds'] / 60:.0f} min, training {v3['train_seconds'] / 60:.0f} min") in flat
+    assert (f"sampled alpha at T = 1 {v3['eval_after']['alpha_sampling_t1']:.3f} "
+            f"(v2: {v2['eval_after']['alpha_sampling_t1']:.3f})") in flat
+    assert f"(v2: {v2['eval_after']['alpha_greedy']:.3f})" in flat
+    assert f"{v2['seconds'] / 60:.0f} min on 2 cores" in flat
+    assert (f"held-out greedy alpha {v2['eval_after']['alpha_greedy']:.3f} on the {v2['eval_after']['requests']} "
+            f"test prompts") in flat
+    assert (f"(held-out greedy alpha {v1['eval_after']['alpha_greedy']:.3f} after a {v1['seconds'] / 60:.0f}-minute "
+            f"heal") in flat
+
+
+def test_the_tiny_soak_buffer_figures_are_those_of_its_run():
+    r = result("bench-soak-tiny-4.json")
+    s, lr = r["server"], r["learner"]
+    grown = (s["rss_end_bytes"] - s["rss_start_bytes"]) / 2 ** 20
+    buffers = (lr["memory_buffers_bytes_end"] - lr["memory_buffers_bytes_start"]) / 2 ** 20
+    assert (f"of the {grown:.0f} MiB it grew after the concurrent warm-up rounds, {buffers:.0f} MiB are the learner's "
+            f"buffers") in " ".join(README.split())
+
+
+def test_the_router_figures_are_those_of_their_runs():
+    flat = " ".join(README.split())
+    r450 = result("replay-routed-cheap450.json")
+    h, t = r450["heldout"], r450["timings"]
+    assert (f"the router sends {h['router_accuracy']:.2f} of held-out requests to their domain's draft at "
+            f"{(t['route'] + t['score']) / t['replay'] * 100:.1f}% of the replay's time") in flat
+    p = h["pooled"]
+    assert (f"one shared online draft reaches {p['shared']:.3f} held-out (control {p['control']:.3f}), the oracle "
+            f"split {p['oracle']:.3f}, the routed drafts {p['routed']:.3f}") in flat
+    fork = result("routed-fork150.json")["heldout"]["pooled"]
+    assert f"gives the oracle {fork['oracle']:.3f} against shared {fork['shared']:.3f}" in flat
+    ml4 = result("routed-ml4-1000.json")["heldout"]
+    q = ml4["pooled"]
+    assert f"serves the label's draft on {ml4['router_accuracy']:.2f} of held-out requests" in flat
+    assert (f"held-out {q['shared']:.3f} against {q['oracle']:.3f} (oracle) and {q['routed']:.3f} (routed), "
+            f"control {q['control']:.3f}") in flat
+    served = result("bench-serve-routed-learning-routed5.json")
+    assert (f"routing and scoring take {served['levels'][0]['routing']['share'] * 100:.2f}% of serving time at "
+            f"concurrency 1, and the five drafts hold {served['drafts_memory']['ratio']:.3f}x") in flat
