@@ -267,3 +267,83 @@ def test_the_router_figures_are_those_of_their_runs():
     served = result("bench-serve-routed-learning-routed5.json")
     assert (f"routing and scoring take {served['levels'][0]['routing']['share'] * 100:.2f}% of serving time at "
             f"concurrency 1, and the five drafts hold {served['drafts_memory']['ratio']:.3f}x") in flat
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (bench/plots.py's, without its gaps: fast replays have none)."""
+    return [sum(values[max(0, i + 1 - window):i + 1]) / len(values[max(0, i + 1 - window):i + 1])
+            for i in range(len(values))]
+
+
+def shift_segments(r: dict, window: int = 10) -> dict:
+    """Per segment of a sharp-shift replay: its recovery bound (offline-100% held-out alpha), the online and control
+    moving averages, and the requests after which the online one stays within 0.05 of the bound (None: never), as
+    bench/replay_fast_report.py's `recovery` counts them."""
+    out, order = {}, []
+    for row in r["requests"]:
+        if row["domain"] not in out:
+            order.append(row["domain"])
+            out[row["domain"]] = []
+        out[row["domain"]].append(row)
+    segs = {}
+    for d in order:
+        part, bound = out[d], r["end_of_stream_alpha_on_heldout"][d]["offline_100pct"]
+        curve = {k: moving_average([x[f"{k}_alpha"] for x in part], window) for k in ("online", "original")}
+        reached = None
+        for i, a in enumerate(curve["online"][window - 1:], start=window):
+            reached = (reached or i) if a >= bound - 0.05 else None
+        first = next(i for i, a in enumerate(curve["online"], start=1) if i >= window and a >= bound - 0.05)
+        segs[d] = {"bound": bound, "curve": curve, "recovered": reached, "first": first,
+                   "control_mean": sum(x["original_alpha"] for x in part) / len(part)}
+    return segs
+
+
+def test_the_300_request_shift_figures_are_those_of_replay_v2_shift1200():
+    flat = " ".join(README.split())
+    r = result("replay-v2-shift1200.json")
+    s = shift_segments(r)
+    assert (f"back within 0.05 for good after **{s['spider']['recovered']} requests on spider and "
+            f"{s['finance']['recovered']} on finance**") in flat
+    below = {d: s[d]["bound"] - s[d]["control_mean"] for d in ("spider", "finance")}
+    assert f"its segment means sit {below['spider']:.3f} and {below['finance']:.3f} below" in flat
+    code = s["code"]
+    assert code["recovered"] is None
+    assert (f"it first reaches the line after {code['first']} requests but ends at {code['curve']['online'][-1]:.3f} "
+            f"against {code['bound'] - 0.05:.3f}") in flat
+    h = r["end_of_stream_alpha_on_heldout"]["code"]
+    assert f"within {h['offline_100pct'] - h['online']:.3f} of the offline draft" in flat
+    own, change = {}, {}
+    for point in r["heldout_after_each_segment"]:
+        for d, x in point["heldout"].items():
+            if point["last_domain"] == d:
+                own.setdefault(d, x["online"])
+            if d in own:
+                change[d] = x["online"] - own[d]
+    worst = min(change, key=change.get)
+    assert f"Old domains lose at most {-change[worst]:.3f} held-out there ({worst};" in flat
+    z = [v["online"]["z"] for v in r["heldout_vs_control"].values()]
+    assert f"control (z {min(z):.1f} to {max(z):.1f})" in flat
+
+
+def test_the_100_request_shift_figures_are_those_of_replay_v2_shift400():
+    flat = " ".join(README.split())
+    r = result("replay-v2-shift400.json")
+    s = shift_segments(r)
+    assert (f"the draft is back by the end of finance and code ({s['finance']['recovered']} and "
+            f"{s['code']['recovered']} of 100 requests). On spider it touches the bound after {s['spider']['first']} "
+            f"requests, then falls back out") in flat
+    assert s["spider"]["recovered"] is None
+    points = r["heldout_after_each_segment"]
+    end, own = points[-1]["heldout"], {p["last_domain"]: p["heldout"][p["last_domain"]]["online"] for p in points}
+    kept = ", ".join(f"{d} {end[d]['online'] - own[d]:+.3f}" for d in ("spider", "finance"))
+    assert f"(gsm8k {end['gsm8k']['online'] - own['gsm8k']:+.3f}, {kept}; target:" in flat
+    z = [v["online"]["z"] for v in r["heldout_vs_control"].values()]
+    assert f"Each domain ends above the control (z {min(z):.1f} to {max(z):.1f})" in flat
+    first = points[0]["heldout"]["spider"]
+    assert f"(after 100 gsm8k requests: spider {first['online'] - first['control']:.3f})" in flat
+    h, vs = r["end_of_stream_alpha_on_heldout"], r["heldout_online_vs_offline_100pct"]
+    early = [h[d]["offline_100pct"] - h[d]["online"] for d in ("gsm8k", "spider", "finance")]
+    zs = [vs[d]["z"] for d in ("gsm8k", "spider", "finance")]
+    assert (f"the online draft ends {min(early):.3f}-{max(early):.3f} below the offline draft on the three earlier "
+            f"domains (z {max(zs):.1f} to {min(zs):.1f}) and {h['code']['offline_100pct'] - h['code']['online']:.3f} "
+            f"below on code") in flat
