@@ -347,3 +347,33 @@ def test_the_100_request_shift_figures_are_those_of_replay_v2_shift400():
     assert (f"the online draft ends {min(early):.3f}-{max(early):.3f} below the offline draft on the three earlier "
             f"domains (z {max(zs):.1f} to {min(zs):.1f}) and {h['code']['offline_100pct'] - h['code']['online']:.3f} "
             f"below on code") in flat
+
+
+def test_the_older_0_5b_replay_figures_are_those_of_their_runs():
+    flat = " ".join(README.split())
+    spider = result("replay-fast-spider500.json")
+    h = spider["end_of_stream_alpha_on_heldout"]["spider"]
+    assert f"on 40 unseen requests was {h['online']:.3f} against {h['original']:.3f} for the never-trained control" in flat
+    c = spider["config"]
+    steps = c["baseline_epochs"] * -(-len(spider["requests"]) // c["learn"]["batch_size"])
+    assert (f"had {steps} optimizer steps (2 epochs of 500 requests in batches of 8: the JSON keeps the recipe, not the "
+            f"count) to the online draft's {spider['learner']['optimizer_steps']}") in flat
+    code = result("replay-fast-code500.json")["end_of_stream_alpha_on_heldout"]["code"]
+    gsm = result("replay-fast-gsm8k500.json")["end_of_stream_alpha_on_heldout"]["gsm8k"]
+    assert (f"(code {code['online']:.3f} online / {code['original']:.3f} control; gsm8k {gsm['online']:.3f} / "
+            f"{gsm['original']:.3f})") in flat
+    shift = result("replay-fast-shift600.json")
+    parts = {}
+    for row in shift["requests"]:
+        parts.setdefault(row["domain"], []).append(row)
+    first = {}
+    for key in ("original", "online"):
+        for d, part in parts.items():
+            bound = sum(x["offline_100pct_alpha"] for x in part) / len(part)  # in-stream: the run has no held-out
+            curve = moving_average([x[f"{key}_alpha"] for x in part], 10)
+            first.setdefault(key, []).append(next(i for i, a in enumerate(curve, start=1) if i >= 10 and a >= bound - 0.05))
+    assert (f"(first within it after {' / '.join(map(str, first['original']))} requests, online "
+            f"{' / '.join(map(str, first['online']))};") in flat
+    guard = result("replay-fast-spider240.json")["learner"]
+    assert (f"rejected {guard['updates_rejected']} of {guard['updates_published'] + guard['updates_rejected']} updates "
+            f"on a spider stream") in flat
