@@ -377,3 +377,25 @@ def test_the_older_0_5b_replay_figures_are_those_of_their_runs():
     guard = result("replay-fast-spider240.json")["learner"]
     assert (f"rejected {guard['updates_rejected']} of {guard['updates_published'] + guard['updates_rejected']} updates "
             f"on a spider stream") in flat
+
+
+def test_the_cheap_draft_shape_and_cost_figures_are_those_of_their_files():
+    flat = " ".join(README.split())
+    shipped = json.loads((ROOT / "src/osd/assets/drafts/cheap-0.5b-v3/derived.json").read_text())["derive"]
+    assert f"head over {shipped['vocab']:,} tokens (`--vocab`" in flat and shipped["layers"] == "0,23"
+    c = {(r["layers"], r["vocab"]): r["c"] for r in result("draft-cost-wall2.json")["rows"]}
+    four = [v for (layers, _), v in c.items() if layers == 4]
+    assert (f"({c[(2, 8192)]:.2f}-{c[(2, 16384)]:.2f} at 8,192 / 16,384 head rows; 4 layers {min(four):.2f}-"
+            f"{max(four):.2f}: `osd draft cost`, `benchmarks/draft-cost-wall2.json`)") in flat
+    cut = result("draft-heal-smoke.json")["eval_before"]
+    assert f"({cut['alpha_greedy']:.3f} of greedy tokens on {cut['requests']} test prompts before a smoke heal" in flat
+
+
+def test_the_learning_speed_beside_serving_is_that_of_the_paired_run():
+    flat = " ".join(README.split())
+    r = result("bench-serve-speculative-learning-paired-parked.json")
+    steps, seconds = r["optimizer_steps_learning"], r["learning_wall_seconds"]
+    assert f"only ~{steps / seconds * 60:.0f} optimizer steps a minute ({steps} in its {seconds:.0f} s of learning rounds)" in flat
+    t = r["tpot_p50_ratio"]
+    assert f"is {t['ratio']:.3f}x that with it paused (95% interval {t['ci95'][0]:.3f}-{t['ci95'][1]:.3f};" in flat
+    assert f"costs {t['ratio']:.3f}x p50 time per output token (95% interval {t['ci95'][0]:.3f}-{t['ci95'][1]:.3f};" in flat
