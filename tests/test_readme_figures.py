@@ -399,3 +399,11 @@ def test_the_learning_speed_beside_serving_is_that_of_the_paired_run():
     t = r["tpot_p50_ratio"]
     assert f"is {t['ratio']:.3f}x that with it paused (95% interval {t['ci95'][0]:.3f}-{t['ci95'][1]:.3f};" in flat
     assert f"costs {t['ratio']:.3f}x p50 time per output token (95% interval {t['ci95'][0]:.3f}-{t['ci95'][1]:.3f};" in flat
+
+
+def test_the_sample_and_adapter_sizes_are_those_of_their_files():
+    flat = " ".join(README.split())
+    sample = result("bench-scale.json")["projection"]["bytes_per_sample"]
+    assert f"(top-64 target distributions, ~{sample / 1e3:.0f} kB a step in `benchmarks/bench-scale.json`" in flat
+    adapter = (ROOT / "src/osd/assets/drafts/cheap-0.5b-v2/derived.safetensors").stat().st_size
+    assert f"3 epochs, {adapter / 1e6:.0f} MB; " in flat
