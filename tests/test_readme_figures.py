@@ -362,6 +362,9 @@ def test_the_older_0_5b_replay_figures_are_those_of_their_runs():
     gsm = result("replay-fast-gsm8k500.json")["end_of_stream_alpha_on_heldout"]["gsm8k"]
     assert (f"(code {code['online']:.3f} online / {code['original']:.3f} control; gsm8k {gsm['online']:.3f} / "
             f"{gsm['original']:.3f})") in flat
+    assert (f"agrees with the target on ~{min(code['original'], gsm['original']):.2f}-"
+            f"{max(code['original'], gsm['original']):.2f} of greedy tokens on code and gsm8k (held-out, "
+            f"`benchmarks/replay-fast-code500.json`, `replay-fast-gsm8k500.json`)") in flat
     shift = result("replay-fast-shift600.json")
     parts = {}
     for row in shift["requests"]:
