@@ -127,6 +127,12 @@ def test_the_v3_draft_and_tree_figures_are_those_of_their_runs():
     assert f"Recycled trees with no draft at all: {d['osd_q4_recycle']:.2f}x against osd's target alone " \
            f"{d['osd_q4_target']:.2f}x" in flat
     assert all(trees["outputs_differing_from_osd_target"][a] == 0 for a in ("osd_q4", "osd_q4_tree", "osd_q4_recycle"))
+    tree, recycle = trees["trees"]["osd_q4_tree"], trees["trees"]["osd_q4_recycle"]
+    hit, runner = tree["recycled"]["hit_rate_by_rank"], tree["draft_runners_up"]["hit_rate_by_rank"]
+    assert f"llama.cpp {trees['decode_tokens_per_second'][trees['baseline']]:.1f} tokens/s; osd chains" in flat
+    assert (f"(recycled entries were the target's token {hit[0]:.2f} / {hit[1]:.2f} of the time at rank 1 / 2, the "
+            f"draft's runners-up {runner[0]:.2f} / {runner[1]:.2f} where its best missed") in flat
+    assert f"{d['osd_q4_target']:.2f}x ({recycle['spec_stats']['tokens_per_step']:.2f} tokens per step)" in flat
 
 
 def test_the_feature_head_figures_are_those_of_its_run():
