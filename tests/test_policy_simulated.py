@@ -79,3 +79,18 @@ def test_a_stale_cost_of_the_paying_k_is_measured_again(alpha):
 def test_refreshes_cost_little_where_the_costs_are_right():
     for alpha in (0.4, 0.6):
         assert realised(alpha, timed=True) >= 0.97 * realised(alpha, timed=True, refresh_every=0)
+
+
+def test_the_readme_states_these_simulations():
+    """The README's simulated figures are this file's: alpha 0.40 under the current and the earlier policy, and the
+    stale-cost streams at alpha 0.35 / 0.40 with and without refreshes."""
+    from pathlib import Path
+
+    flat = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    assert (f"alpha 0.40 realises ~{realised(0.4):.2f}x where the earlier, quicker-to-give-up policy realised "
+            f"~{realised(0.4, ema=0.9, upper_z=0.0):.2f}x") in flat
+    stale = list(T_TARGET)
+    stale[1] *= 1.4
+    after = [realised(a, calibrated=stale, timed=True) for a in (0.35, 0.4)]
+    before = [realised(a, calibrated=stale, timed=True, refresh_every=0) for a in (0.35, 0.4)]
+    assert f"such a stream recovers {after[0]:.2f}-{after[1]:.2f}x instead of ~{max(before):.1f}x" in flat
