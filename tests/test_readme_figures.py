@@ -416,3 +416,33 @@ def test_the_sample_and_adapter_sizes_are_those_of_their_files():
     assert f"(top-64 target distributions, ~{sample / 1e3:.0f} kB a step in `benchmarks/bench-scale.json`" in flat
     adapter = (ROOT / "src/osd/assets/drafts/cheap-0.5b-v2/derived.safetensors").stat().st_size
     assert f"3 epochs, {adapter / 1e6:.0f} MB; " in flat
+
+
+def live_quarters(name: str) -> dict:
+    """First and last quarter of a live replay: mean online tok/s over all its requests and over the requests the
+    other arms also decoded (--compare-every), those arms' tok/s there, and live acceptance (bench/replay_live's table)."""
+    rows = result(name)["requests"]
+    n = len(rows) // 4
+    out = {}
+    for quarter, part in (("first", rows[:n]), ("last", rows[-n:])):
+        compared = [x for x in part if x.get("static_tokens_per_second") is not None]
+        mean = lambda key, xs: sum(x[key] for x in xs) / len(xs)  # noqa: E731
+        out[quarter] = {"online": mean("tokens_per_second", part), "alpha": mean("alpha", part),
+                        **{k: mean(f"{k}tokens_per_second", compared) for k in ("", "static_", "target_only_",
+                                                                               "llama_cpp_target_")}}
+    return out
+
+
+def test_the_live_figures_are_those_of_the_live_replays():
+    flat = " ".join(README.split())
+    q = live_quarters("replay-live-v2-code600.json")
+    first, last = q["first"], q["last"]
+    assert (f"the last quarter ran at **{last[''] / last['static_']:.2f}x the never-trained draft on the same requests "
+            f"(95% CI 1.25-1.39)**, {last[''] / last['target_only_']:.2f}x osd's target alone and "
+            f"**{last[''] / last['llama_cpp_target_']:.2f}x llama.cpp's target alone**") in flat
+    assert (f"Live acceptance rose {first['alpha']:.2f} -> {last['alpha']:.2f}, and the machine held steady (osd's "
+            f"target alone {first['target_only_']:.1f} -> {last['target_only_']:.1f} tok/s)") in flat
+    assert f"Start to end by quarters, the figure is {last['online'] / first['online']:.2f}x (CI 1.17-1.25)" in flat
+    short = {n: live_quarters(f"replay-live-v2-code{n}.json")["last"] for n in (200, 280)}
+    assert (f"200 requests, {short[200][''] / short[200]['static_']:.2f}x the never-trained draft; 280 requests, "
+            f"{short[280][''] / short[280]['static_']:.2f}x") in flat
