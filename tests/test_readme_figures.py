@@ -446,3 +446,26 @@ def test_the_live_figures_are_those_of_the_live_replays():
     short = {n: live_quarters(f"replay-live-v2-code{n}.json")["last"] for n in (200, 280)}
     assert (f"200 requests, {short[200][''] / short[200]['static_']:.2f}x the never-trained draft; 280 requests, "
             f"{short[280][''] / short[280]['static_']:.2f}x") in flat
+
+
+def test_the_arrival_order_and_lever_figures_are_those_of_the_code_reruns():
+    flat = " ".join(README.split())
+    held = lambda name: result(name)["end_of_stream_alpha_on_heldout"]  # noqa: E731
+    arrival = []
+    for domain, name in (("code", "replay-v2-code600-arrival.json"), ("finance", "replay-v2-finance500-arrival.json"),
+                         ("gsm8k", "replay-v2-gsm8k500-arrival.json")):
+        h, z = held(name)[domain], result(name)["heldout_online_vs_offline_arrival"][domain]["z"]
+        arrival.append(h["offline_100pct"])
+        online = "online " if domain == "code" else ""
+        assert (f"{domain}: {h['offline_arrival']:.3f} against {online}{h['online']:.3f} "
+                f"({h['online'] - h['offline_arrival']:+.3f}, z {z:.2f}") in flat, domain
+    assert f"reach {arrival[0]:.3f}, {arrival[1]:.3f} and {arrival[2]:.3f}." in flat
+    base = held("replay-cheap-v2-code600.json")["code"]["online"]
+    lever = {k: held(f"replay-v2-code600-{k}.json")["code"] for k in ("res1024", "spu2", "uniform", "sweep")}
+    gap = lambda h: h["online"] - h["offline_100pct"]  # noqa: E731
+    sweep_z = result("replay-v2-code600-sweep.json")["heldout_online_vs_offline_100pct"]["code"]["z"]
+    assert f"a rehearsal reservoir that keeps every request ({lever['res1024']['online'] - base:+.3f});" in flat
+    assert f"a quarter of the steps (gap {gap(lever['spu2']):.3f});" in flat
+    assert (f"(`--rehearsal-uniform`: {lever['uniform']['online'] - base:+.3f}, the gap widens to "
+            f"{gap(lever['uniform']):.3f})") in flat
+    assert f"(`--sweep`: {lever['sweep']['online'] - base:+.3f}, gap {gap(lever['sweep']):.3f}, z {sweep_z:.1f})" in flat
