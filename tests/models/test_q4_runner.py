@@ -172,6 +172,29 @@ def test_glue_functions_match_torch_math():
         assert torch.equal(g.attention(q[m : m + 1].contiguous(), k_cache, v_cache, pos[m : m + 1]), out[m : m + 1])
 
 
+@pytest.mark.parametrize("T", [31, 32, 33, 100])  # around and past the glue's chunk of keys (KEY_CHUNK = 32)
+def test_glue_attention_over_long_caches_is_each_head_alone(T):
+    """The query heads of a KV head are computed together, a chunk of keys at a time for all of them: each head's
+    output is bitwise that head computed alone (a query tensor with one head per KV head), and the whole is
+    attention within float tolerance, for caches that end inside, at and beyond a chunk."""
+    g = glue()
+    gen = torch.Generator().manual_seed(T)
+    H, G, D, M = 6, 2, 16, 3
+    q = torch.randn(M, H, D, generator=gen)
+    k_cache, v_cache = torch.randn(G, T, D, generator=gen), torch.randn(G, T, D, generator=gen)
+    pos = torch.tensor([T - 3, T - 2, T - 1])
+    out = g.attention(q, k_cache, v_cache, pos).reshape(M, H, D)
+    for i in range(H // G):  # head i of every group, alone: a query of one head per KV head
+        heads = [j * (H // G) + i for j in range(G)]
+        alone = g.attention(q[:, heads].contiguous(), k_cache, v_cache, pos).reshape(M, G, D)
+        assert torch.equal(alone, out[:, heads])
+    keys, values = k_cache.repeat_interleave(H // G, dim=0), v_cache.repeat_interleave(H // G, dim=0)
+    scores = torch.einsum("mhd,htd->mht", q, keys) / D**0.5
+    scores = scores.masked_fill(torch.arange(T)[None, None, :] > pos[:, None, None], float("-inf"))
+    want = torch.einsum("mht,htd->mhd", scores.softmax(-1), values)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_osd_backend_is_built_from_the_config(tiny):
     target = build_target(ModelConfig(target=str(tiny[0]), target_backend="osd", n_ctx=128))
     assert isinstance(target, Q4Runner) and target.context_window == 128

@@ -6,7 +6,7 @@
 // batched matmuls in attention) and its vectorised transcendental functions (exp in SiLU: SIMD body, scalar tail)
 // may sum or round differently with the number of rows or where a thread's chunk ends. Here every row runs the
 // same instructions in the same order whatever M is and whichever thread takes it: work is split across threads by
-// whole rows (or row x head), reductions are per row in a fixed order, exp is one vectorised function applied to
+// whole rows (or row x KV head), reductions are per row in a fixed order, exp is one vectorised function applied to
 // every element (no scalar tail: widths must be multiples of 8).
 //
 // Limitations: float32 only; widths (hidden, head dim, intermediate) must be multiples of 8; RoPE is the NEOX
@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -160,56 +161,82 @@ torch::Tensor qkv_rope(torch::Tensor qkv, torch::Tensor bias, torch::Tensor cos,
 
 namespace {
 
-// One (row, head): softmax(q k / sqrt(D)) over the n keys key(0..n-1) (cache indices, in this order) times their
-// values, into out (D). The same instructions in the same order for a given key sequence, whoever calls it: a
-// tree node attending to its listed ancestors gets bitwise what its path fed as a chain gets.
+constexpr int64_t KEY_CHUNK = 32;  // keys per chunk: their K (then V) rows stay in L1 while every head of a group reads them
+
+// One row's group of query heads sharing a KV head: for each head h, softmax(q_h k / sqrt(D)) over the n keys
+// key(0..n-1) (cache indices, in this order) times their values, into out + h D. Keys are taken a chunk at a time
+// for every head of the group (each K and V row read from memory once per group instead of once per head), but each
+// (head, key) score is the same chain of fmadds, and each head's output the same fmadds over the keys in order, as
+// for that head alone: the same bits whoever calls it and however many heads share the pass (a tree node attending
+// to its listed ancestors gets bitwise what its path fed as a chain gets).
 template <class KeyAt>
-void attend(const float* qv, const float* K, const float* V, int64_t n, int64_t D, float scale, KeyAt key,
-            std::vector<float>& scores, std::vector<__m256>& acc, float* out) {
-  scores.resize((n + 7) / 8 * 8);
-  __m256 vmax = _mm256_set1_ps(-INFINITY);
-  int64_t t = 0;
-  for (; t + 4 <= n; t += 4) {  // 4 independent chains; each score is the same chain of fmadds as below
-    const float *k0 = K + key(t) * D, *k1 = K + key(t + 1) * D, *k2 = K + key(t + 2) * D, *k3 = K + key(t + 3) * D;
-    __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
-    for (int64_t j = 0; j < D; j += 8) {
-      const __m256 x = _mm256_loadu_ps(qv + j);
-      d0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + j), d0);
-      d1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1 + j), d1);
-      d2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k2 + j), d2);
-      d3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k3 + j), d3);
+void attend(const float* qv, int64_t heads, const float* K, const float* V, int64_t n, int64_t D, float scale,
+            KeyAt key, std::vector<float>& scores, std::vector<__m256>& acc, float* out) {
+  const int64_t padded = (n + 7) / 8 * 8, W = D / 8;
+  scores.resize(heads * padded);
+  for (int64_t c0 = 0; c0 < n; c0 += KEY_CHUNK) {
+    const int64_t c1 = std::min(n, c0 + KEY_CHUNK);
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* q = qv + h * D;
+      float* sc = scores.data() + h * padded;
+      int64_t t = c0;
+      for (; t + 4 <= c1; t += 4) {  // 4 independent chains; each score is the same chain of fmadds as below
+        const float *k0 = K + key(t) * D, *k1 = K + key(t + 1) * D, *k2 = K + key(t + 2) * D, *k3 = K + key(t + 3) * D;
+        __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
+        for (int64_t j = 0; j < D; j += 8) {
+          const __m256 x = _mm256_loadu_ps(q + j);
+          d0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + j), d0);
+          d1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1 + j), d1);
+          d2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k2 + j), d2);
+          d3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k3 + j), d3);
+        }
+        sc[t] = hsum8(d0) * scale;
+        sc[t + 1] = hsum8(d1) * scale;
+        sc[t + 2] = hsum8(d2) * scale;
+        sc[t + 3] = hsum8(d3) * scale;
+      }
+      for (; t < c1; ++t) {
+        const float* kt = K + key(t) * D;
+        __m256 d = _mm256_setzero_ps();
+        for (int64_t j = 0; j < D; j += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(kt + j), d);
+        sc[t] = hsum8(d) * scale;
+      }
     }
-    scores[t] = hsum8(d0) * scale;
-    scores[t + 1] = hsum8(d1) * scale;
-    scores[t + 2] = hsum8(d2) * scale;
-    scores[t + 3] = hsum8(d3) * scale;
   }
-  for (; t < n; ++t) {
-    const float* kt = K + key(t) * D;
-    __m256 d = _mm256_setzero_ps();
-    for (int64_t j = 0; j < D; j += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(qv + j), _mm256_loadu_ps(kt + j), d);
-    scores[t] = hsum8(d) * scale;
+  std::vector<float> inv(heads);
+  for (int64_t h = 0; h < heads; ++h) {  // each head's softmax weights (unnormalised) and 1 / their sum
+    float* sc = scores.data() + h * padded;
+    for (int64_t t = n; t < padded; ++t) sc[t] = -INFINITY;  // padding: weight 0
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (int64_t u = 0; u < padded; u += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sc + u));
+    const __m256 mx = _mm256_set1_ps(hmax8(vmax)), ninf = _mm256_set1_ps(-INFINITY);
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t u = 0; u < padded; u += 8) {
+      const __m256 s = _mm256_loadu_ps(sc + u);
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(s, mx)), _mm256_cmp_ps(s, ninf, _CMP_NEQ_OQ));
+      _mm256_storeu_ps(sc + u, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    inv[h] = 1.f / hsum8(vsum);
   }
-  for (t = n; t < static_cast<int64_t>(scores.size()); ++t) scores[t] = -INFINITY;  // padding: weight 0
-  for (size_t u = 0; u < scores.size(); u += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(&scores[u]));
-  const __m256 mx = _mm256_set1_ps(hmax8(vmax)), ninf = _mm256_set1_ps(-INFINITY);
-  __m256 vsum = _mm256_setzero_ps();
-  for (size_t u = 0; u < scores.size(); u += 8) {
-    const __m256 s = _mm256_loadu_ps(&scores[u]);
-    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(s, mx)), _mm256_cmp_ps(s, ninf, _CMP_NEQ_OQ));
-    _mm256_storeu_ps(&scores[u], e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  const float inv = 1.f / hsum8(vsum);
-  acc.resize(D / 8);
+  acc.resize(heads * W);
   for (auto& a : acc) a = _mm256_setzero_ps();
-  for (int64_t t = 0; t < n; ++t) {
-    const __m256 w = _mm256_set1_ps(scores[t]);
-    const float* vt = V + key(t) * D;
-    for (int64_t j = 0; j < D / 8; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * j), acc[j]);
+  for (int64_t c0 = 0; c0 < n; c0 += KEY_CHUNK) {
+    const int64_t c1 = std::min(n, c0 + KEY_CHUNK);
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* sc = scores.data() + h * padded;
+      __m256* a = acc.data() + h * W;
+      for (int64_t t = c0; t < c1; ++t) {
+        const __m256 w = _mm256_set1_ps(sc[t]);
+        const float* vt = V + key(t) * D;
+        for (int64_t j = 0; j < W; ++j) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * j), a[j]);
+      }
+    }
   }
-  const __m256 vi = _mm256_set1_ps(inv);
-  for (int64_t j = 0; j < D / 8; ++j) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(acc[j], vi));
+  for (int64_t h = 0; h < heads; ++h) {
+    const __m256 vi = _mm256_set1_ps(inv[h]);
+    for (int64_t j = 0; j < W; ++j) _mm256_storeu_ps(out + h * D + 8 * j, _mm256_mul_ps(acc[h * W + j], vi));
+  }
 }
 
 void check_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
@@ -222,8 +249,9 @@ void check_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const
               "attention: cache shapes disagree with q (G must divide H)");
 }
 
-// Every (row, head) of q over the cache, split across threads by (row, head): keys_of(r) -> (n, key) names the n
-// cache indices key(0..n-1) row r attends to, in order. Returns (M, H D).
+// Every (row, KV head) of q over the cache, split across threads by (row, KV head), the query heads of a KV head
+// together (attend): keys_of(r) -> (n, key) names the n cache indices key(0..n-1) row r attends to, in order.
+// Returns (M, H D).
 template <class KeysOf>
 torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                           KeysOf keys_of) {
@@ -233,13 +261,13 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, 
   float* O = out.data_ptr<float>();
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const int64_t group = H / G;
-  at::parallel_for(0, M * H, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, M * G, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     std::vector<__m256> acc;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = (i % H) / group;
-      const auto [n, key] = keys_of(i / H);
-      attend(Q + i * D, KC + g * T * D, VC + g * T * D, n, D, scale, key, scores, acc, O + i * D);
+      const int64_t r = i / G, g = i % G, first = (r * H + g * group) * D;  // the group's first query head
+      const auto [n, key] = keys_of(r);
+      attend(Q + first, group, KC + g * T * D, VC + g * T * D, n, D, scale, key, scores, acc, O + first);
     }
   });
   return out;
