@@ -103,9 +103,13 @@ class SpeculativeEngine:
 
     def _row_seconds(self, prefix: list[int], t_target: list[float], repeats: int) -> dict[int, float]:
         """Seconds of one pass by rows for the scheduler's goodput (schedule/goodput.py), up to what a full step holds:
-        every sequence at k_max plus a prefill chunk. Measured on one sequence (a pass's cost is its matrices' rows)."""
+        every sequence at k_max plus a prefill chunk. Measured on one sequence (a pass's cost is its matrices' rows),
+        every row with its logits as a decoding sequence's rows have (the LM head is ~15% of a row's weights here:
+        rows timed without it made proposals under load look cheaper than they are)."""
         most = self.scheduler.capacity * (self.k_max + 1) + self.spec.prefill_rows
-        counts = sorted({n for n in (12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if len(t_target) < n <= most} | {most})
+        passes = {n for p in range(8, 40, 8) for n in (p, p + 1)}  # the Q4 kernel runs rows in passes of 8: one more
+        counts = sorted({n for n in (12, 16, 24, 32, 48, 64, 96, 128, 192, 256, *passes) if len(t_target) < n <= most}
+                        | {most})  # row than a pass holds costs a pass, which interpolation would not show
         seconds = {n: t for n, t in enumerate(t_target, start=1)}
         self.target.reset()
         self.target.feed(prefix)
@@ -113,7 +117,7 @@ class SpeculativeEngine:
             best = float("inf")
             for _ in range(repeats + 1):
                 t0 = self.clock()
-                self.target.feed([prefix[-1]] * n, n_logits=1)
+                self.target.feed([prefix[-1]] * n, n_logits=n)
                 best = min(best, self.clock() - t0)
                 self.target.rollback(len(prefix))
             seconds[n] = best

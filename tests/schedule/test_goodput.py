@@ -1,7 +1,7 @@
 """The goodput allocation (schedule/goodput.py): pure functions on known costs."""
 import pytest
 
-from osd.schedule.goodput import RowCosts, allocate_k, goodput
+from osd.schedule.goodput import RowCosts, allocate_k, goodput, non_decreasing
 from osd.speed_model import expected_tokens
 
 
@@ -57,3 +57,24 @@ def test_row_costs_interpolate_between_and_extrapolate_beyond_what_was_measured(
     assert costs(128) == pytest.approx(6.0 + (6.0 - 1.7) / 56 * 64)
     costs.observe(8, 2.7)
     assert costs(8) == pytest.approx(0.8 * 1.7 + 0.2 * 2.7)
+
+
+def test_row_costs_never_fall_with_more_rows():
+    """A count measured cheap by chance (16 rows faster than 13, as seen under load) must not make the rows up to
+    it look free: the curve read is the least-squares non-decreasing fit of the measured EMAs."""
+    # the EMAs (ms) of one run at 8 clients (rows 8-16: 8 decoding sequences, their proposals, prompt chunks)
+    seen = {8: 95.3, 9: 93.0, 10: 106.4, 11: 139.1, 12: 129.0, 13: 159.7, 14: 141.5, 15: 146.4, 16: 108.1, 24: 159.4}
+    costs = RowCosts()
+    costs.calibrate(seen)
+    curve = [costs(r) for r in range(8, 25)]
+    assert all(b >= a for a, b in zip(curve, curve[1:]))
+    assert costs(8) == costs(9) == pytest.approx((95.3 + 93.0) / 2)  # a violating pair is pooled
+    assert costs(16) == pytest.approx((159.7 + 141.5 + 146.4 + 108.1) / 4)  # so is a falling run
+    assert costs(24) == 159.4
+
+
+def test_non_decreasing_is_the_pool_adjacent_violators_fit():
+    assert non_decreasing([]) == []
+    assert non_decreasing([(1, 1.0), (2, 3.0), (3, 2.0), (4, 5.0)]) == [(1, 1.0), (2, 2.5), (3, 2.5), (4, 5.0)]
+    assert non_decreasing([(1, 3.0), (2, 2.0), (3, 1.0)]) == [(1, 2.0), (2, 2.0), (3, 2.0)]
+    assert non_decreasing([(1, 1.0), (5, 2.0)]) == [(1, 1.0), (5, 2.0)]

@@ -255,3 +255,57 @@ def test_prefix_reuse_on_the_q4_kernel_is_bitwise_a_fresh_prefill(tiny_q4):
     engine, _ = engine_over(runner, tiny_torch_model(3), k=4, max_batch=2, vocab=vocab)
     assert _sequential(engine, prompts, sampling) == want
     assert engine.scheduler.stats.reused_rows >= 12 + 12 + 4  # PROMPT[:12] twice, PROMPT[:4] once
+
+
+def test_the_goodput_costs_learn_only_from_steps_of_decoding_rows(target, draft):
+    """A proposal is a decoding row (with its logits); a step that also feeds prompt rows is cheaper per row and would
+    make proposals look cheap, so only steps of decoding rows alone feed the allocation's costs."""
+    engine, _ = engine_over(target, draft, k=3, adaptive=True, max_batch=3, prefill_rows=4)
+    seen = []
+    engine.row_costs.observe = lambda rows, seconds: seen.append(rows)
+    sched, stats = engine.scheduler, engine.scheduler.stats
+    prompts = [list(range(3, 3 + n)) for n in (9, 14, 6, 11)]
+    pending, mixed, pure = list(prompts), 0, 0
+    while pending or sched.running:
+        if pending and len(sched.running) < sched.capacity:
+            sched.add(pending.pop(0), SamplingConfig(max_new_tokens=8))
+        before, prefill_before = len(seen), stats.prefill_rows
+        for seq in sched.step():
+            assert seq.error is None, seq.error
+        company = stats.last_rows and stats.prefill_rows > prefill_before
+        if company and stats.decode_rows:
+            mixed += 1
+            assert len(seen) == before  # prompt rows in the step: not observed
+        elif len(seen) > before:
+            pure += 1
+            assert seen[-1] == stats.last_rows
+    assert mixed > 0 and pure > 0
+
+
+class _Proportional:
+    """Row costs where every row costs the same: a proposal never pays (the allocation keeps k = 0)."""
+
+    def observe(self, rows, seconds):
+        pass
+
+    def __call__(self, rows):
+        return float(rows)
+
+
+def test_with_company_the_batch_probes_about_once_in_probe_every_steps(target, draft):
+    """Where speculation does not pay, sequences held at k = 0 still probe now and then (evidence for a better draft),
+    but the batch as a whole about once in PROBE_EVERY steps: a probe row beside many decoding rows can cost a whole
+    further pass over the weights."""
+    from osd.schedule.scheduler import PROBE_EVERY
+
+    engine, _ = engine_over(target, draft, k=3, adaptive=True, max_batch=4, prefill_rows=64)
+    engine.row_costs = _Proportional()
+    sched = engine.scheduler
+    seqs = [sched.add(list(range(3 + i, 9 + i)), SamplingConfig(max_new_tokens=120)) for i in range(4)]
+    steps = 0
+    while sched.running:
+        for seq in sched.step():
+            assert seq.error is None, seq.error
+        steps += 1
+    probes = sum(1 for seq in seqs for k, _ in seq.steps if k)
+    assert 1 <= probes <= steps // PROBE_EVERY + 1  # each sequence probing every PROBE_EVERY steps: ~4x as many

@@ -42,7 +42,7 @@ from osd.verify.tree import greedy_tree_verify, sampled_tree_verify
 ALONE_PREFILL_ROWS = 512  # prompt rows per step while no sequence decodes (Q4Slots runs them in chunk_rows chunks)
 MIN_PREFILL_ROWS = 16  # prompt rows per step however many decode rows share it: a prompt always advances
 MAX_PREFILL_ROWS = 256  # prompt rows per step beside decoding sequences, however many prompts wait
-PROBE_EVERY = 16  # a sequence held at k = 0 this many steps proposes once (evidence for a better draft version)
+PROBE_EVERY = 16  # with company, the batch probes about once in this many steps (evidence for a better draft version)
 FREE_SECONDS = 1e-4  # a source whose proposal costs less than this per token is asked before the allocation
 
 
@@ -200,7 +200,7 @@ class Scheduler:
             fixed_rows=min(self.prefill_rows, MIN_PREFILL_ROWS) if prefilling else 0)
         for (seq, source, proposal, _, _, _), k in zip(asked, ks):
             try:
-                plans.append(self._draft(seq, source, proposal, self._probe(seq, k, source)))
+                plans.append(self._draft(seq, source, proposal, self._probe(seq, k, source, len(asked))))
             except Exception as err:  # noqa: BLE001
                 failed.append(self._end(seq, err))
         return plans, failed
@@ -259,10 +259,13 @@ class Scheduler:
             return j, None, alpha, t_draft, cap
         return None, None, 0.0, 0.0, 0
 
-    def _probe(self, seq: Sequence, k: int, source: int | None) -> int:
-        """k, or 1 where the sequence has sat at k = 0 for PROBE_EVERY steps with a source to ask."""
+    def _probe(self, seq: Sequence, k: int, source: int | None, decoding: int) -> int:
+        """k, or 1 where the sequence has sat at k = 0 for PROBE_EVERY steps per decoding sequence with a source to ask:
+        the batch probes about once in PROBE_EVERY steps whatever the load. (Each sequence every PROBE_EVERY steps cost
+        ~19% of the aggregate at 8 clients on the Q4 kernel: a probe row beside 8 decoding rows makes a second pass
+        over the weights, ~25% of the step.)"""
         seq.zero_steps = 0 if k or source is None else seq.zero_steps + 1
-        if seq.zero_steps >= PROBE_EVERY and seq.remaining > 1:
+        if seq.zero_steps >= PROBE_EVERY * max(1, decoding) and seq.remaining > 1:
             seq.zero_steps = 0
             return 1
         return k
@@ -362,8 +365,8 @@ class Scheduler:
         e, st = self.engine, self.stats
         if alone and plans and rows == decode_rows:  # one sequence decoding: the per-rows costs the policies read
             e.target_costs.observe(rows - 1, seconds)
-        elif rows:
-            e.row_costs.observe(rows, seconds)
+        elif rows and rows == decode_rows:  # decoding rows only (each with its logits: what a proposal costs); a step
+            e.row_costs.observe(rows, seconds)  # with prompt rows is cheaper per row and would make proposals look cheap
         st.steps += 1
         st.rows += rows
         st.decode_rows += decode_rows

@@ -47,7 +47,7 @@ class Sequence:
     steps: list[tuple[int, int]] = field(default_factory=list)  # (k, n_accepted) per step
     prefill_seconds: float = 0.0
     sent: str = ""  # text already streamed
-    zero_steps: int = 0  # steps in a row at k = 0 (with company: probes, scheduler.PROBE_EVERY)
+    zero_steps: int = 0  # steps in a row at k = 0 (with company: probes, scheduler.PROBE_EVERY per sequence)
     result: object | None = None  # GenerationResult once finished
     error: BaseException | None = None  # set when it failed (alone: the others went on)
 
