@@ -469,3 +469,29 @@ def test_the_arrival_order_and_lever_figures_are_those_of_the_code_reruns():
     assert (f"(`--rehearsal-uniform`: {lever['uniform']['online'] - base:+.3f}, the gap widens to "
             f"{gap(lever['uniform']):.3f})") in flat
     assert f"(`--sweep`: {lever['sweep']['online'] - base:+.3f}, gap {gap(lever['sweep']):.3f}, z {sweep_z:.1f})" in flat
+
+
+def test_the_published_update_size_is_that_of_bench_scale():
+    sizes = {r["publish"]["payload_bytes"] for r in result("bench-scale.json")["records"]}
+    assert len(sizes) == 1
+    assert (f"(int8 where the copy is quantized: {sizes.pop() / 1e6:.0f} MB for the shipped draft, the same file's "
+            f"`payload_bytes`)") in " ".join(README.split())
+
+
+def test_the_intel_llama_cpp_decode_and_q4_target_ranges_are_those_of_the_intel_runs():
+    runs = [result(n) for n in ("bench-speed-heal-v2.json", "bench-speed-v2-learned-llama512.json")]
+    assert all("Intel" in r["machine"]["cpu"] for r in runs)
+    llama = [r["decode_tokens_per_second"]["llama_cpp_target"] for r in runs]
+    q4 = [r["decode_speedup_vs_baseline"]["osd_q4_target"] for r in runs]
+    flat = " ".join(README.split())
+    assert f"llama.cpp decodes the target alone at {min(llama):.1f}-{max(llama):.1f} tokens/s" in flat
+    assert f"osd on its Q4 kernel decodes it at {min(q4):.2f}-{max(q4):.2f}x that" in flat
+
+
+def test_the_amd_q4_target_range_is_that_of_the_amd_speed_runs():
+    q4 = [r["decode_speedup_vs_baseline"]["osd_q4_target"]
+          for r in map(result, sorted(p.name for p in (ROOT / "benchmarks").glob("bench-speed-*.json")))
+          if r["machine"]["cpu"] == "AMD EPYC" and r.get("baseline") == "llama_cpp_target"
+          and "osd_q4_target" in r.get("decode_speedup_vs_baseline", {})]
+    assert len(q4) >= 10
+    assert f"the same kernel is {min(q4):.2f}-{max(q4):.2f}x llama.cpp alone" in " ".join(README.split())
