@@ -495,3 +495,24 @@ def test_the_amd_q4_target_range_is_that_of_the_amd_speed_runs():
           and "osd_q4_target" in r.get("decode_speedup_vs_baseline", {})]
     assert len(q4) >= 10
     assert f"the same kernel is {min(q4):.2f}-{max(q4):.2f}x llama.cpp alone" in " ".join(README.split())
+
+
+def test_the_serve_vs_rerun_after_the_probe_fix_is_that_of_its_json():
+    records = {(r["server"], r["concurrency"]): r for r in result("bench-serve-vs-probes.json")["records"]}
+    tok = lambda server, c: records[(server, c)]["aggregate_tokens_per_s"]
+    ratios = ", ".join(f"{c} client{'s' if c > 1 else ''} {tok('osd', c) / tok('llama-server', c):.2f}x" for c in (1, 2, 4, 8, 16))
+    assert f"osd against llama-server: {ratios};" in README.replace("\n", " ")
+    vs_target = lambda c: tok("osd", c) / tok("osd-target-only", c)
+    assert f"speculation against osd target-only {vs_target(4):.2f}x at 4 clients, {vs_target(8):.2f}x at 8" in \
+        README.replace("\n", " ")
+    ttft = lambda server, c: records[(server, c)]["ttft_p95_s"]
+    assert (f"({ttft('osd', 2):.2f} vs {ttft('llama-server', 2):.2f} s, {ttft('osd', 8):.2f} vs "
+            f"{ttft('llama-server', 8):.2f} s)") in README.replace("\n", " ")
+    cost = [1 - tok("osd-learning", c) / tok("osd", c) for c in (4, 8, 16)]
+    assert f"Learning on cost {min(cost) * 100:.0f}-{max(cost) * 100:.0f}% at 4-16 clients" in README.replace("\n", " ")
+    identity = result("bench-serve-vs-probes.json")["identity"]
+    same = {arm: sum(v["same"] for v in levels.values()) for arm, levels in identity.items()}
+    assert set(same.values()) == {80}
+    before = {(r["server"], r["concurrency"]): r["aggregate_tokens_per_s"] for r in result("bench-serve-vs.json")["records"]}
+    was = [before[("osd", c)] / before[("osd-target-only", c)] for c in (4, 8)]
+    assert f"(it was {min(was):.2f}-{max(was):.2f}x at 4 and 8 in `bench-serve-vs.json`)" in README.replace("\n", " ")
