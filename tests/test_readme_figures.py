@@ -516,3 +516,15 @@ def test_the_serve_vs_rerun_after_the_probe_fix_is_that_of_its_json():
     before = {(r["server"], r["concurrency"]): r["aggregate_tokens_per_s"] for r in result("bench-serve-vs.json")["records"]}
     was = [before[("osd", c)] / before[("osd-target-only", c)] for c in (4, 8)]
     assert f"(it was {min(was):.2f}-{max(was):.2f}x at 4 and 8 in `bench-serve-vs.json`)" in README.replace("\n", " ")
+
+
+def test_the_best_amd_learned_draft_range_is_that_of_its_speed_runs():
+    runs = {}
+    for path in sorted((ROOT / "benchmarks").glob("bench-speed-*.json")):
+        r = result(path.name)
+        if r["machine"]["cpu"] == "AMD EPYC" and "osd_q4_learned" in r.get("decode_speedup_vs_baseline", {}):
+            runs.setdefault(r["config"]["learned_draft"], []).append(r["decode_speedup_vs_baseline"]["osd_q4_learned"])
+    best = max(runs.values(), key=max)
+    assert len(best) == 4 and best is runs["/work/runs/ckpt-cheap-code600-avg"]
+    assert (f"the best learned draft reached {min(best):.2f}-{max(best):.2f}x llama.cpp's decode (its four runs, "
+            f"`bench-speed-learned-code600-average*.json` and `-lookup*.json`)") in " ".join(README.split())
