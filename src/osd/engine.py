@@ -107,9 +107,10 @@ class SpeculativeEngine:
         every row with its logits as a decoding sequence's rows have (the LM head is ~15% of a row's weights here:
         rows timed without it made proposals under load look cheaper than they are)."""
         most = self.scheduler.capacity * (self.k_max + 1) + self.spec.prefill_rows
-        passes = {n for p in range(8, 40, 8) for n in (p, p + 1)}  # the Q4 kernel runs rows in passes of 8: one more
+        step = getattr(self.target, "rows_per_pass", 0)  # a kernel that runs rows in passes: one row more than a pass
+        passes = {n for p in range(step, 5 * step, step) for n in (p, p + 1)} if step else set()  # is a pass more
         counts = sorted({n for n in (12, 16, 24, 32, 48, 64, 96, 128, 192, 256, *passes) if len(t_target) < n <= most}
-                        | {most})  # row than a pass holds costs a pass, which interpolation would not show
+                        | {most})
         seconds = {n: t for n, t in enumerate(t_target, start=1)}
         self.target.reset()
         self.target.feed(prefix)

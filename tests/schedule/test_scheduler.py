@@ -269,11 +269,10 @@ def test_the_goodput_costs_learn_only_from_steps_of_decoding_rows(target, draft)
     while pending or sched.running:
         if pending and len(sched.running) < sched.capacity:
             sched.add(pending.pop(0), SamplingConfig(max_new_tokens=8))
-        before, prefill_before = len(seen), stats.prefill_rows
+        before, prefill_before, decode_before = len(seen), stats.prefill_rows, stats.decode_rows
         for seq in sched.step():
             assert seq.error is None, seq.error
-        company = stats.last_rows and stats.prefill_rows > prefill_before
-        if company and stats.decode_rows:
+        if stats.prefill_rows > prefill_before and stats.decode_rows > decode_before:  # this step mixed both
             mixed += 1
             assert len(seen) == before  # prompt rows in the step: not observed
         elif len(seen) > before:

@@ -38,6 +38,7 @@ from osd.errors import BackendUnavailable, InvalidArgument
 QK = 256  # weights per K-quant block
 Q4K_BLOCK_BYTES = 144  # ggml's block_q4_K
 Q6K_BLOCK_BYTES = 210  # ggml's block_q6_K
+ROWS_PER_PASS = 8  # q4_kernel.cpp MAX_R: rows multiplied per pass over a weight; one more row costs another pass
 ISAS = {"best": 0, "avx2": 1, "avx512_vnni": 2}
 TILE = 16  # output columns per tile of the weight layout (q4_kernel.cpp's TILE)
 
@@ -169,7 +170,7 @@ def quantize_activations(x: torch.Tensor) -> Q8KActivations:
 
 
 def matmul(acts: Q8KActivations, weight: Q4KWeight | Q6KWeight, isa: str | None = None) -> torch.Tensor:
-    """(M, K) activations x (N, K) weight^T -> (M, N) float32, any M >= 1 (8 rows per pass over the weight)."""
+    """(M, K) activations x (N, K) weight^T -> (M, N) float32, any M >= 1 (ROWS_PER_PASS rows per pass over the weight)."""
     code = ISAS[resolve_isa(isa)]
     if acts.records.shape[1] * QK != weight.shape[1]:
         raise InvalidArgument(f"activations have K = {acts.records.shape[1] * QK}, the weight {weight.shape[1]}")

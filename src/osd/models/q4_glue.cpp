@@ -171,7 +171,7 @@ constexpr int64_t KEY_CHUNK = 32;  // keys per chunk: their K (then V) rows stay
 // to its listed ancestors gets bitwise what its path fed as a chain gets).
 template <class KeyAt>
 void attend(const float* qv, int64_t heads, const float* K, const float* V, int64_t n, int64_t D, float scale,
-            KeyAt key, std::vector<float>& scores, std::vector<__m256>& acc, float* out) {
+            KeyAt key, std::vector<float>& scores, std::vector<float>& inv, std::vector<__m256>& acc, float* out) {
   const int64_t padded = (n + 7) / 8 * 8, W = D / 8;
   scores.resize(heads * padded);
   for (int64_t c0 = 0; c0 < n; c0 += KEY_CHUNK) {
@@ -203,7 +203,7 @@ void attend(const float* qv, int64_t heads, const float* K, const float* V, int6
       }
     }
   }
-  std::vector<float> inv(heads);
+  inv.resize(heads);
   for (int64_t h = 0; h < heads; ++h) {  // each head's softmax weights (unnormalised) and 1 / their sum
     float* sc = scores.data() + h * padded;
     for (int64_t t = n; t < padded; ++t) sc[t] = -INFINITY;  // padding: weight 0
@@ -262,12 +262,12 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, 
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const int64_t group = H / G;
   at::parallel_for(0, M * G, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
+    std::vector<float> scores, inv;  // scratch of this thread's calls
     std::vector<__m256> acc;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / G, g = i % G, first = (r * H + g * group) * D;  // the group's first query head
       const auto [n, key] = keys_of(r);
-      attend(Q + first, group, KC + g * T * D, VC + g * T * D, n, D, scale, key, scores, acc, O + first);
+      attend(Q + first, group, KC + g * T * D, VC + g * T * D, n, D, scale, key, scores, inv, acc, O + first);
     }
   });
   return out;

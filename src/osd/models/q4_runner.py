@@ -345,6 +345,7 @@ class Q4Runner(PositionCache):
     """A Qwen2 GGUF (Q4_K/Q6_K matrices) on osd's own kernel, holding the KV cache of one sequence."""
 
     max_rows = 9  # rows per feed checked bitwise equal to 1-row feeds: the pending token + 8 proposals
+    rows_per_pass = q4.ROWS_PER_PASS  # the kernel's rows per pass over the weights (the goodput costs step there)
 
     def __init__(self, gguf_path: str | Path, n_ctx: int = 4096, chunk_rows: int = 64, cache: bool | None = None,
                  cache_dir: str | Path | None = None, mmap: bool = True):

@@ -9,6 +9,7 @@ its full share and speculation backs off (k = 0) where a sequence's acceptance d
 """
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Callable
 
@@ -59,7 +60,7 @@ class RowCosts:
     def __init__(self, ema: float = 0.8):
         self.ema = ema
         self.seconds: dict[int, float] = {}
-        self._fitted: list[tuple[int, float]] | None = None  # the non-decreasing fit, made again after a change
+        self._fitted: tuple[list[int], list[float]] | None = None  # the non-decreasing fit, made again after a change
 
     def calibrate(self, rows_seconds: dict[int, float]) -> None:
         self.seconds = {int(r): float(t) for r, t in rows_seconds.items() if math.isfinite(t)}
@@ -71,10 +72,11 @@ class RowCosts:
             self.seconds[rows] = seconds if old is None else self.ema * old + (1 - self.ema) * seconds
             self._fitted = None
 
-    def fitted(self) -> list[tuple[int, float]]:
-        """(rows, seconds) by rows: the measured EMAs' non-decreasing fit (what the allocation reads)."""
+    def fitted(self) -> tuple[list[int], list[float]]:
+        """(rows, seconds), by rows: the measured EMAs' non-decreasing fit (what the allocation reads)."""
         if self._fitted is None:
-            self._fitted = non_decreasing(sorted(self.seconds.items()))
+            points = non_decreasing(sorted(self.seconds.items()))
+            self._fitted = [r for r, _ in points], [t for _, t in points]
         return self._fitted
 
     @property
@@ -82,17 +84,16 @@ class RowCosts:
         return bool(self.seconds)
 
     def __call__(self, rows: int) -> float:
-        points = self.fitted()
-        if not points:
+        xs, ys = self.fitted()  # read many times a step (allocate_k): a bisection, no scan
+        if not xs:
             return float(rows)  # nothing measured: proportional to rows (speculation then never looks free)
-        if len(points) == 1:
-            return points[0][1] * rows / points[0][0]
-        exact = [t for r, t in points if r == rows]
-        if exact:
-            return exact[0]
-        below = [p for p in points if p[0] < rows]
-        above = [p for p in points if p[0] > rows]
-        (r0, t0), (r1, t1) = (below[-1], above[0]) if below and above else (points[-2], points[-1]) if below else points[:2]
+        if len(xs) == 1:
+            return ys[0] * rows / xs[0]
+        i = bisect.bisect_left(xs, rows)
+        if i < len(xs) and xs[i] == rows:
+            return ys[i]
+        i = min(max(i, 1), len(xs) - 1)  # the segment around rows, or the first / last one to extrapolate
+        (r0, t0), (r1, t1) = (xs[i - 1], ys[i - 1]), (xs[i], ys[i])
         return max(t0 + (t1 - t0) * (rows - r0) / (r1 - r0), 1e-9)
 
 
