@@ -24,6 +24,7 @@ from osd.propose.recycle import RankRates, RecycledTable
 from osd.schedule.goodput import RowCosts
 from osd.schedule.records import GenerationResult, StepRecord
 from osd.schedule.scheduler import Scheduler
+from osd.schedule.turns import Turns
 from osd.speed_model import KPolicy, TargetCosts
 
 __all__ = ["GenerationResult", "SpeculativeEngine", "StepRecord"]
@@ -72,6 +73,7 @@ class SpeculativeEngine:
         self.context_window = self.target.context_window
         self.vocab_size = self.target.vocab_size
         self.eos_ids = self.target.eos_ids | eos_ids_of(tokenizer)
+        self.turns = Turns()  # the cores: a step, or a background learner's chunk, never both (schedule/turns.py)
         self.scheduler = Scheduler(self, self.spec.prefill_rows)
         self.lock = threading.Lock()  # one driver of the scheduler at a time (generate, or the server's worker)
 

@@ -151,3 +151,65 @@ def test_a_pause_parks_an_update_in_flight_between_micro_batches_and_the_resume_
     updating.join(timeout=60)
     assert not updating.is_alive() and learner.stats()["parked"] == 0
     assert learner.counters["optimizer_steps"] == 3 and learner.version == 1  # the resumed update finished
+
+
+def test_no_learner_chunk_runs_beside_a_serving_step(target_model, tokenizer):
+    """Background learning with no idle waits at all (busy_share 1) while requests decode: the learner's forwards
+    (training and the guard's evaluations) and the scheduler's steps never overlap (schedule/turns.py); on 2 cores two
+    OpenMP teams at once cost serving far more than the learner's share."""
+    import threading
+
+    draft = tiny_qwen2(seed=1, layers=1)
+    engine, registry = make_engine(target_model, copy.deepcopy(draft), tokenizer, k=3)
+    publish = lambda master, version=None: registry.publish("draft", copy.deepcopy(master).eval(), None, version)
+    config = LearnConfig(mode="all", every_requests=2, schedule="background", trainable="all", lr=1e-2,
+                         steps_per_update=2, batch_size=4, busy_share=1.0, guard_z=0.0)
+    learner = OnlineLearner(draft, publish, config).attach(engine)
+    active, overlaps, forwards = {"step": 0, "chunk": 0}, [], [0]
+    lock = threading.Lock()
+
+    def enter(kind, other):
+        with lock:
+            active[kind] += 1
+            if active[other]:
+                overlaps.append(kind)
+
+    def leave(kind):
+        with lock:
+            active[kind] -= 1
+
+    step = engine.scheduler._step
+
+    def timed_step():
+        enter("step", "chunk")
+        try:
+            return step()
+        finally:
+            leave("step")
+
+    learning = lambda: threading.current_thread().name == "osd-learner"  # (published copies carry the hooks too)
+
+    def before_forward(module, args):
+        if learning():
+            enter("chunk", "step")
+            forwards[0] += 1
+
+    def after_forward(module, args, output):
+        if learning():
+            leave("chunk")
+
+    engine.scheduler._step = timed_step
+    draft.lm_head.register_forward_pre_hook(before_forward)  # every learner forward ends in the head
+    draft.lm_head.register_forward_hook(after_forward)
+    learner.start()
+    try:
+        for i in range(24):
+            engine.generate([5 + i, 9 + i, 20 + i], SamplingConfig(max_new_tokens=16))
+        deadline = time.monotonic() + 120  # a guard against hanging, not a timing assertion
+        while learner.counters["updates_published"] + learner.counters["updates_rejected"] < 2:
+            assert time.monotonic() < deadline and learner.counters["update_errors"] == 0
+            engine.generate([7, 8, 9], SamplingConfig(max_new_tokens=16))
+    finally:
+        learner.stop()
+    assert forwards[0] > 0 and learner.counters["optimizer_steps"] > 0  # the learner did work while requests decoded
+    assert overlaps == []

@@ -9,6 +9,7 @@ OSD_TEST_CHECKPOINT_PAUSE hook (learn/checkpoint.py), at both of its risky point
 an update, so this is a kill inside an update): the last complete checkpoint stays loadable and a restart resumes
 it; SIGTERM then shuts down cleanly and checkpoints.
 """
+import math
 import json
 import os
 import signal
@@ -161,6 +162,8 @@ def test_paired_learning_bench_alternates_a_running_and_a_paused_learner_on_one_
     assert [r["paused"]["learner_before"]["paused"] for r in rounds] == [True] * 3
     assert result["optimizer_steps_paused"] == 0 < result["optimizer_steps_learning"]
     assert result["tpot_p50_ratio"]["rounds"] == 3
+    per_round = [r["learning"]["tokens_per_second"] / r["paused"]["tokens_per_second"] for r in rounds]
+    assert result["tokens_per_second_ratio"]["ratio"] == pytest.approx(math.prod(per_round) ** (1 / 3))
 
 
 def test_paired_ratio_is_the_geometric_mean_of_the_round_ratios_with_a_t_interval():

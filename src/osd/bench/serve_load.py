@@ -264,12 +264,16 @@ async def run_paired_learning_async(url: str, prompts: list[str], rounds: int, m
         finally:
             await _set_learning(client, True)  # leave the server learning, as it started
     tpot = paired_ratio([r["learning"]["tpot_p50"] for r in per_round], [r["paused"]["tpot_p50"] for r in per_round])
+    # aggregate output tokens/s: what learning costs a server under load (TPOT alone misses the time a step waits)
+    throughput = paired_ratio([r["learning"]["tokens_per_second"] for r in per_round],
+                              [r["paused"]["tokens_per_second"] for r in per_round])
     steps = sum(optimizer_steps(r["learning"]) for r in per_round)
     steps_paused = sum(optimizer_steps(r["paused"]) for r in per_round)
     uncounted = sum(r["paused"]["learner_before"]["switch_seconds"] for r in per_round)
     return {"config": {"url": url, "model": model, "prompts": len(prompts), "max_tokens": max_tokens, "chat": chat,
                        "concurrency": concurrency, "rounds": rounds, "temperature": 0, "paired_learning": True},
             "warmup_ok": warm.ok, "rounds": per_round, "tpot_p50_ratio": tpot,
+            "tokens_per_second_ratio": throughput,
             "optimizer_steps_learning": steps, "optimizer_steps_paused": steps_paused,
             "pause_wait_seconds": uncounted,
             "learning_wall_seconds": sum(r["learning"]["wall_seconds"] for r in per_round)}

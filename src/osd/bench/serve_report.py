@@ -61,11 +61,21 @@ def paired_table(result: dict) -> str:
     rows = []
     for r in result["rounds"]:
         on, off = r["learning"], r["paused"]
+        ratio = lambda key: on[key] / off[key] if on.get(key) and off.get(key) else None
         rows.append([r["round"], "learning first" if r["round"] % 2 == 0 else "paused first", on["tpot_p50"],
-                     off["tpot_p50"], on["tpot_p50"] / off["tpot_p50"] if on["tpot_p50"] and off["tpot_p50"] else None,
-                     optimizer_steps(on), on["acceptance_rate"], off["acceptance_rate"], on["errors"] + off["errors"]])
-    return table(rows, ["round", "order", "TPOT p50 learning s", "TPOT p50 paused s", "ratio", "optimizer steps",
-                        "acceptance learning", "acceptance paused", "errors"])
+                     off["tpot_p50"], ratio("tpot_p50"), on["tokens_per_second"], off["tokens_per_second"],
+                     ratio("tokens_per_second"), optimizer_steps(on), on["acceptance_rate"], off["acceptance_rate"],
+                     on["errors"] + off["errors"]])
+    return table(rows, ["round", "order", "TPOT p50 learning s", "TPOT p50 paused s", "ratio", "tok/s learning",
+                        "tok/s paused", "ratio", "optimizer steps", "acceptance learning", "acceptance paused", "errors"])
+
+
+def _throughput(ratio: dict | None) -> str:
+    if not ratio or ratio.get("ratio") is None:
+        return "-"
+    ci = ratio["ci95"]
+    return (f"{_fmt(ratio['ratio'])} (95% interval {_fmt(ci[0]) if ci else '-'} .. {_fmt(ci[1]) if ci else '-'}; "
+            f"learning faster in {ratio['on_slower_rounds']} of {ratio['rounds']} rounds)")
 
 
 def report_paired(result: dict, out: str, markdown: str) -> None:
@@ -74,7 +84,8 @@ def report_paired(result: dict, out: str, markdown: str) -> None:
     ci = ratio["ci95"]
     summary = (f"Learning vs paused, p50 TPOT ratio over {ratio['rounds']} round pairs: {_fmt(ratio['ratio'])} "
                f"(95% interval {_fmt(ci[0]) if ci else '-'} .. {_fmt(ci[1]) if ci else '-'}; learning slower in "
-               f"{ratio['on_slower_rounds']} of {ratio['rounds']} rounds); optimizer steps while learning "
+               f"{ratio['on_slower_rounds']} of {ratio['rounds']} rounds); aggregate tokens/s ratio "
+               f"{_throughput(result.get('tokens_per_second_ratio'))}; optimizer steps while learning "
                f"{result['optimizer_steps_learning']}, while paused {result['optimizer_steps_paused']}; "
                f"{result['pause_wait_seconds']:.1f} s of learning work finished inside pause requests (counted in no round) "
                f"against {result['learning_wall_seconds']:.1f} s of learning rounds")

@@ -7,6 +7,8 @@ the waits add up to at most (1 - share) / share times the seconds worked so far;
 chunk runs while requests decode. Saturated, the learner so gets about `share` of the wall time and an update
 takes about its own working time / share; idle, it never waits.
 
+A chunk runs between two serving steps, never beside one (`turns`, the engine's schedule/turns.py): wait() ends by
+taking the cores once the step in flight ends, and gives them back when it is called again (or at `release()`).
 Limitations: the first chunk of an update has no budget (it may start beside a decoding request); "worked" is
 wall time between waits, so it includes the slowdown that decoding beside it causes; the busy signal is polled
 every `poll` seconds, so each wait may overrun its budget by one poll.
@@ -20,7 +22,7 @@ from osd.errors import InvalidArgument
 
 class IdleWindows:
     def __init__(self, share: float, busy, clock=time.monotonic, sleep=time.sleep, poll: float = 0.005,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None, turns=None):
         if not 0.0 < share <= 1.0:
             raise InvalidArgument(f"busy_share must be in (0, 1], got {share}")
         self.share, self.busy, self.clock, self.sleep, self.poll = share, busy, clock, sleep, poll
@@ -29,6 +31,7 @@ class IdleWindows:
         self.waited_total = 0.0  # seconds, all updates
         self.forced = 0  # chunks that ran beside a decoding request because the budget was spent
         self._since: float | None = None  # when the current chunk of work began
+        self.turns = turns  # the engine's Turns (None: chunks may run beside steps), set when the learner attaches
 
     def begin(self) -> None:
         """A new update starts: its budget starts from zero."""
@@ -40,7 +43,8 @@ class IdleWindows:
         return self.worked * (1.0 - self.share) / self.share - self.waited
 
     def wait(self) -> None:
-        """Return when the engine is idle, the budget is spent, or `stop` is set."""
+        """Return when the engine is idle, the budget is spent, or `stop` is set; holding the cores (with `turns`)."""
+        self.release()
         start = self.clock()
         if self._since is None:
             self._since = start
@@ -51,7 +55,14 @@ class IdleWindows:
                 self.forced += 1
                 break
             self.sleep(self.poll)
+        if self.turns is not None:
+            self.turns.take(self, self.stop)  # the step in flight ends first
         end = self.clock()
         self.waited += end - start
         self.waited_total += end - start
         self._since = end
+
+    def release(self) -> None:
+        """Give the cores back to serving (the chunk of work ended)."""
+        if self.turns is not None:
+            self.turns.give_back(self)

@@ -212,6 +212,7 @@ class OnlineLearner:
         engine.observers.append(self.observe)
         engine.request_observers.append(self.after_request)
         self.engine_busy = engine.busy
+        self.idle.turns = getattr(engine, "turns", None)  # chunks between steps, never beside one
         return self
 
     # --- updating -------------------------------------------------------------------------------
@@ -241,6 +242,7 @@ class OnlineLearner:
                 self.last_update = {"reason": reason, "error": repr(e), "published": False}
                 raise
             finally:
+                self.idle.release()
                 self.training = False
                 self._restore_point = None
             self.counters["train_seconds"] += self.clock() - start
@@ -261,7 +263,7 @@ class OnlineLearner:
         if not train:
             return {"reason": reason, "items": 0, "published": False, "rejected_because": "nothing to train on",
                     "losses": []}
-        before = acceptance_on(self.master, holdout, split=self.split, pause=self._wait_idle) if holdout else None
+        before = self._acceptance(holdout) if holdout else None
         self.master.train()
         losses = []
         with self.average.training() if self.average is not None else nullcontext():
@@ -284,7 +286,7 @@ class OnlineLearner:
         if self.versions is not None:  # a request some step has seen is never held out again
             self.versions.mark_trained({it.request_id for it in train + older},
                                        {it.request_id for it in self.buffer.snapshot() + self.guard_buffer.snapshot() + older})
-        after = acceptance_on(self.master, holdout, split=self.split, pause=self._wait_idle) if holdout else None
+        after = self._acceptance(holdout) if holdout else None
         finite = all(torch.isfinite(p).all() for p in self.params)
         before_correct = before.pop("correct") if before is not None else None
         after_correct = after.pop("correct") if after is not None else None
@@ -312,7 +314,7 @@ class OnlineLearner:
         publishes the restored weights as a new version, with fresh optimizer moments (returns True then)."""
         if self.versions is None or not holdout or serving is None:
             return False
-        evaluate = lambda items: acceptance_on(self.master, items, split=self.split, pause=self._wait_idle)["correct"]
+        evaluate = lambda items: self._acceptance(items)["correct"]
         base = self.versions.correct_of("base", holdout, evaluate)
         best = None if self.versions.best is None else (
             serving if self.versions.best["version"] == self.version else self.versions.correct_of("best", holdout, evaluate))
@@ -381,6 +383,12 @@ class OnlineLearner:
             return None
         return loss_sum
 
+    def _acceptance(self, items: list) -> dict:
+        """The master's acceptance on held-out items; in background mode one item per chunk of work (a chunk of 8
+        items took 1.7-2.5 s of the draft here, every request's step held up meanwhile: schedule/turns.py)."""
+        return acceptance_on(self.master, items, batch_size=1 if self.config.schedule == "background" else 8,
+                             split=self.split, pause=self._wait_idle)
+
     def _holdout_requests(self) -> set[str]:
         """The newest `guard_holdout` share of the requests in the guard buffer (none with fewer than 2), among those
         no optimizer step has seen (with the drift guard; without it, a request trained on may be held out later)."""
@@ -395,6 +403,7 @@ class OnlineLearner:
         """In background mode, before a chunk of work: park while paused, then let in-flight decoding finish (within
         the busy_share budget)."""
         if self.config.schedule == "background":
+            self.idle.release()  # (never parked holding the cores)
             self._park_while_paused()
             self.idle.wait()
 
@@ -464,6 +473,7 @@ class OnlineLearner:
     def save(self) -> None:
         """draft.safetensors holds the master's weights: what serves (the average, when averaging: what
         `--learned-draft` and `osd eval` load); the trajectory goes beside them (learner_trajectory.pt)."""
+        self.idle.release()  # writing files needs no cores: serving goes on
         with self._lock:
             state = {"version": self.version, "counters": self.counters, "config": asdict(self.config)}
             extra = {TRAJECTORY: self.average.state_dict()} if self.average is not None else None

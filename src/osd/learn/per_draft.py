@@ -97,6 +97,7 @@ class DraftLearners:
         self.drafts, self.config, self.owner_of = drafts, config or LearnConfig(), owner_of
         self.learners: dict[str, AdapterLearner] = {}
         self.engine_busy = lambda: False
+        self.turns = None  # the engine's (schedule/turns.py), from attach
         self.paused = False
         for name in drafts.names():
             self.add(name)
@@ -104,6 +105,7 @@ class DraftLearners:
     def add(self, name: str) -> AdapterLearner:
         learner = AdapterLearner(self.drafts, name, self.config, engine_busy=lambda: self.engine_busy())
         learner.paused = self.paused
+        learner.idle.turns = self.turns
         self.learners[name] = learner
         return learner
 
@@ -125,7 +127,9 @@ class DraftLearners:
     def attach(self, engine) -> "DraftLearners":
         engine.observers.append(self.observe)
         engine.request_observers.append(self.after_request)
-        self.engine_busy = engine.busy
+        self.engine_busy, self.turns = engine.busy, getattr(engine, "turns", None)
+        for learner in self.learners.values():
+            learner.idle.turns = self.turns
         return self
 
     def resume(self) -> dict[str, bool]:

@@ -85,6 +85,11 @@ class Scheduler:
         e.check(prompt_ids, sampling)
         if not self._free:
             raise RuntimeError("no free sequence slot: add only while len(running) < capacity")
+        with e.turns.serving():  # the draft's prompt prefill: never beside a background chunk (schedule/turns.py)
+            return self._admit(prompt_ids, sampling, request_id, on_text)
+
+    def _admit(self, prompt_ids, sampling: SamplingConfig, request_id: str | None, on_text) -> Sequence:
+        e = self.engine
         slot, reused = self._slot_for(prompt_ids)
         start = e.clock()
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
@@ -149,7 +154,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------ the step
     def step(self) -> list[Sequence]:
-        """Advance every running sequence by one step -> the sequences that finished (`result`) or failed (`error`)."""
+        """Advance every running sequence by one step -> the sequences that finished (`result`) or failed (`error`).
+        A background chunk (the learner's) never runs beside it (schedule/turns.py)."""
+        with self.engine.turns.serving():
+            return self._step()
+
+    def _step(self) -> list[Sequence]:
         e = self.engine
         decoding = [s for s in self.running if self.slots.length(s.slot) >= s.prefill_target]
         prefilling = [s for s in self.running if self.slots.length(s.slot) < s.prefill_target]
