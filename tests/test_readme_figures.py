@@ -528,3 +528,11 @@ def test_the_best_amd_learned_draft_range_is_that_of_its_speed_runs():
     assert len(best) == 4 and best is runs["/work/runs/ckpt-cheap-code600-avg"]
     assert (f"the best learned draft reached {min(best):.2f}-{max(best):.2f}x llama.cpp's decode (its four runs, "
             f"`bench-speed-learned-code600-average*.json` and `-lookup*.json`)") in " ".join(README.split())
+
+
+def test_learnings_cost_after_turns_and_the_topk_kernel_is_that_of_its_json():
+    by = {(r["server"], r["concurrency"]): r["aggregate_tokens_per_s"]
+          for r in result("bench-serve-vs-learning-turns.json")["records"]}
+    cost = [round(100 * (1 - by[("osd-learning", c)] / by[("osd", c)])) for c in (4, 8, 16)]
+    text = " ".join(README.split())
+    assert f"Learning still cost {cost[0]}%, {cost[1]}% and {cost[2]}% at 4, 8 and 16 clients" in text
