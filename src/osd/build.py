@@ -159,7 +159,9 @@ def speculative_engine(system: System, target, spec: SpeculationConfig, draft: s
         engine = SpeculativeEngine(target, system.tokenizer, system.routing.proposer, spec)
         system.routing.attach(engine)
         return engine
-    proposer = DraftModelProposer(system.registry, draft, vocab_size) if system.draft_master is not None else None
+    # k = 0 (target-only): no proposer at all, so no draft prefill at admission and no draft forwards
+    proposer = DraftModelProposer(system.registry, draft, vocab_size) if system.draft_master is not None and spec.k > 0 \
+        else None
     if spec.lookup and spec.k > 0:
         proposer = LookupThenDraft(NgramProposer(vocab_size), proposer)
     engine = SpeculativeEngine(target, system.tokenizer, proposer, spec)

@@ -308,3 +308,25 @@ def test_with_company_the_batch_probes_about_once_in_probe_every_steps(target, d
         steps += 1
     probes = sum(1 for seq in seqs for k, _ in seq.steps if k)
     assert 1 <= probes <= steps // PROBE_EVERY + 1  # each sequence probing every PROBE_EVERY steps: ~4x as many
+
+
+def test_target_only_k0_has_no_proposer_and_never_runs_the_draft(tmp_path):
+    """`osd serve --k 0` (the target-only arm): the engine gets no proposer, so admission feeds no draft prefill and
+    no step runs a draft forward (it loaded and prefilled the draft for nothing); with k > 0 the draft runs."""
+    from osd.bench.tiny_pair import write_tiny_pair
+    from osd.build import build_system
+    from osd.config import ModelConfig, SpeculationConfig
+
+    target, draft = write_tiny_pair(tmp_path)
+    models = ModelConfig(target=target, draft=draft, target_backend="torch", draft_quantize="none")
+    for k, lookup in ((0, False), (0, True), (3, True)):
+        system = build_system(models, SpeculationConfig(k=k, lookup=lookup))
+        calls = []
+        serving = system.registry.get("default").model
+        serving.register_forward_pre_hook(lambda module, args: calls.append(1))
+        result = system.engine.generate([5, 9, 20, 7], SamplingConfig(max_new_tokens=8))
+        assert len(result.token_ids) == 8
+        if k == 0:
+            assert system.engine.proposer is None and calls == [] and system.engine.k_max == 0
+        else:
+            assert calls  # the same hook sees the draft's forwards when it serves
