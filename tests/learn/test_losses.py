@@ -129,7 +129,8 @@ def test_compress_on_the_compiled_kernel_equals_torchs_softmax_and_topk():
     module = kernels.load()
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 1003, generator=g) * 4
-    for rows in (logits, logits[1::2], logits[:0]):  # strided rows (a view, as StepRecord rows are); no rows
+    many = torch.randn(11, 1003, generator=g)  # 8 rows and more run across threads, fewer on the calling thread
+    for rows in (logits, logits[1::2], logits[:0], many):  # strided rows (a view, as StepRecord rows are); no rows
         want = torch.topk(torch.softmax(rows, -1), 17, -1)
         got = compress(rows, 17)
         assert torch.equal(got.ids, want.indices)

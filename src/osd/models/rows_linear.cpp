@@ -447,7 +447,7 @@ std::vector<torch::Tensor> softmax_top_k(torch::Tensor x, int64_t k) {
   const float* X = x.data_ptr<float>();
   int64_t* I = ids.data_ptr<int64_t>();
   float* P = probs.data_ptr<float>();
-  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+  auto rows = [&](int64_t r0, int64_t r1) {
     using Entry = std::pair<float, int64_t>;
     // better(a, b): a ranks before b. As the heap's order, it keeps the worst entry on top.
     auto better = [](const Entry& a, const Entry& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
@@ -501,7 +501,10 @@ std::vector<torch::Tensor> softmax_top_k(torch::Tensor x, int64_t k) {
         P[r * k + i] = e[0] / sum;
       }
     }
-  });
+  };
+  // A few rows run on the calling thread: an OpenMP region of one thread between the target's two-thread ones
+  // resizes the serving thread's team every call (a learning server observes one row per sequence per step).
+  if (N < 8) rows(0, N); else at::parallel_for(0, N, 1, rows);
   return {ids, probs};
 }
 
