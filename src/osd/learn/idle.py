@@ -9,9 +9,10 @@ takes about its own working time / share; idle, it never waits.
 
 A chunk runs between two serving steps, never beside one (`turns`, the engine's schedule/turns.py): wait() ends by
 taking the cores once the step in flight ends, and gives them back when it is called again (or at `release()`).
-Limitations: the first chunk of an update has no budget (it may start beside a decoding request); "worked" is
-wall time between waits, so it includes the slowdown that decoding beside it causes; the busy signal is polled
-every `poll` seconds, so each wait may overrun its budget by one poll.
+Limitations: the first chunk of an update has no budget (it may start while requests decode, between two of their
+steps); without `turns` (an engine that has none) a chunk runs beside decoding and "worked", the wall time between
+waits, includes the slowdown that causes; the busy signal is polled every `poll` seconds, so each wait may overrun its
+budget by one poll.
 """
 from __future__ import annotations
 
@@ -22,16 +23,16 @@ from osd.errors import InvalidArgument
 
 class IdleWindows:
     def __init__(self, share: float, busy, clock=time.monotonic, sleep=time.sleep, poll: float = 0.005,
-                 stop: threading.Event | None = None, turns=None):
+                 stop: threading.Event | None = None):
         if not 0.0 < share <= 1.0:
             raise InvalidArgument(f"busy_share must be in (0, 1], got {share}")
         self.share, self.busy, self.clock, self.sleep, self.poll = share, busy, clock, sleep, poll
         self.stop = stop or threading.Event()
         self.worked = self.waited = 0.0  # seconds in the current update
         self.waited_total = 0.0  # seconds, all updates
-        self.forced = 0  # chunks that ran beside a decoding request because the budget was spent
+        self.forced = 0  # chunks that ran while requests decode because the budget was spent
         self._since: float | None = None  # when the current chunk of work began
-        self.turns = turns  # the engine's Turns (None: chunks may run beside steps), set when the learner attaches
+        self.turns = None  # the engine's Turns (None: chunks may run beside steps), set when the learner attaches
 
     def begin(self) -> None:
         """A new update starts: its budget starts from zero."""

@@ -105,7 +105,7 @@ class LearnConfig:
     busy_share: float = field(default=0.2, metadata={"help": (
         "background schedule: the learner waits for idle windows (no request decoding) before each micro-batch, "
         "but under constant load it waits at most (1 - share) / share x the seconds it has worked in the update, "
-        "then trains beside the requests: saturated, it takes about this share of the time and an update about "
+        "then trains between their steps: saturated, it takes about this share of the time and an update about "
         "its working time / share. In (0, 1]; 1 = never wait")})
     average: float = field(default=0.98, metadata={"help": (
         "serve an exponential moving average of the learner's weights over its optimizer steps (this decay per "
@@ -297,16 +297,21 @@ class OnlineLearner:
             self._restore_point.restore()  # moments too: a rejected update leaves no trace
             self.counters["updates_rejected"] += 1
             report["rejected_because"] = "no finite step" if not losses else "non-finite weights" if not finite else "guard"
-            if self._stop_drift(holdout, before_correct, report) and cfg.checkpoint_dir:
-                self.save()
+            if self._stop_drift(holdout, before_correct, report):
+                self._checkpoint()
             return report
         self._publish()
         self.counters["updates_published"] += 1
         report.update(published=True, version=self.version)
         self._stop_drift(holdout, after_correct, report)
-        if cfg.checkpoint_dir:
-            self.save()
+        self._checkpoint()
         return report
+
+    def _checkpoint(self) -> None:
+        """An update's checkpoint (where configured), written without the cores: serving goes on meanwhile."""
+        if self.config.checkpoint_dir:
+            self.idle.release()
+            self.save()
 
     def _stop_drift(self, holdout: list, serving: list[bool] | None, report: dict) -> bool:
         """The drift guard: the serving draft (`serving`: its correctness on `holdout`) against the never-trained
@@ -473,7 +478,6 @@ class OnlineLearner:
     def save(self) -> None:
         """draft.safetensors holds the master's weights: what serves (the average, when averaging: what
         `--learned-draft` and `osd eval` load); the trajectory goes beside them (learner_trajectory.pt)."""
-        self.idle.release()  # writing files needs no cores: serving goes on
         with self._lock:
             state = {"version": self.version, "counters": self.counters, "config": asdict(self.config)}
             extra = {TRAJECTORY: self.average.state_dict()} if self.average is not None else None
@@ -508,4 +512,4 @@ class OnlineLearner:
                 "training": int(self.training), "paused": int(self.paused),
                 "parked": int(self._parked.is_set()), **self.counters,
                 "idle_wait_seconds": self.idle.waited_total,  # background: waiting for idle windows
-                "chunks_under_load": self.idle.forced}  # ... and chunks run beside decoding once the wait budget was spent
+                "chunks_under_load": self.idle.forced}  # ... and chunks run while requests decode once the wait budget was spent
