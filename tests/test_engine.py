@@ -73,9 +73,9 @@ def test_the_draft_prefills_the_prompt_inside_the_prefill_phase(target_model, dr
     engine.clock = lambda: now[0]
     begin = proposer.begin
 
-    def timed_begin(prompt_ids):
+    def timed_begin(prompt_ids, prefill=True):
         now[0] += 100.0  # what the draft's prefill costs on this fake clock
-        begin(prompt_ids)
+        begin(prompt_ids, prefill)
         feeds.append(("after begin", proposer.runner.length))
         feed = proposer.runner.feed
         proposer.runner.feed = lambda tokens, *a, **kw: feeds.append(len(tokens)) or feed(tokens, *a, **kw)

@@ -48,7 +48,7 @@ class FixedDraft:
     def __init__(self):
         self.calls = 0
 
-    def begin(self, prompt_ids):
+    def begin(self, prompt_ids, prefill=True):
         pass
 
     def propose(self, tokens, k, sampling, generator=None):
@@ -134,7 +134,7 @@ class SlowRightDraft:
     def __init__(self, want):
         self.want, self.calls = want, 0
 
-    def begin(self, prompt_ids):
+    def begin(self, prompt_ids, prefill=True):
         self.prompt_len = len(prompt_ids)
 
     def propose(self, tokens, k, sampling, generator=None):

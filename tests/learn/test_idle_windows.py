@@ -69,11 +69,30 @@ def test_an_idle_engine_ends_the_wait_and_a_stop_ends_it_at_once():
     idle.begin()
     now[0] += 10.0  # worked 10 s: budget 40 s
     idle.wait()
-    assert idle.forced == 0 and idle.waited == pytest.approx(3 * POLL)  # returned as soon as the engine was idle
+    # returned as soon as the engine was idle: three busy polls, each twice as long as the one before
+    assert idle.forced == 0 and idle.waited == pytest.approx(POLL + 2 * POLL + 4 * POLL)
     idle.stop.set()
     busy_polls[0] = 10**6
     idle.wait()
-    assert idle.forced == 0 and idle.waited == pytest.approx(3 * POLL)
+    assert idle.forced == 0 and idle.waited == pytest.approx(7 * POLL)
+
+
+def test_under_constant_load_the_poll_backs_off_to_max_poll_and_never_sleeps_past_the_budget():
+    now = [0.0]
+    clock = VirtualClock(real=lambda: now[0])
+    sleeps = []
+
+    def sleep(seconds):
+        sleeps.append(seconds)
+        clock.sleep(seconds)
+
+    idle = IdleWindows(0.2, busy=lambda: True, clock=clock, sleep=sleep, poll=POLL, max_poll=0.1)
+    idle.begin()
+    now[0] += 1.0  # worked 1 s: budget 4 s
+    idle.wait()
+    assert idle.forced == 1 and idle.waited == pytest.approx(4.0)  # the budget exactly, not one poll more
+    assert sleeps[:5] == pytest.approx([POLL, 2 * POLL, 4 * POLL, 8 * POLL, 16 * POLL])
+    assert max(sleeps) == pytest.approx(0.1) and len(sleeps) <= 4.0 / 0.1 + 6  # ~45 wakes, not 4 / POLL = 800
 
 
 def test_busy_share_is_validated_and_a_cli_flag_with_its_help():

@@ -121,6 +121,29 @@ def test_a_cancelled_sequence_leaves_the_others_unchanged(target, draft):
     assert [done[id(seqs[i])].result.token_ids for i in (0, 2)] == [want[0].token_ids, want[2].token_ids]
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_request_admitted_beside_others_feeds_the_draft_its_prompt_only_when_first_asked_to_propose(target, draft, k):
+    """Alone, the draft's prompt prefill is part of the request's prefill; beside others (under load often k = 0) it
+    waits for the first proposal, which feeds whatever the draft's cache lacks: a request never asked to propose
+    (k = 0 here) never runs the draft, and answers stay those of each request alone."""
+    engine, _ = engine_over(target, draft, k=k, max_batch=3)
+    order = [1, 3, 4]
+    want = alone(engine, [PROMPTS[i] for i in order], [GREEDY[i] for i in order])
+    sched = engine.scheduler
+    first = sched.add(PROMPTS[1], GREEDY[1])
+    assert first.proposer.runner.length == len(PROMPTS[1]) - 1  # alone: prefilled at admission
+    later = [sched.add(PROMPTS[i], GREEDY[i]) for i in order[1:]]
+    assert [s.proposer.runner.length for s in later] == [0, 0]
+    done = {}
+    while sched.running:
+        done.update({id(s): s for s in sched.step()})
+    assert [done[id(s)].result.token_ids for s in [first] + later] == [w.token_ids for w in want]
+    if k == 0:
+        assert [s.proposer.runner.length for s in later] == [0, 0]
+    else:  # caught up at the first proposal, then fed as usual
+        assert all(s.proposer.runner.length >= len(s.prompt) for s in later)
+
+
 def test_a_bad_request_fails_alone(target, draft):
     engine, _ = engine_over(target, draft, k=3, max_batch=3)
     want = alone(engine, PROMPTS[:2], GREEDY[:2])

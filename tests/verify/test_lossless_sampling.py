@@ -353,7 +353,7 @@ class BigramDraft:
     def __init__(self, logits: torch.Tensor):
         self.logits = logits  # (V, V)
 
-    def begin(self, prompt_ids):
+    def begin(self, prompt_ids, prefill=True):
         pass
 
     def propose(self, tokens, k, sampling, generator=None) -> Proposal:

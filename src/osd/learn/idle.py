@@ -11,8 +11,10 @@ A chunk runs between two serving steps, never beside one (`turns`, the engine's 
 taking the cores once the step in flight ends, and gives them back when it is called again (or at `release()`).
 Limitations: the first chunk of an update has no budget (it may start while requests decode, between two of their
 steps); without `turns` (an engine that has none) a chunk runs beside decoding and "worked", the wall time between
-waits, includes the slowdown that causes; the busy signal is polled every `poll` seconds, so each wait may overrun its
-budget by one poll.
+waits, includes the slowdown that causes. The busy signal is polled, first every `poll` seconds, then twice as long
+after each busy poll up to `max_poll` (and never past the budget): under constant load the learner's thread wakes a
+few times a second instead of 200 (each wake takes the GIL from the serving thread), and an idle window that follows a
+long busy stretch is seen up to `max_poll` late.
 """
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ from osd.errors import InvalidArgument
 
 class IdleWindows:
     def __init__(self, share: float, busy, clock=time.monotonic, sleep=time.sleep, poll: float = 0.005,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None, max_poll: float = 0.1):
         if not 0.0 < share <= 1.0:
             raise InvalidArgument(f"busy_share must be in (0, 1], got {share}")
         self.share, self.busy, self.clock, self.sleep, self.poll = share, busy, clock, sleep, poll
+        self.max_poll = max(poll, max_poll)
         self.stop = stop or threading.Event()
         self.worked = self.waited = 0.0  # seconds in the current update
         self.waited_total = 0.0  # seconds, all updates
@@ -50,12 +53,14 @@ class IdleWindows:
         if self._since is None:
             self._since = start
         self.worked += start - self._since
-        budget = self.budget()
+        budget, delay = self.budget(), self.poll
         while self.busy() and not self.stop.is_set():
-            if self.clock() - start >= budget:
+            left = budget - (self.clock() - start)
+            if left <= 0:
                 self.forced += 1
                 break
-            self.sleep(self.poll)
+            self.sleep(min(delay, left))
+            delay = min(2 * delay, self.max_poll)
         if self.turns is not None:
             self.turns.take(self, self.stop)  # the step in flight ends first
         end = self.clock()

@@ -28,8 +28,10 @@ class Proposer(Protocol):
     name: str
     version: int
 
-    def begin(self, prompt_ids: list[int]) -> None:
-        """Start a new sequence (pick up the latest draft version, drop old caches)."""
+    def begin(self, prompt_ids: list[int], prefill: bool = True) -> None:
+        """Start a new sequence (pick up the latest draft version, drop old caches). prefill: feed a draft model the
+        prompt now; False leaves it to the first proposal, which feeds whatever its cache lacks (a sequence served
+        beside others may never be asked to propose)."""
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator) -> Proposal:
         """Propose k tokens continuing `tokens` (the whole committed sequence)."""

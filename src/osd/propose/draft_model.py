@@ -20,7 +20,9 @@ class DraftModelProposer:
     The snapshot is taken in `begin` (once per request): a newer version is picked up by the next
     request, and its KV cache starts empty (caches built with old weights are never reused); `begin` then feeds
     the prompt but its last token, so the draft's prompt prefill is part of the request's prefill (the engine
-    times it there, as llama.cpp's speculative example does) and the first proposal feeds one token.
+    times it there, as llama.cpp's speculative example does) and the first proposal feeds one token. With
+    `prefill=False` (a request admitted beside others, which under load may never speculate) the first proposal
+    feeds everything the cache lacks instead, and a request that never proposes never runs the draft.
     Every proposal names the weights its forwards ran with (`Proposal.weights`: the snapshot's version and a
     checksum of the serving copy taken at that propose call), so a swap inside a request would show per step.
     """
@@ -39,15 +41,15 @@ class DraftModelProposer:
         fork.runners_up = self.runners_up
         return fork
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], prefill: bool = True) -> None:
         snap = self.registry.get(self.name)
         if self.runner is None or snap.version != self.version or self.runner.model is not snap.model:
             self.runner = glue_draft_runner(snap.model) or self._transformers_runner(snap.model)
             self.version, self.vocab_ids = snap.version, snap.vocab_ids
             self._increasing = self.vocab_ids is None or bool((self.vocab_ids[1:] > self.vocab_ids[:-1]).all())
         self.runner.reset()
-        if len(prompt_ids) > 1:  # the prompt's prefill, inside the engine's prefill as llama.cpp's speculation does
-            self.runner.feed(list(prompt_ids[:-1]))
+        if prefill and len(prompt_ids) > 1:  # the prompt's prefill, inside the engine's prefill as llama.cpp's does
+            self.runner.feed(list(prompt_ids[:-1]))  # (without: the first proposal feeds it, see propose)
 
     def _transformers_runner(self, model) -> CachedModel:
         """The fallback draft runner, said once: the glue runner costs ~1.6x less per draft token."""
@@ -129,7 +131,7 @@ class RunnerProposer(DraftModelProposer):
         self.runner, self.name, self.vocab_size = runner, name, vocab_size
         self.version, self.vocab_ids = 0, None
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], prefill: bool = True) -> None:
         self.runner.reset()
-        if len(prompt_ids) > 1:  # the prompt's prefill, as DraftModelProposer.begin
+        if prefill and len(prompt_ids) > 1:  # the prompt's prefill, as DraftModelProposer.begin
             self.runner.feed(list(prompt_ids[:-1]))

@@ -100,7 +100,7 @@ class NgramProposer:
         twin.traffic = self.traffic
         return twin
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], prefill: bool = True) -> None:
         self.request = NgramIndex(self.min_n, self.max_n)
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator=None) -> Proposal:
@@ -144,9 +144,9 @@ class LookupThenDraft:
     def fork(self) -> "LookupThenDraft":
         return LookupThenDraft(self.lookup.fork(), self.draft.fork() if self.draft is not None else None)
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], prefill: bool = True) -> None:
         for source in self.sources:
-            source.begin(prompt_ids)
+            source.begin(prompt_ids, prefill)
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator=None) -> Proposal:
         """Both sources at the same k (the engine calls the sources itself, each at its own k)."""

@@ -24,13 +24,13 @@ class RoutedProposer:
         self.name, self.version = "routed", -1
         self.last = None  # the Decision of the request in flight (or just finished)
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], prefill: bool = True) -> None:
         decision = self.router.route(prompt_ids, pinned=current_pin())
         proposer = self.proposers.get(decision.draft)
         if proposer is None:
             proposer = self.proposers[decision.draft] = DraftModelProposer(self.registry, decision.draft, self.vocab_size)
         try:
-            proposer.begin(prompt_ids)
+            proposer.begin(prompt_ids, prefill)
         except KeyError as e:  # retired between the decision and now
             raise DraftNotFound(f"draft {decision.draft!r} is not published (retired?)") from e
         self.current, self.last = proposer, decision

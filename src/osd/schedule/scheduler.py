@@ -101,7 +101,10 @@ class Scheduler:
         self.stats.reused_rows += reused
         try:
             if proposer is not None:
-                proposer.begin(seq.tokens)  # the draft's snapshot (one version per request) and its prompt prefill
+                # the draft's snapshot (one version per request); its prompt prefill now only for a request that
+                # starts alone: beside others, under load, it may never be asked to propose (the first proposal
+                # feeds whatever the draft's cache lacks)
+                proposer.begin(seq.tokens, prefill=not self.running)
                 seq.draft = (proposer.name, proposer.version)
                 seq.sources = list(getattr(proposer, "sources", [proposer]))
                 for source, policy in zip(seq.sources, e.policies):  # a new draft version: probe it soon
