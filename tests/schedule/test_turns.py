@@ -80,3 +80,34 @@ def test_give_back_is_the_owners_alone_and_take_stops_on_request():
     assert result == [False] and turns.background  # b gave up; a still holds them
     turns.give_back(a)
     assert not turns.background and turns.take(b)
+
+
+def test_giving_the_cores_back_ends_the_background_threads_openmp_team():
+    """libgomp stops idle team threads from spinning once the process's team threads outnumber the cores, which made
+    every target pass of a learning server ~20% slower: the learner's team must not outlive its chunk. Counted as the
+    process's threads: the chunk's two-thread torch op starts a worker, giving the cores back ends it."""
+    import os
+
+    import torch
+    from conftest import skip_or_fail
+
+    from osd.schedule.turns import _libgomp
+
+    if _libgomp() is None or torch.get_num_threads() < 2:
+        skip_or_fail(f"needs torch on libgomp with 2+ threads (libgomp {_libgomp()}, {torch.get_num_threads()} threads)")
+    threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    x = torch.randn(1024, 1024)
+    (x * 2).sum()  # this thread's own team exists before counting
+    turns, owner, seen = Turns(), object(), {}
+
+    def chunk():
+        turns.take(owner)
+        before = threads()
+        (x * 2).sum()  # above torch's grain: a parallel region of this thread's own team
+        seen["with_team"] = threads() - before
+        turns.give_back(owner)
+        seen["after"] = threads() - before
+
+    t = _thread(chunk)
+    t.join(TIMEOUT)
+    assert seen == {"with_team": torch.get_num_threads() - 1, "after": 0}
