@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from osd.schedule.turns import end_thread_team
+
 from osd.learn.per_draft import served_draft
 from osd.learn.trainable import head_logits_at, trunk_features
 
@@ -195,6 +197,8 @@ class RouteFeedback:
                     except Exception:  # a failed scoring never takes serving down; counted as dropped
                         with self._lock:
                             self.counters["dropped"] += 1
+                    finally:  # this thread's OpenMP team must not outlive its work (schedule/turns.py)
+                        end_thread_team()
 
     def stop(self) -> None:
         self._stop.set()
