@@ -25,10 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from osd.schedule.turns import end_thread_team
-
 from osd.learn.per_draft import served_draft
 from osd.learn.trainable import head_logits_at, trunk_features
+from osd.schedule.turns import end_thread_team
 
 MAX_PENDING = 64
 
