@@ -54,6 +54,7 @@ from osd.learn.residual import add_difference
 from osd.learn.restore import RestorePoint
 from osd.learn.trainable import configure_trainable, split_index
 from osd.learn.triggers import UpdateTrigger
+from osd.schedule.turns import end_thread_team
 
 log = logging.getLogger("osd.learn")
 TRAJECTORY = "learner_trajectory"  # checkpoint file (.pt) of the learner's own weights (and step count) when the
@@ -463,6 +464,8 @@ class OnlineLearner:
                     self.last_update = {"error": repr(e)}
                 log.exception("background draft update failed (%d so far); serving goes on with draft version %d",
                               self.counters["update_errors"], self.version)
+            finally:  # publishing and checkpointing ran torch here too: no OpenMP team idles beside serving
+                end_thread_team()
 
     def stop(self) -> None:
         self._stop.set()
