@@ -528,5 +528,6 @@ def test_learnings_cost_in_the_alternating_runs_is_that_of_their_jsons():
 
     cost = lambda t: 1 - sum(t["osd-learning"]) / sum(t["osd"])  # noqa: E731 (equal counts per arm)
     at_01, at_005 = arms("bench-serve-vs-learning-abba.json"), arms("bench-serve-vs-learning-abba-share005.json")
-    assert (f"Alternating arms at 8 clients before that fix: {cost(at_01) * 100:.1f}% at the old busy share 0.1 and "
+    after = arms("bench-serve-vs-learning-abba-teams.json")
+    assert (f"after the fix {cost(after) * 100:.1f}%; before it {cost(at_01) * 100:.1f}% at the old busy share 0.1 and "
             f"{cost(at_005) * 100:.1f}% at 0.05") in flat
