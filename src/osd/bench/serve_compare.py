@@ -155,7 +155,10 @@ def summarise_level(server: str, learning: bool, concurrency: int, samples: list
             "tokens_per_step": tokens / steps if steps else None,
             "mean_k": d("proposed") / d("sequence_steps") if sched and d("sequence_steps") else None,
             "rows_per_step": d("rows") / d("steps") if sched and d("steps") else None,
-            "draft_versions": sorted({s.osd.get("draft_version") for s in ok if s.osd}, key=str)}
+            "draft_versions": sorted({s.osd.get("draft_version") for s in ok if s.osd}, key=str),
+            # each request in the level's prompt order: what a tail (TTFT p95) is made of
+            "per_request": [{"ok": s.ok, "prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+                             "ttft_s": s.ttft, "e2e_s": s.seconds} for s in samples]}
 
 
 async def measure_server(server: str, learning: bool, url: str, pid: int, config: CompareConfig):
