@@ -23,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache
 
 
 class Turns:
@@ -81,24 +81,18 @@ class Turns:
         return self._background is not None
 
 
-@lru_cache(maxsize=1)
-def _libgomp_at(path: str):
-    lib = ctypes.CDLL(path)
-    return lib if hasattr(lib, "omp_pause_resource_all") else None
-
-
-_LIBGOMP_PATH: list[str] = []  # found once (the runtime never unloads)
-
-
+@cache
 def _libgomp():
-    """The GNU OpenMP runtime torch runs on in this process, or None (another runtime, or none loaded yet)."""
+    """The GNU OpenMP runtime torch runs on in this process, or None (another runtime); looked up once."""
+    import torch  # noqa: F401 - loads the runtime before the lookup
+
     try:
-        if not _LIBGOMP_PATH:
-            with open("/proc/self/maps") as maps:
-                _LIBGOMP_PATH.extend(line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1])
-        return _libgomp_at(_LIBGOMP_PATH[0]) if _LIBGOMP_PATH else None
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]), None)
+        lib = ctypes.CDLL(path) if path else None
     except OSError:
         return None
+    return lib if lib is not None and hasattr(lib, "omp_pause_resource_all") else None
 
 
 def end_thread_team() -> bool:
