@@ -32,8 +32,9 @@ def register(sub, bench) -> None:
         add_config_flags(p, cls)
     p.set_defaults(max_batch=8)  # serving: continuous batching of up to 8 sequences per step
     # serving under load: the learner's share of a saturated machine, what learning costs there on top of observing
-    # (bench serve-vs at 8 clients, AMD EPYC, arms alternating: 0.1 cost 13.8% of the aggregate tokens/s, 0.05 10.3%;
-    # benchmarks/bench-serve-vs-learning-abba*.json). Idle windows are not limited by it.
+    # (bench serve-vs at 8 clients, AMD EPYC, arms alternating: 0.1 cost 13.8% of the aggregate tokens/s, 0.05 10.3%,
+    # and 2.8% once the learner's OpenMP team no longer outlived its chunks; benchmarks/bench-serve-vs-learning-abba*.json).
+    # Idle windows are not limited by it.
     p.set_defaults(busy_share=0.05)
     p.set_defaults(schedule="background", checkpoint_dir="runs/draft-checkpoint", score_schedule="background")  # serving: learn in idle windows, resume on restart
     p.set_defaults(func=cmd_serve)
