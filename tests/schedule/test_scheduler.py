@@ -304,6 +304,47 @@ def test_the_goodput_costs_learn_only_from_steps_of_decoding_rows(target, draft)
     assert mixed > 0 and pure > 0
 
 
+class _Flat:
+    """Row costs where a pass costs the same however many rows: every proposal pays (the allocation proposes)."""
+
+    def observe(self, rows, seconds):
+        pass
+
+    def __call__(self, rows):
+        return 1.0
+
+
+def test_with_company_no_sequence_proposes_in_a_step_that_feeds_prompt_rows(target, draft):
+    """Beside prompt rows a step is compute-bound: a proposal row would take a prompt row's place for less than a
+    row's worth, so an adaptive batch proposes only in steps of decoding rows alone (while proposals cost nothing,
+    there it does). Fixed k (adaptive off) still proposes at its cap in every step."""
+    for adaptive in (True, False):
+        engine, _ = engine_over(target, draft, k=3, adaptive=adaptive, max_batch=3, prefill_rows=4)
+        engine.row_costs = _Flat()
+        for policy in engine.policies:
+            policy.t_draft = 1e-9  # the draft timed as free: nothing but the rule keeps a proposal out
+        sched, stats = engine.scheduler, engine.scheduler.stats
+        pending = [list(range(3, 3 + n)) for n in (9, 14, 6, 11)]
+        beside_prompts, alone_decoding = [], []
+        while pending or sched.running:
+            if pending and len(sched.running) < sched.capacity:
+                sched.add(pending.pop(0), SamplingConfig(max_new_tokens=10))
+            before = (stats.proposed, stats.prefill_rows, stats.decode_rows)
+            company = len(sched.running) > 1
+            for seq in sched.step():
+                assert seq.error is None, seq.error
+            proposed = stats.proposed - before[0]
+            if company and stats.prefill_rows > before[1] and stats.decode_rows > before[2]:
+                beside_prompts.append(proposed)
+            elif company and stats.decode_rows > before[2]:
+                alone_decoding.append(proposed)
+        assert beside_prompts and alone_decoding
+        if adaptive:
+            assert sum(beside_prompts) == 0 and sum(alone_decoding) > 0
+        else:
+            assert sum(beside_prompts) > 0
+
+
 class _Proportional:
     """Row costs where every row costs the same: a proposal never pays (the allocation keeps k = 0)."""
 

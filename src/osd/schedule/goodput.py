@@ -1,7 +1,7 @@
 """Speculation that knows the load (SmartSpec): per step, each sequence's k chosen to maximise goodput.
 
 goodput = expected tokens emitted by the step / the step's seconds
-        = sum_i E(alpha_i, k_i) / (t_target(rows) + sum_i k_i * t_draft_i),   rows = fixed_rows + sum_i (k_i + 1)
+        = sum_i E(alpha_i, k_i) / (t_target(rows) + sum_i k_i * t_draft_i),   rows = sum_i (k_i + 1)
 E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) (speed_model.expected_tokens); t_target(rows) is the measured cost of
 one target pass over that many rows, whatever sequences they belong to. On osd's Q4 kernel a pass over 8 rows costs
 ~1.7x one row, so while the machine has room, proposals are almost free; when the pass is saturated each row costs
@@ -16,21 +16,19 @@ from typing import Callable
 from osd.speed_model import expected_tokens
 
 
-def goodput(alphas: list[float], ks: list[int], draft_seconds: list[float], step_seconds: Callable[[int], float],
-            fixed_rows: int = 0) -> float:
+def goodput(alphas: list[float], ks: list[int], draft_seconds: list[float], step_seconds: Callable[[int], float]) -> float:
     """Expected tokens per second of one step in which sequence i verifies k_i proposals."""
-    rows = fixed_rows + sum(k + 1 for k in ks)
+    rows = sum(k + 1 for k in ks)
     seconds = step_seconds(rows) + sum(k * t for k, t in zip(ks, draft_seconds))
     return sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / seconds
 
 
-def allocate_k(alphas: list[float], draft_seconds: list[float], caps: list[int], step_seconds: Callable[[int], float],
-               fixed_rows: int = 0) -> list[int]:
+def allocate_k(alphas: list[float], draft_seconds: list[float], caps: list[int], step_seconds: Callable[[int], float]) -> list[int]:
     """Each sequence's k (0..cap) for the largest goodput: greedy ascent from all-zero, one proposal at a time to
     the sequence whose extra proposal raises goodput most (a run of two is tried too, so a k = 1 that does not pay
     alone cannot hide a k = 2 that does); stops when no extra proposal raises it."""
     ks = [0] * len(alphas)
-    best = goodput(alphas, ks, draft_seconds, step_seconds, fixed_rows)
+    best = goodput(alphas, ks, draft_seconds, step_seconds)
     while True:
         choice, choice_rate = None, best
         for i, cap in enumerate(caps):
@@ -38,7 +36,7 @@ def allocate_k(alphas: list[float], draft_seconds: list[float], caps: list[int],
                 if ks[i] + step > cap:
                     break
                 ks[i] += step
-                rate = goodput(alphas, ks, draft_seconds, step_seconds, fixed_rows)
+                rate = goodput(alphas, ks, draft_seconds, step_seconds)
                 ks[i] -= step
                 if rate > choice_rate * (1 + 1e-9):
                     choice, choice_rate = (i, step), rate
