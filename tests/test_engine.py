@@ -127,6 +127,20 @@ def test_calibration_is_not_skewed_by_a_slow_spell_on_one_row_count(draft_model,
         assert engine.target_costs.seconds == pytest.approx([0.010 + 0.002 * n for n in range(1, k + 2)], rel=1e-9)
 
 
+def test_calibration_times_what_a_lagging_draft_feeds_per_token(target_model, draft_model, tokenizer):
+    """The draft's policy learns what a catch-up feed costs per token (what the allocation charges a sequence whose
+    draft cache lags); a draft-less source (the lookup) costs none."""
+    from osd.propose.ngram import LookupThenDraft, NgramProposer
+
+    registry = DraftRegistry()
+    registry.publish("draft", draft_model)
+    proposer = LookupThenDraft(NgramProposer(VOCAB), DraftModelProposer(registry, "draft", VOCAB))
+    engine = SpeculativeEngine(target_model, tokenizer, proposer, SpeculationConfig(k=3, adaptive=True))
+    engine.calibrate(context_len=16, repeats=1)
+    lookup, draft = engine.policies
+    assert draft.t_catch_up > 0 and lookup.t_catch_up < draft.t_catch_up
+
+
 def test_steps_record_target_distributions_at_proposed_positions(target_model, draft_model, tokenizer):
     engine, _ = make_engine(target_model, draft_model, tokenizer, k=3)
     records = []

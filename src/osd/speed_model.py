@@ -97,6 +97,7 @@ class KPolicy:
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.accepted, self.rejected = alpha_prior * 10, (1 - alpha_prior) * 10  # prior worth ~10 tokens
         self.t_draft: float | None = None
+        self.t_catch_up = 0.0  # seconds per token a lagging draft cache feeds before proposing (calibrated)
         self.costs = costs or TargetCosts(k_max)
         self._zero_steps, self._interval, self.probes = 0, probe_every, 0
         self.draft_version = None
@@ -116,8 +117,8 @@ class KPolicy:
     def t_target(self) -> list[float | None]:
         return self.costs.seconds
 
-    def calibrate(self, t_draft: float, t_target: list[float] | None = None) -> None:
-        self.t_draft = t_draft
+    def calibrate(self, t_draft: float, t_target: list[float] | None = None, t_catch_up: float = 0.0) -> None:
+        self.t_draft, self.t_catch_up = t_draft, t_catch_up
         if t_target is not None:
             self.costs.calibrate(t_target)
 

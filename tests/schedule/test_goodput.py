@@ -49,6 +49,20 @@ def test_a_k_two_that_pays_is_found_past_a_k_one_that_does_not():
     assert allocate_k([0.9], [0.0], [2], steps) == [2]
 
 
+def test_a_draft_whose_cache_lags_pays_its_catch_up_before_it_proposes():
+    """Two sequences alike but for their draft caches: one in step, one 150 tokens behind (a prompt admitted without
+    the draft's prefill). The catch-up (here 150 x 0.005 of a one-row pass) is charged once to a sequence that
+    proposes at all, so only the one in step speculates; without the charge both would."""
+    alphas, per_token, caps = [0.8, 0.8], [0.02, 0.02], [6, 6]
+    assert allocate_k(alphas, per_token, caps, q4_like) == allocate_k(alphas, per_token, caps, q4_like, [0.0, 0.0])
+    both = allocate_k(alphas, per_token, caps, q4_like)
+    assert both[0] > 0 and both[1] > 0
+    ks = allocate_k(alphas, per_token, caps, q4_like, [0.0, 150 * 0.005])
+    assert ks[0] > 0 and ks[1] == 0
+    assert goodput(alphas, [2, 0], per_token, q4_like, [0.0, 0.75]) == goodput(alphas, [2, 0], per_token, q4_like)
+    assert goodput(alphas, [2, 1], per_token, q4_like, [0.0, 0.75]) < goodput(alphas, [2, 1], per_token, q4_like)
+
+
 def test_row_costs_interpolate_between_and_extrapolate_beyond_what_was_measured():
     costs = RowCosts()
     assert costs(4) == 4.0  # nothing measured: proportional

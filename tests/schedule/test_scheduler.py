@@ -134,6 +134,8 @@ def test_a_request_admitted_beside_others_feeds_the_draft_its_prompt_only_when_f
     assert first.proposer.runner.length == len(PROMPTS[1]) - 1  # alone: prefilled at admission
     later = [sched.add(PROMPTS[i], GREEDY[i]) for i in order[1:]]
     assert [s.proposer.runner.length for s in later] == [0, 0]
+    # what a first proposal would feed before its one-token forward (the allocation charges it: goodput.py)
+    assert [s.proposer.lag(s.tokens) for s in [first] + later] == [0] + [len(PROMPTS[i]) - 1 for i in order[1:]]
     done = {}
     while sched.running:
         done.update({id(s): s for s in sched.step()})
@@ -302,6 +304,27 @@ def test_the_goodput_costs_learn_only_from_steps_of_decoding_rows(target, draft)
             pure += 1
             assert seen[-1] == stats.last_rows
     assert mixed > 0 and pure > 0
+
+
+def test_the_first_of_prompts_arriving_together_gets_its_first_token_without_waiting_for_the_others(target, draft):
+    """No sequence decoding: the oldest prompt is fed alone, and short ones share its pass only up to prefill_rows
+    rows; so the oldest request's first token comes before a long second prompt is fed (TTFT), and short prompts
+    still go in one pass. Answers stay those of each request alone."""
+    engine, _ = engine_over(target, draft, k=3, max_batch=3, prefill_rows=8)
+    sched = engine.scheduler
+    long_prompts = [list(range(3, 23)), list(range(20, 45))]
+    first, second = (sched.add(p, SamplingConfig(max_new_tokens=6)) for p in long_prompts)
+    sched.step()
+    assert sched.slots.length(first.slot) == first.prefill_target and sched.slots.length(second.slot) == 0
+    sched.step()
+    assert len(first.stopper.token_ids) >= 1 and sched.slots.length(second.slot) < second.prefill_target
+    while sched.running:
+        sched.step()
+    want = alone(engine, long_prompts, [SamplingConfig(max_new_tokens=6)] * 2)
+    assert [first.result.token_ids, second.result.token_ids] == [w.token_ids for w in want]
+    short = [sched.add(p, SamplingConfig(max_new_tokens=2)) for p in ([5, 6, 7], [8, 9])]
+    sched.step()
+    assert [sched.slots.length(s.slot) for s in short] == [s.prefill_target for s in short]
 
 
 class _Flat:

@@ -117,6 +117,11 @@ class DraftModelProposer:
     def rollback(self, length: int) -> None:
         self.runner.rollback(length)
 
+    def lag(self, tokens: list[int]) -> int:
+        """Tokens of `tokens` the next proposal must feed before its first forward of one token: the prompt a lazy
+        `begin` left unfed, the tokens committed while this source did not propose."""
+        return max(0, len(tokens) - 1 - (self.runner.length if self.runner is not None else 0))
+
 
 class RunnerProposer(DraftModelProposer):
     """Proposes with a fixed, frozen draft runner, e.g. a GGUF draft on llama.cpp (models/llama_cpp_runner.py).

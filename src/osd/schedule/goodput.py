@@ -1,7 +1,10 @@
 """Speculation that knows the load (SmartSpec): per step, each sequence's k chosen to maximise goodput.
 
 goodput = expected tokens emitted by the step / the step's seconds
-        = sum_i E(alpha_i, k_i) / (t_target(rows) + sum_i k_i * t_draft_i),   rows = sum_i (k_i + 1)
+        = sum_i E(alpha_i, k_i) / (t_target(rows) + sum_i [k_i * t_draft_i + (k_i > 0) * catch_up_i]),
+rows = sum_i (k_i + 1); catch_up_i: what sequence i's draft must feed first (a prompt admitted without the draft's
+prefill, tokens committed while it did not propose), ~0.5 ms a token for the cheap draft on the AMD machine, so a
+sequence 150 tokens behind pays ~75 ms, a whole step at 4 clients, before its first proposal.
 E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) (speed_model.expected_tokens); t_target(rows) is the measured cost of
 one target pass over that many rows, whatever sequences they belong to. On osd's Q4 kernel a pass over 8 rows costs
 ~1.7x one row, so while the machine has room, proposals are almost free; when the pass is saturated each row costs
@@ -16,19 +19,24 @@ from typing import Callable
 from osd.speed_model import expected_tokens
 
 
-def goodput(alphas: list[float], ks: list[int], draft_seconds: list[float], step_seconds: Callable[[int], float]) -> float:
-    """Expected tokens per second of one step in which sequence i verifies k_i proposals."""
+def goodput(alphas: list[float], ks: list[int], draft_seconds: list[float], step_seconds: Callable[[int], float],
+            catch_up_seconds: list[float] | None = None) -> float:
+    """Expected tokens per second of one step in which sequence i verifies k_i proposals (catch_up_seconds: what
+    sequence i's draft feeds before it can propose at all, paid once if k_i > 0)."""
     rows = sum(k + 1 for k in ks)
     seconds = step_seconds(rows) + sum(k * t for k, t in zip(ks, draft_seconds))
+    if catch_up_seconds is not None:
+        seconds += sum(c for k, c in zip(ks, catch_up_seconds) if k)
     return sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / seconds
 
 
-def allocate_k(alphas: list[float], draft_seconds: list[float], caps: list[int], step_seconds: Callable[[int], float]) -> list[int]:
+def allocate_k(alphas: list[float], draft_seconds: list[float], caps: list[int], step_seconds: Callable[[int], float],
+               catch_up_seconds: list[float] | None = None) -> list[int]:
     """Each sequence's k (0..cap) for the largest goodput: greedy ascent from all-zero, one proposal at a time to
     the sequence whose extra proposal raises goodput most (a run of two is tried too, so a k = 1 that does not pay
     alone cannot hide a k = 2 that does); stops when no extra proposal raises it."""
     ks = [0] * len(alphas)
-    best = goodput(alphas, ks, draft_seconds, step_seconds)
+    best = goodput(alphas, ks, draft_seconds, step_seconds, catch_up_seconds)
     while True:
         choice, choice_rate = None, best
         for i, cap in enumerate(caps):
@@ -36,7 +44,7 @@ def allocate_k(alphas: list[float], draft_seconds: list[float], caps: list[int],
                 if ks[i] + step > cap:
                     break
                 ks[i] += step
-                rate = goodput(alphas, ks, draft_seconds, step_seconds)
+                rate = goodput(alphas, ks, draft_seconds, step_seconds, catch_up_seconds)
                 ks[i] -= step
                 if rate > choice_rate * (1 + 1e-9):
                     choice, choice_rate = (i, step), rate
