@@ -282,6 +282,43 @@ def test_prefix_reuse_on_the_q4_kernel_is_bitwise_a_fresh_prefill(tiny_q4):
     assert engine.scheduler.stats.reused_rows >= 12 + 12 + 4  # PROMPT[:12] twice, PROMPT[:4] once
 
 
+def test_a_prompt_sharing_a_prefix_with_a_running_request_copies_its_keys_and_values(tiny_q4):
+    """A request whose prompt starts like one still running (no free slot holds it) gets that prefix's keys/values
+    copied from the running sequence's slot (Q4Slots.copy_prefix), not fed again; both answers stay bitwise those
+    of each request alone, the running one's included."""
+    from tests.models.tiny_gguf import PROMPT, tiny_torch_model
+
+    runner, vocab = tiny_q4
+    prompts = [PROMPT + [10, 10], PROMPT[:12] + [33, 10]]
+    sampling = [SamplingConfig(max_new_tokens=n) for n in (14, 10)]
+    fresh, _ = engine_over(runner, tiny_torch_model(3), k=4, max_batch=1, vocab=vocab)
+    want = [r.token_ids for r in alone(fresh, prompts, sampling)]
+    engine, _ = engine_over(runner, tiny_torch_model(3), k=4, max_batch=2, vocab=vocab)
+    sched = engine.scheduler
+    first = sched.add(prompts[0], sampling[0])
+    for _ in range(3):
+        sched.step()
+    assert sched.running == [first]
+    second = sched.add(prompts[1], sampling[1])
+    common = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1][:-1] + [-1])) if a != b)  # 12 or more
+    assert common >= 12 and sched.stats.reused_rows == common and sched.slots.length(second.slot) == common
+    while sched.running:
+        sched.step()
+    assert [first.result.token_ids, second.result.token_ids] == want
+
+
+def test_copy_prefix_refuses_what_it_cannot_copy(tiny_q4):
+    from osd.models.slots import Feed, Q4Slots
+
+    slots = Q4Slots(tiny_q4[0], 3)
+    slots.feed([Feed(0, [5, 6, 7, 8], 1)])
+    slots.copy_prefix(0, 1, 3)
+    assert slots.length(1) == 3 and slots.length(0) == 4
+    for source, slot, n in ((0, 0, 2), (0, 2, 5), (0, 2, -1)):
+        with pytest.raises(InvalidArgument):
+            slots.copy_prefix(source, slot, n)
+
+
 def test_the_goodput_costs_learn_only_from_steps_of_decoding_rows(target, draft):
     """A proposal is a decoding row (with its logits); a step that also feeds prompt rows is cheaper per row and would
     make proposals look cheap, so only steps of decoding rows alone feed the allocation's costs."""

@@ -72,6 +72,20 @@ class Q4Slots:
         self._set_length(slot, min(self.length(slot), length))
 
     @torch.inference_mode()
+    def copy_prefix(self, source: int, slot: int, n: int) -> None:
+        """Give `slot` the keys/values of `source`'s first n positions (exclusive slots; `source` is untouched): bitwise
+        what feeding those tokens would write, since each row is computed on its own (a running request's prompt
+        prefix, shared by a new one, copied in ~ms instead of fed again)."""
+        if not self.exclusive or source == slot or not 0 <= n <= self.length(source):
+            raise InvalidArgument(f"cannot copy {n} positions from slot {source} to slot {slot}")
+        if self._caches[slot] is None:
+            self._caches[slot] = self.runner.new_cache(self.context_window)
+        for (k_from, v_from), (k_to, v_to) in zip(self._caches[source], self._caches[slot]):
+            k_to[:, :n] = k_from[:, :n]
+            v_to[:, :n] = v_from[:, :n]
+        self._set_length(slot, n)
+
+    @torch.inference_mode()
     def keep_path(self, slot: int, base: int, path: list[int]) -> None:
         """After a tree feed whose nodes start at cache index `base`: keep the accepted nodes `path` (root's child
         first) where a chain would have written them (cache index base + depth) and drop the rest, so the cache is

@@ -1,0 +1,136 @@
+"""The scheduler under closed-loop load, in one process: where a step's time goes, speculative vs target-only.
+
+No HTTP, no tokenizer round trips: `c` requests kept in flight on the engine's scheduler (a new one admitted as one
+finishes, as `osd bench serve-vs`'s clients do), the same interleaved code / gsm8k / spider / chat test prompts for
+every arm, a new slice of prompts per level, levels in order in one engine per arm (as one server serves them), one
+warm-up request per arm not counted; each level runs every arm in turn, the order reversed every other level. Per
+level: output tokens/s, steps, rows (prompt, reused prompt, decode), proposals and acceptances, and the seconds in
+propose, the target pass (feed) and commit. Run it alone on the machine. Writes JSON and a BENCHMARKS.md block.
+
+    python scripts/bench_scheduler.py --levels 1 2 4 8 --arms spec target-only
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+from osd.bench.record import emit_report, machine, write_result
+from osd.bench.report import table
+from osd.bench.serve_compare import interleaved_prompts
+from osd.build import build_system
+from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
+from osd.data import prompt_ids
+
+ARMS = {"spec": 6, "target-only": 0}  # k
+
+
+def timed(totals: collections.Counter, name: str, f):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - t0
+    return wrapper
+
+
+def closed_loop(engine, prompts: list[list[int]], concurrency: int, max_new_tokens: int) -> int:
+    """Keep `concurrency` requests in flight until every prompt is answered -> output tokens."""
+    sched, queue, tokens = engine.scheduler, list(prompts), 0
+    while queue or sched.running:
+        while queue and len(sched.running) < concurrency:
+            sched.add(queue.pop(0), SamplingConfig(max_new_tokens=max_new_tokens))
+        for seq in sched.step():
+            if seq.error is not None:
+                raise seq.error
+            tokens += len(seq.result.token_ids)
+            engine.observe_request(seq.result)  # the lookup's traffic index learns, as the server's worker does
+    return tokens
+
+
+class Arm:
+    """One engine (its own target runner, slots, proposer and policies) and the timers on its scheduler."""
+
+    def __init__(self, name: str, args):
+        system = build_system(ModelConfig(target=args.target, threads=args.threads),
+                              SpeculationConfig(k=ARMS[name], lookup=True, max_batch=args.max_batch))
+        self.name, self.engine, self.totals = name, system.engine, collections.Counter()
+        self.engine.calibrate()
+        sched = self.engine.scheduler
+        sched._propose = timed(self.totals, "propose_s", sched._propose)
+        sched._commit = timed(self.totals, "commit_s", sched._commit)
+        sched.slots.feed = timed(self.totals, "target_pass_s", sched.slots.feed)
+
+    def level(self, prompts: list[list[int]], concurrency: int, max_new_tokens: int) -> dict:
+        stats = self.engine.scheduler.stats
+        self.totals.clear()
+        before = dict(vars(stats))
+        t0 = time.perf_counter()
+        tokens = closed_loop(self.engine, prompts, concurrency, max_new_tokens)
+        wall = time.perf_counter() - t0
+        delta = {key: vars(stats)[key] - before[key] for key in ("steps", "rows", "decode_rows", "prefill_rows",
+                                                                 "proposed", "accepted", "reused_rows")}
+        print(f"  {self.name:12s} c={concurrency:<3d} {tokens / wall:6.1f} tok/s  steps {delta['steps']}  rows "
+              f"{delta['rows']} (prompt {delta['prefill_rows']})  proposed {delta['proposed']} accepted "
+              f"{delta['accepted']}", flush=True)
+        return {"arm": self.name, "concurrency": concurrency, "requests": len(prompts), "output_tokens": tokens,
+                "wall_s": wall, "tokens_per_s": tokens / wall, **delta, **dict(self.totals)}
+
+
+def run(args, prompts: list[list[int]]) -> list[dict]:
+    """Every arm's engine built first; then level by level, each arm in turn (the order reversed every other level,
+    so a slow spell of the machine does not fall on one arm's levels only)."""
+    arms = [Arm(name, args) for name in args.arms]
+    for arm in arms:
+        closed_loop(arm.engine, prompts[:1], 1, args.max_new_tokens)  # warm-up
+    records = []
+    for i, c in enumerate(args.levels):
+        batch = prompts[1 + i * args.per_level: 1 + (i + 1) * args.per_level]
+        for arm in (arms if i % 2 == 0 else arms[::-1]):
+            records.append(arm.level(batch, c, args.max_new_tokens))
+    return records
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="bundled:qwen2.5-coder-1.5b")
+    p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--per-level", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/bench-scheduler.json")
+    p.add_argument("--markdown", default="BENCHMARKS.md")
+    args = p.parse_args(argv)
+    from osd.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(args.target)
+    texts = interleaved_prompts(1 + args.per_level * len(args.levels))
+    prompts = [prompt_ids(tokenizer, text) for text in texts]
+    records = run(args, prompts)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "markdown")}
+    path = write_result({"config": config, "records": records}, args.out)
+    by = {(r["arm"], r["concurrency"]): r for r in records}
+    rows = []
+    for r in records:
+        reference = by.get(("target-only", r["concurrency"]))
+        rows.append([r["arm"], r["concurrency"], f"{r['tokens_per_s']:.2f}",
+                     f"{r['tokens_per_s'] / reference['tokens_per_s']:.3f}" if reference else "-",
+                     r["steps"], r["rows"], r["prefill_rows"], r["reused_rows"], r["proposed"], r["accepted"],
+                     f"{r.get('propose_s', 0):.2f}", f"{r.get('target_pass_s', 0):.2f}", f"{r.get('commit_s', 0):.2f}"])
+    blocks = [table(rows, ["arm", "c", "tokens/s", "x target-only", "steps", "rows", "prompt rows", "reused prompt rows",
+                           "proposed", "accepted", "propose s", "target pass s", "commit s"])]
+    m = machine()
+    description = (f"`python scripts/bench_scheduler.py --levels {' '.join(map(str, args.levels))} --arms "
+                   f"{' '.join(args.arms)} --per-level {args.per_level} --out {args.out}`, max_new_tokens "
+                   f"{args.max_new_tokens}, max_batch {args.max_batch}, threads {args.threads}, lookup on, greedy; "
+                   f"machine: {m['cpu']} ({m['cpu_flags']}), {m['cores']} cores")
+    emit_report("The scheduler in-process (`scripts/bench_scheduler.py`)", description, blocks, path,
+                args.markdown or None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
