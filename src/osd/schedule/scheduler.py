@@ -11,8 +11,9 @@ sequence's live acceptance and the measured cost of a pass by rows, so speculati
 saturated. Sources that cost nothing to ask (the n-gram lookup) propose first; a draft model proposes after the
 allocation, with the k it was given. With company, no sequence proposes in a step that feeds prompt rows: such a step
 is compute-bound (16-256 prompt rows), where a proposal row costs a full row's share and takes a prompt row's place,
-and a prompt row is one row of work done where a proposal row is worth its acceptance (< 1). (In-process on the AMD
-machine, 4 clients, 16 chat requests: 46.6 tokens/s proposing beside prompt rows, 50.0 not, 49.5 target-only.)
+and a prompt row is one row of work done where a proposal row is worth its acceptance (< 1). (`osd bench serve-vs` on
+the AMD machine, 4 clients: 0.78x osd target-only proposing beside prompt rows, `bench-serve-vs-teams.json`; 0.91x
+not, `bench-serve-vs-noprop-prefill.json`.)
 
 Lossless per request: a sequence's rows are computed bitwise as if it ran alone (Q4Slots; RunnerSlots feeds each
 slot on its own), and acceptance runs per sequence with its own generator, so a greedy answer is the one the request
