@@ -522,6 +522,11 @@ def test_the_serve_vs_table_and_its_reading_are_those_of_bench_serve_vs_copy():
             f"{lazy_cost[3] * 100:.0f}% at 8 clients") in flat
     assert (f"(mean k {lazy[('osd-learning', 8)]['mean_k']:.2f} against {lazy[('osd', 8)]['mean_k']:.2f} at 8 clients in "
             f"that run, {by[('osd-learning', 8)]['mean_k']:.2f} against {by[('osd', 8)]['mean_k']:.2f} in this one)") in flat
+    abba = {s: [x for x in result("bench-serve-vs-c4-abba.json")["records"] if x["server"] == s] for s in ("osd", "osd-target-only")}
+    assert [x["concurrency"] for x in abba["osd"] + abba["osd-target-only"]] == [4] * 4
+    ratio4 = sum(x["aggregate_tokens_per_s"] for x in abba["osd"]) / sum(x["aggregate_tokens_per_s"] for x in abba["osd-target-only"])
+    acceptance4 = sum(x["acceptance_rate"] for x in abba["osd"]) / 2
+    assert f"(`bench-serve-vs-c4-abba.json`, acceptance {acceptance4:.2f}) gave {ratio4:.2f}x target-only" in flat
     sched = {(x["arm"], x["concurrency"]): x["tokens_per_s"] for x in result("bench-scheduler-copy.json")["records"]}
     assert ("speculative / target-only " + " / ".join(f"{sched[('spec', c)] / sched[('target-only', c)]:.2f}x"
                                                        for c in (1, 2, 4, 8)) + " at 1 / 2 / 4 / 8 clients") in flat
