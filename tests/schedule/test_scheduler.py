@@ -307,6 +307,39 @@ def test_a_prompt_sharing_a_prefix_with_a_running_request_copies_its_keys_and_va
     assert [first.result.token_ids, second.result.token_ids] == want
 
 
+def test_a_request_that_fails_after_a_prefix_copy_leaves_no_stale_prefix_behind(tiny_q4):
+    """A request whose admission fails after its slot got a running request's prefix copied in: the slot goes back
+    free as holding that prefix only, so a later request matching what the slot held before is fed again, not
+    answered from the copied keys/values (its answer stays the one it gets alone)."""
+    from tests.models.tiny_gguf import PROMPT, tiny_torch_model
+
+    runner, vocab = tiny_q4
+    old, running, failing = [7, 8, 9, 10, 11, 12, 13, 14, 15], PROMPT + [10, 10], PROMPT[:12] + [33, 10]
+    later = old + [20, 21]
+    sampling = SamplingConfig(max_new_tokens=6)
+    fresh, _ = engine_over(runner, tiny_torch_model(3), k=4, max_batch=1, vocab=vocab)
+    want = alone(fresh, [later], [sampling])[0].token_ids
+    engine, _ = engine_over(runner, tiny_torch_model(3), k=4, max_batch=2, vocab=vocab)
+    sched = engine.scheduler
+    first = sched.add(old, sampling)
+    while sched.running:
+        sched.step()
+    sched.add(running, SamplingConfig(max_new_tokens=30))
+    sched.step()
+    proposer = sched._proposers[first.slot]
+    begin = proposer.begin
+    proposer.begin = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("draft unavailable"))
+    with pytest.raises(RuntimeError):
+        sched.add(failing, sampling)  # takes first's slot (the only free one) and copies running's prefix into it
+    proposer.begin = begin
+    assert sched._free == [first.slot]
+    seq = sched.add(later, sampling)
+    assert seq.slot == first.slot
+    while sched.running:
+        sched.step()
+    assert seq.result.token_ids == want
+
+
 def test_copy_prefix_refuses_what_it_cannot_copy(tiny_q4):
     from osd.models.slots import Feed, Q4Slots
 

@@ -95,15 +95,14 @@ class Scheduler:
     def _admit(self, prompt_ids, sampling: SamplingConfig, request_id: str | None, on_text) -> Sequence:
         e = self.engine
         slot, reused = self._slot_for(prompt_ids)
-        start = e.clock()
-        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        proposer = self._proposer(slot)
-        seq = Sequence(request_id or uuid.uuid4().hex[:12], list(prompt_ids), sampling, slot, proposer,
-                       StopChecker(e.tokenizer, e.eos_ids, sampling.max_new_tokens, sampling.stop), generator,
-                       on_text, start, list(prompt_ids))
-        self.slots.rollback(slot, reused) if reused else self.slots.reset(slot)
-        self.stats.reused_rows += reused
         try:
+            start = e.clock()
+            generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+            proposer = self._proposer(slot)
+            seq = Sequence(request_id or uuid.uuid4().hex[:12], list(prompt_ids), sampling, slot, proposer,
+                           StopChecker(e.tokenizer, e.eos_ids, sampling.max_new_tokens, sampling.stop), generator,
+                           on_text, start, list(prompt_ids))
+            self.slots.rollback(slot, reused) if reused else self.slots.reset(slot)
             if proposer is not None:
                 # the draft's snapshot (one version per request); its prompt prefill now only for a request that
                 # starts alone: beside others, under load, it may never be asked to propose (the first proposal
@@ -113,9 +112,11 @@ class Scheduler:
                 seq.sources = list(getattr(proposer, "sources", [proposer]))
                 for source, policy in zip(seq.sources, e.policies):  # a new draft version: probe it soon
                     policy.on_draft_version(getattr(source, "version", None))
-        except BaseException:
+        except BaseException:  # the slot goes back free, holding what is now sure: the prompt's first `reused`
+            self._held[slot] = list(prompt_ids[:reused])  # tokens (a copied prefix overwrote what it held before)
             self._free.insert(0, slot)
             raise
+        self.stats.reused_rows += reused
         seq.alphas = [LiveAlpha() for _ in seq.sources]
         seq.prefill_seconds = e.clock() - start
         self.running.append(seq)
