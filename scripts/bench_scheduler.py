@@ -21,6 +21,7 @@ from osd.bench.serve_compare import interleaved_prompts
 from osd.build import build_system
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.data import prompt_ids
+from osd.models.loading import load_tokenizer
 
 ARMS = {"spec": 6, "target-only": 0}  # k
 
@@ -104,8 +105,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/bench-scheduler.json")
     p.add_argument("--markdown", default="BENCHMARKS.md")
     args = p.parse_args(argv)
-    from osd.models.loading import load_tokenizer
-
     tokenizer = load_tokenizer(args.target)
     texts = interleaved_prompts(1 + args.per_level * len(args.levels))
     prompts = [prompt_ids(tokenizer, text) for text in texts]

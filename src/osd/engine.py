@@ -181,14 +181,14 @@ class SpeculativeEngine:
                 self.target.rollback(prefix)
                 if round_:
                     t_target[n - 1] = min(t_target[n - 1], seconds)
-        t_drafts = [self._draft_seconds(proposer, dummy) for proposer in self.sources] if self.target_costs.k_max else []
+        drafts = [self._draft_seconds(proposer, dummy) for proposer in self.sources] if self.target_costs.k_max else []
         if self.scheduler.capacity > 1:
             self.row_costs.calibrate(self._row_seconds(dummy[:prefix], t_target, repeats))
         self.target.reset()
         self.target_costs.calibrate(t_target)
-        for policy, (t_draft, t_catch_up) in zip(self.policies, t_drafts):
+        for policy, (t_draft, t_catch_up) in zip(self.policies, drafts):
             policy.calibrate(t_draft, t_catch_up=t_catch_up)
-        t_drafts = [t for t, _ in t_drafts]
+        t_drafts = [t for t, _ in drafts]
         t_draft = max(t_drafts, default=0.0)
         return {"t_draft": t_draft, "t_draft_by_source": t_drafts, "t_target": t_target, "c": t_draft / t_target[0],
                 "verify_cost": [t / t_target[0] for t in t_target]}

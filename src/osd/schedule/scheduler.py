@@ -27,6 +27,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -48,6 +49,16 @@ MIN_PREFILL_ROWS = 16  # prompt rows per step however many decode rows share it:
 MAX_PREFILL_ROWS = 256  # prompt rows per step beside decoding sequences, however many prompts wait
 PROBE_EVERY = 16  # with company, the batch probes about once in this many steps (evidence for a better draft version)
 FREE_SECONDS = 1e-4  # a source whose proposal costs less than this per token is asked before the allocation
+
+
+class Ask(NamedTuple):
+    """What the allocation knows of one decoding sequence's next proposal (`_ask_free_sources`)."""
+    source: int | None  # index of the source that will propose (None: no source can)
+    proposal: Proposal | None  # a free source's proposal, made already (None: a draft proposes after the allocation)
+    alpha: float  # the sequence's live acceptance for that source
+    draft_seconds: float  # per proposed token (0 for a free source)
+    catch_up_seconds: float  # what a lagging draft cache feeds before its first proposal (goodput.py)
+    cap: int  # the most tokens it may propose
 
 
 @dataclass
@@ -218,18 +229,20 @@ class Scheduler:
             return plans, failed
         if prefilling and self.engine.spec.adaptive:  # prompt rows fill this step (the module's docstring says why)
             return [(seq, Proposal([]), None, 0.0) for seq in decoding], failed
-        asked = []
+        asked: list[tuple[Sequence, Ask]] = []
         for seq in decoding:
             try:
-                asked.append((seq, *self._ask_free_sources(seq)))
+                asked.append((seq, self._ask_free_sources(seq)))
             except Exception as err:  # noqa: BLE001
                 failed.append(self._end(seq, err))
-        caps = [c for *_, c in asked]
+        asks = [a for _, a in asked]
+        caps = [a.cap for a in asks]
         ks = caps if not self.engine.spec.adaptive else allocate_k(  # fixed k: every sequence at its cap
-            [a[3] for a in asked], [a[4] for a in asked], caps, self.engine.row_costs, [a[5] for a in asked])
-        for (seq, source, proposal, *_), k in zip(asked, ks):
+            [a.alpha for a in asks], [a.draft_seconds for a in asks], caps, self.engine.row_costs,
+            [a.catch_up_seconds for a in asks])
+        for (seq, a), k in zip(asked, ks):
             try:
-                plans.append(self._draft(seq, source, proposal, self._probe(seq, k, source, len(asked))))
+                plans.append(self._draft(seq, a.source, a.proposal, self._probe(seq, k, a.source, len(asked))))
             except Exception as err:  # noqa: BLE001
                 failed.append(self._end(seq, err))
         return plans, failed
@@ -270,10 +283,9 @@ class Scheduler:
             return Feed(seq.slot, pending + proposal.tokens, proposal.k + 1)
         return Feed(seq.slot, pending + proposal.tree.tokens, proposal.tree.size + 1, tree=proposal.tree.parents)
 
-    def _ask_free_sources(self, seq: Sequence):
-        """-> (source index, proposal made already or None, alpha, draft seconds per token, catch-up seconds, cap)
-        for the allocation: the first free source that finds tokens, else the first source that costs draft forwards
-        (and, where its cache lags, a catch-up feed first: goodput.py)."""
+    def _ask_free_sources(self, seq: Sequence) -> Ask:
+        """The first free source that finds tokens (its proposal made now), else the first source that costs draft
+        forwards (and, where its cache lags, a catch-up feed first: goodput.py)."""
         e = self.engine
         cap = max(0, min(e.k_max, seq.remaining - 1))
         for j, (source, policy) in enumerate(zip(seq.sources, e.policies)):
@@ -284,11 +296,11 @@ class Scheduler:
             if t_draft < FREE_SECONDS:
                 proposal = source.propose(seq.tokens, cap, seq.sampling, seq.generator)
                 if proposal.k:
-                    return j, proposal, alpha, 0.0, 0.0, proposal.k
+                    return Ask(j, proposal, alpha, 0.0, 0.0, proposal.k)
                 continue
             lag = source.lag(seq.tokens) if hasattr(source, "lag") else 0
-            return j, None, alpha, t_draft, lag * policy.t_catch_up, cap
-        return None, None, 0.0, 0.0, 0.0, 0
+            return Ask(j, None, alpha, t_draft, lag * policy.t_catch_up, cap)
+        return Ask(None, None, 0.0, 0.0, 0.0, 0)
 
     def _probe(self, seq: Sequence, k: int, source: int | None, decoding: int) -> int:
         """k, or 1 where the sequence has sat at k = 0 for PROBE_EVERY steps per decoding sequence with a source to ask:
