@@ -407,6 +407,24 @@ class _Flat:
         return 1.0
 
 
+def test_the_allocation_charges_a_lagging_draft_its_catch_up(target, draft):
+    """A request admitted beside another has no draft prefill: its draft lags by its prompt. Where the catch-up feed
+    is dear, only the sequence whose draft is in step proposes; where it is free, both do."""
+    for t_catch_up, second_proposes in ((1.0, False), (0.0, True)):
+        engine, _ = engine_over(target, draft, k=3, adaptive=True, max_batch=2)
+        engine.row_costs = _Flat()
+        for policy in engine.policies:  # a draft that costs forwards (not asked before the allocation), but cheap
+            policy.t_draft, policy.t_catch_up = 1e-3, t_catch_up
+        sched = engine.scheduler
+        first = sched.add(PROMPTS[1], SamplingConfig(max_new_tokens=12))  # alone: prefilled at admission
+        second = sched.add(PROMPTS[4], SamplingConfig(max_new_tokens=12))  # beside it: not prefilled
+        while len(sched.running) == 2:  # with company (alone, a sequence follows the single-request policy)
+            for seq in sched.step():
+                assert seq.error is None, seq.error
+        assert any(k for k, _ in first.steps)
+        assert any(k for k, _ in second.steps) == second_proposes, t_catch_up
+
+
 def test_with_company_no_sequence_proposes_in_a_step_that_feeds_prompt_rows(target, draft):
     """Beside prompt rows a step is compute-bound: a proposal row would take a prompt row's place for less than a
     row's worth, so an adaptive batch proposes only in steps of decoding rows alone (while proposals cost nothing,
