@@ -307,6 +307,24 @@ def test_a_prompt_sharing_a_prefix_with_a_running_request_copies_its_keys_and_va
     assert [first.result.token_ids, second.result.token_ids] == want
 
 
+def test_a_prompt_sharing_only_the_template_head_does_not_overwrite_a_longer_cached_prefix(tiny_q4):
+    """Three requests one after another with three slots: the second shares only a 2-token head with the first, the
+    third shares 12 or more with the first. The second takes an empty slot (the head copied), so the first's prefix
+    is still cached when the third arrives (reused: 2 + those rows; taking the first's slot in place, the head being
+    the longest match, gave 2 + 2). Every answer stays the one it gets alone."""
+    from tests.models.tiny_gguf import PROMPT, tiny_torch_model
+
+    runner, vocab = tiny_q4
+    prompts = [PROMPT + [10, 10], PROMPT[:2] + [33, 34, 35], PROMPT[:12] + [33, 10]]
+    sampling = [SamplingConfig(max_new_tokens=n) for n in (8, 6, 7)]
+    fresh, _ = engine_over(runner, tiny_torch_model(3), k=4, max_batch=1, vocab=vocab)
+    want = [r.token_ids for r in alone(fresh, prompts, sampling)]
+    engine, _ = engine_over(runner, tiny_torch_model(3), k=4, max_batch=3, vocab=vocab)
+    assert _sequential(engine, prompts, sampling) == want
+    shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[2][:-1] + [-1])) if a != b)  # 12 or more
+    assert shared >= 12 and engine.scheduler.stats.reused_rows == 2 + shared
+
+
 def test_a_request_that_fails_after_a_prefix_copy_leaves_no_stale_prefix_behind(tiny_q4):
     """A request whose admission fails after its slot got a running request's prefix copied in: the slot goes back
     free as holding that prefix only, so a later request matching what the slot held before is fed again, not

@@ -37,6 +37,7 @@ from osd.models.slots import Feed
 from osd.propose.base import Proposal, forkable
 from osd.propose.tree import grow_tree
 from osd.schedule.goodput import allocate_k
+from osd.schedule.prefix import choose_slot, common_prefix
 from osd.schedule.sequence import LiveAlpha, Sequence
 from osd.stopping import StopChecker
 from osd.verify.acceptance import VerifyOutcome, acceptance_beta
@@ -135,33 +136,24 @@ class Scheduler:
 
     def _slot_for(self, prompt: list[int]) -> tuple[int, int]:
         """A free slot, taken from the free list -> (slot, prompt tokens its cache holds already). Prefix reuse: the
-        free slot whose held tokens share the longest prefix with the prompt (all but its last token, which is fed
-        with the first proposals); its keys/values at those positions are bitwise what feeding them again would give
-        (rows are computed independently), so the request's output is unchanged and its prefill shorter (llama.cpp's
-        server does the same per slot). Where a running sequence's cache holds a longer prefix (a shared system
-        prompt, few-shot examples or schema of requests in flight together), those positions are copied into the
-        slot instead (`copy_prefix`, where the slots offer it): in `scripts/bench_scheduler.py`'s closed loop at 4
-        clients the speculative arm re-fed ~200 more prompt rows than the target-only one (~8% of all rows) only
-        because requests finished in another order and the slot holding a schema was still running."""
-        def shared(held: list[int]) -> int:
-            n = 0
-            for a, b in zip(held, prompt[:-1]):
-                if a != b:
-                    break
-                n += 1
-            return n
-
+        longest prefix of the prompt (all but its last token, which is fed with the first proposals) that a slot's
+        cache holds, free or running; its keys/values at those positions are bitwise what feeding them again would
+        give (rows are computed independently), so the request's output is unchanged and its prefill shorter
+        (llama.cpp's server does the same per slot). Which free slot it takes, and when the prefix is copied
+        (`copy_prefix`, where the slots offer it) rather than reused in place: schedule/prefix.py."""
         if not self.slots.exclusive:
             return self._free.pop(0), 0
-        counts = [shared(self._held.get(slot, [])) for slot in self._free]
-        best = counts.index(max(counts))  # the first of the longest
-        slot, reused = self._free.pop(best), counts[best]
-        if hasattr(self.slots, "copy_prefix") and self.running:
-            n, donor = max((shared(s.tokens[: self.slots.length(s.slot)]), s.slot) for s in self.running)
-            if n > reused:
-                self.slots.copy_prefix(donor, slot, n)
-                return slot, n
-        return slot, reused
+        free = {slot: self._held.get(slot, []) for slot in self._free}
+        if not hasattr(self.slots, "copy_prefix"):  # in place only: the free slot holding the longest prefix
+            counts = [common_prefix(held, prompt[:-1]) for held in free.values()]
+            best = counts.index(max(counts))
+            return self._free.pop(best), counts[best]
+        running = {s.slot: s.tokens[: self.slots.length(s.slot)] for s in self.running}
+        slot, donor, n = choose_slot(free, running, prompt)
+        if donor != slot:
+            self.slots.copy_prefix(donor, slot, n)  # checks first: a refusal leaves the slot free and as it was
+        self._free.remove(slot)
+        return slot, n
 
     def _proposer(self, slot: int):
         if slot not in self._proposers:
