@@ -463,15 +463,15 @@ def test_the_best_amd_learned_draft_range_is_that_of_its_speed_runs():
             f"`bench-speed-learned-code600-average*.json` and `-lookup*.json`)") in " ".join(README.split())
 
 
-def test_the_serve_vs_table_and_its_reading_are_those_of_bench_serve_vs_copy():
-    r = result("bench-serve-vs-copy.json")
+def test_the_serve_vs_table_and_its_reading_are_those_of_bench_serve_vs_prefix():
+    r = result("bench-serve-vs-prefix.json")
     flat = " ".join(README.split())
     by = {(x["server"], x["concurrency"]): x for x in r["records"]}
     tok = lambda server, c: by[(server, c)]["aggregate_tokens_per_s"]  # noqa: E731
     gb = lambda server, c: by[(server, c)]["peak_rss_bytes"] / 1e9  # noqa: E731
     p95 = lambda server, c: by[(server, c)]["ttft_p95_s"]  # noqa: E731
     levels = r["config"]["levels"]
-    assert levels == [1, 2, 4, 8, 16] and f"bench-serve-vs-copy.json`, rev {r['git_revision']}, 2-core AMD" in flat
+    assert levels == [1, 2, 4, 8, 16] and f"bench-serve-vs-prefix.json`, rev {r['git_revision']}, 2-core AMD" in flat
     for c in levels:
         base = tok("llama-server", c)
         cells = [f"{base:.1f}"] + [f"{tok(s, c):.1f} ({tok(s, c) / base:.2f}x)" for s in ("osd", "osd-learning",
@@ -497,7 +497,20 @@ def test_the_serve_vs_table_and_its_reading_are_those_of_bench_serve_vs_copy():
     short = [f"{ratio[c]:.2f}x at {name(c)} (target {goal[c]:.1f}x)" for c in levels if ratio[c] < goal[c]]
     short += [f"learning's cost at 8 clients ({cost[8] * 100:.0f}%, target 10%)"] if cost[8] > 0.10 else []
     assert f"met: {', '.join(met)}; peak RSS at 16 clients {gb('osd', 16):.2f} GB (learning on {gb('osd-learning', 16):.2f} GB)" in flat
-    assert f"short: {', '.join(short) or 'none'}. Beyond a few rows" in flat and gb("osd-learning", 16) <= 6.0
+    ab = result("bench-serve-vs-c4-abba-prefix.json")["records"]
+    ab_tok = {n: [x["aggregate_tokens_per_s"] for x in ab if x["server"] == n] for n in ("osd", "osd-target-only", "llama-server")}
+    ab_c4 = sum(ab_tok["osd"]) / sum(ab_tok["llama-server"])
+    assert (f"short: {', '.join(short) or 'none'} in this run; 4 clients at {ab_c4:.2f}x in the alternating run below "
+            "(target 2.0x). Beyond a few rows") in flat and gb("osd-learning", 16) <= 6.0
+    ab_acc = [x["acceptance_rate"] for x in ab if x["server"] == "osd"]
+    assert (f"and {sum(ab_tok['osd']) / sum(ab_tok['osd-target-only']):.2f}x after it (`bench-serve-vs-c4-abba-prefix.json`, "
+            f"acceptance {sum(ab_acc) / len(ab_acc):.2f})") in flat
+    assert (f"{tok('osd', 4) / tok('llama-server', 4):.2f}x llama-server in this run's 4-client slice, but {ab_c4:.2f}x "
+            f"on the first slice with the arms alternating (osd {' and '.join(f'{v:.1f}' for v in ab_tok['osd'])}, "
+            f"llama-server {' and '.join(f'{v:.1f}' for v in ab_tok['llama-server'])} tokens/s") in flat
+    assert f"their ratio ({tok('osd', 8) / tok('osd-target-only', 8):.2f}x at 8 clients) is the noise" in flat
+    in_process = {(x["arm"], x["concurrency"]): x for x in result("bench-scheduler-prefix.json")["records"]}[("target-only", 4)]
+    assert f"the prompt rows, {in_process['prefill_rows']} of {in_process['rows']} rows at 4 clients in-process" in flat
     if worse:
         assert ("TTFT p95 is worse than llama-server's at " + " and ".join(
             f"{name(c)} ({p95('osd', c):.2f} vs {p95('llama-server', c):.2f} s)" for c in worse)) in flat
@@ -509,7 +522,7 @@ def test_the_serve_vs_table_and_its_reading_are_those_of_bench_serve_vs_copy():
     assert (f"against osd target-only {vs({k: x['aggregate_tokens_per_s'] for k, x in by.items()})} at 1 / 2 / 4 / 8 / 16 "
             f"clients in this run ({vs(teams)} in `bench-serve-vs-teams.json`") in flat
     assert f"(mean k {by[('osd', 8)]['mean_k']:.2f} / {by[('osd', 16)]['mean_k']:.2f})" in flat
-    assert (f"(mean k {by[('osd', 4)]['mean_k']:.2f}, acceptance {by[('osd', 4)]['acceptance_rate']:.2f}; ") in flat
+    assert (f"(mean k {by[('osd', 4)]['mean_k']:.2f}, acceptance {by[('osd', 4)]['acceptance_rate']:.2f})") in flat
     assert f"the speculative server was {tok('osd', 4) / tok('osd-target-only', 4):.2f}x of target-only there" in flat
     assert (f"in this run {' / '.join(f'{cost[c] * 100:.0f}%' for c in levels)} of the aggregate at 1 / 2 / 4 / 8 / 16 "
             "clients") in flat
@@ -526,10 +539,23 @@ def test_the_serve_vs_table_and_its_reading_are_those_of_bench_serve_vs_copy():
     assert [x["concurrency"] for x in abba["osd"] + abba["osd-target-only"]] == [4] * 4
     ratio4 = sum(x["aggregate_tokens_per_s"] for x in abba["osd"]) / sum(x["aggregate_tokens_per_s"] for x in abba["osd-target-only"])
     acceptance4 = sum(x["acceptance_rate"] for x in abba["osd"]) / 2
-    assert f"(`bench-serve-vs-c4-abba.json`, acceptance {acceptance4:.2f}) gave {ratio4:.2f}x target-only" in flat
-    sched = {(x["arm"], x["concurrency"]): x["tokens_per_s"] for x in result("bench-scheduler-copy.json")["records"]}
+    assert f"gave {ratio4:.2f}x target-only before the slot choice (`bench-serve-vs-c4-abba.json`, acceptance {acceptance4:.2f})" in flat
+    sched = {(x["arm"], x["concurrency"]): x["tokens_per_s"] for x in result("bench-scheduler-prefix.json")["records"]}
     assert ("speculative / target-only " + " / ".join(f"{sched[('spec', c)] / sched[('target-only', c)]:.2f}x"
                                                        for c in (1, 2, 4, 8)) + " at 1 / 2 / 4 / 8 clients") in flat
+    copy = {(x["server"], x["concurrency"]): x["aggregate_tokens_per_s"] for x in result("bench-serve-vs-copy.json")["records"]}
+    x_llama = lambda rec, s: " / ".join(f"{rec[(s, c)] / rec[('llama-server', c)]:.2f}x" for c in levels)  # noqa: E731
+    now = {k: x["aggregate_tokens_per_s"] for k, x in by.items()}
+    assert (f"`bench-serve-vs-copy.json`: osd {x_llama(copy, 'osd')} llama-server, target-only "
+            f"{x_llama(copy, 'osd-target-only')}, at 1 / 2 / 4 / 8 / 16 clients; in this run target-only "
+            f"{x_llama(now, 'osd-target-only')})") in flat
+
+    def reused(name):
+        rows = {(x["arm"], x["concurrency"]): x["reused_rows"] for x in result(name)["records"]}
+        return " / ".join(str(rows[("target-only", c)]) if rows[("target-only", c)] == rows[("spec", c)]
+                          else f"{rows[('target-only', c)]} and {rows[('spec', c)]}" for c in (1, 2, 4, 8))
+    assert (f"(reused prompt rows {reused('bench-scheduler-copy.json')} before, {reused('bench-scheduler-prefix.json')} "
+            "after, at 1 / 2 / 4 / 8 clients)") in flat
 
 
 def test_learnings_cost_in_the_alternating_runs_is_that_of_their_jsons():
