@@ -18,6 +18,23 @@ def test_common_prefix():
     assert common_prefix([5], [6]) == 0
 
 
+def test_common_prefix_is_the_first_mismatch_on_random_pairs():
+    """The bisection against the plain scan, on pairs that share 0..n tokens then differ (or end)."""
+    import random
+
+    def scan(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        a = [rng.randint(0, 2) for _ in range(rng.randint(0, 40))]
+        b = a[: rng.randint(0, len(a))] + [rng.randint(0, 2) for _ in range(rng.randint(0, 6))]
+        assert common_prefix(a, b) == common_prefix(b, a) == scan(a, b), (a, b)
+
+
 def test_a_prompt_sharing_only_the_template_head_takes_an_empty_slot_and_copies_the_head():
     free = {0: SCHEMA + [7, 8], 1: []}
     slot, donor, n = choose_slot(free, {}, HEAD + [50, 51, 52])

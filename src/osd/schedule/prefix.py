@@ -17,13 +17,19 @@ from __future__ import annotations
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens a and b share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading tokens a and b share (a bisection over slice comparisons, which run in C: slots holding long
+    shared conversations are compared pairwise at each admission)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    shared, differs = 0, n  # a[:shared] == b[:shared], a[:differs] != b[:differs]
+    while differs - shared > 1:
+        mid = (shared + differs) // 2
+        if a[shared:mid] == b[shared:mid]:
+            shared = mid
+        else:
+            differs = mid
+    return shared
 
 
 def choose_slot(free: dict[int, list[int]], running: dict[int, list[int]], prompt: list[int]) -> tuple[int, int, int]:
