@@ -232,3 +232,47 @@ def test_no_learner_chunk_runs_beside_a_serving_step(target_model, tokenizer):
         learner.stop()
     assert forwards[0] > 0 and learner.counters["optimizer_steps"] > 0  # the learner did work while requests decoded
     assert overlaps == []
+
+
+def test_the_background_learners_openmp_team_ends_with_each_update(target_model, tokenizer):
+    """The learner thread's torch ops start an OpenMP team of its own; left alive beside serving, libgomp stops letting
+    idle team threads spin and every target pass slowed ~20% (README, "What learning costs"). After each update the
+    thread ends its team (`end_thread_team` in `_run`'s finally): counted as the process's threads, the team that the
+    update started is gone once it returns, though the thread lives on."""
+    import os
+    import threading
+
+    import torch
+    from conftest import skip_or_fail
+
+    from osd.schedule.turns import _libgomp
+
+    if _libgomp() is None or torch.get_num_threads() < 2:
+        skip_or_fail(f"needs torch on libgomp with 2+ threads (libgomp {_libgomp()}, {torch.get_num_threads()} threads)")
+    threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    draft = tiny_qwen2(seed=1, layers=1)
+    engine, registry = make_engine(target_model, copy.deepcopy(draft), tokenizer, k=3)
+    publish = lambda master, version=None: registry.publish("draft", copy.deepcopy(master).eval(), None, version)
+    config = LearnConfig(mode="all", every_requests=100, schedule="background", trainable="all", guard=False, lr=1e-2)
+    learner = OnlineLearner(draft, publish, config).attach(engine)
+    x = torch.randn(1024, 1024)
+    seen, done = {}, threading.Event()
+
+    def update():  # what an update does to the thread's OpenMP state: a parallel region of its own team
+        seen["before"] = threads()
+        (x * 2).sum()
+        seen["during"] = threads() - seen["before"]
+        done.set()
+
+    learner.maybe_update = update
+    learner.start()
+    try:
+        learner._wake.set()
+        assert done.wait(timeout=60)
+        deadline = time.monotonic() + 10
+        while threads() > seen["before"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen["during"] == torch.get_num_threads() - 1 and threads() == seen["before"]
+        assert learner._thread.is_alive()
+    finally:
+        learner.stop()
