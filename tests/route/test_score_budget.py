@@ -101,3 +101,28 @@ def test_waiting_for_a_draft_update_is_not_counted_as_scoring(clock):
     holder.join()
     scorer.join()
     assert fb.counters["scored"] == 1 and fb.counters["score_seconds"] == pytest.approx(1.0)
+
+
+def test_the_background_scorer_backs_off_while_the_engine_stays_busy(clock):
+    """Each poll of a busy engine wakes the scorer's thread, which then takes the GIL from the serving thread: under
+    constant load it polls a few times a second (backing off to 0.1 s), not every 5 ms (~100 polls in 0.5 s)."""
+    polls, idle = [], threading.Event()
+
+    def busy():
+        polls.append(time.monotonic())
+        return not idle.is_set()
+
+    fb = RouteFeedback(Router(), Drafts(), RouteConfig(score_share=1.0, score_time_share=1.0,
+                                                       score_schedule="background"), engine_busy=busy, clock=clock)
+    fb.start()
+    try:
+        fb.after_request(request())
+        time.sleep(0.5)
+        busy_polls = len(polls)
+        idle.set()
+        deadline = time.monotonic() + 10
+        while fb.counters["scored"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 2 <= busy_polls <= 15 and fb.counters["scored"] == 1  # it still scores once the engine is idle
+    finally:
+        fb.stop()

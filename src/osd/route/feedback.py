@@ -30,6 +30,7 @@ from osd.learn.trainable import head_logits_at, trunk_features
 from osd.schedule.turns import end_thread_team
 
 MAX_PENDING = 64
+IDLE_POLL, MAX_IDLE_POLL = 0.005, 0.1  # seconds between busy polls: first, and at most (doubling after each busy one)
 
 
 @torch.no_grad()
@@ -187,8 +188,10 @@ class RouteFeedback:
             self._wake.wait(timeout=1.0)
             self._wake.clear()
             while not self._stop.is_set() and self.pending:
-                while self.engine_busy() and not self._stop.is_set():  # idle windows only
-                    time.sleep(0.005)
+                poll = IDLE_POLL
+                while self.engine_busy() and not self._stop.is_set():  # idle windows only; each wake takes the GIL
+                    self._stop.wait(poll)  # from the serving thread: backed off as learn/idle.py does
+                    poll = min(2 * poll, MAX_IDLE_POLL)
                 job = self._take_job()
                 if job is not None:
                     try:
