@@ -152,3 +152,52 @@ def test_stacked_matrices_share_the_serving_copys_memory_and_leave_its_forward_u
     assert second.layers[0].qkv[0] is stacked and second.layers[0].gate_up[0] is first.layers[0].gate_up[0]
     tokens = [1, 4, 9, 16, 25]
     assert torch.equal(first.feed(tokens, n_logits=5), second.feed(tokens, n_logits=5))
+
+
+def test_runners_fed_together_get_the_bits_of_their_own_feeds(serving):
+    """Three sequences' draft forwards in one (`feed_together`: prompts of different lengths, then single tokens
+    beside a several-token catch-up): each row's logits and each cache are bitwise those of its runner fed alone."""
+    from osd.models.glue_draft import feed_together
+
+    together, alone = [glue_draft_runner(serving) for _ in range(3)], [glue_draft_runner(serving) for _ in range(3)]
+    for feeds in ([[1, 2, 3, 4, 5], [9, 8], [30, 31, 32, 33, 34, 35, 36]], [[7], [10, 11, 12], [40]], [[2], [3], [4]]):
+        want = torch.cat([r.feed(f) for r, f in zip(alone, feeds)])
+        got = feed_together(together, feeds)
+        assert got.shape == (3, VOCAB) and torch.equal(got, want)
+        assert [r.length for r in together] == [r.length for r in alone]
+    with pytest.raises(ValueError):  # one pass over one draft's weights: runners of another model cannot join
+        feed_together([together[0], glue_draft_runner(_serving(seed=4))], [[1], [2]])
+
+
+def test_proposing_together_gives_each_sequence_the_proposal_it_gets_alone(serving):
+    """`propose_together` (the scheduler's batched drafting): greedy and sampled sequences, each with its own k and
+    generator, get the tokens, draft probabilities and weights they get from `propose` alone, and their caches end
+    where `propose` leaves them."""
+    from osd.propose.draft_model import propose_together
+
+    registry = DraftRegistry()
+    registry.publish("d", serving)
+    contexts, ks = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12]], [3, 1, 4]
+    samplings = [SamplingConfig(max_new_tokens=8), SamplingConfig(max_new_tokens=8, temperature=0.9),
+                 SamplingConfig(max_new_tokens=8, temperature=1.3, top_k=10)]
+
+    def proposers():
+        made = [DraftModelProposer(registry, "d", VOCAB) for _ in contexts]
+        for p, context in zip(made, contexts):
+            p.begin(context, prefill=context is not contexts[2])  # the third catches up on its first forward
+        return made
+
+    def generators():
+        return [torch.Generator().manual_seed(i) for i in range(len(contexts))]
+
+    solo = proposers()
+    alone = [p.propose(c, k, s, g) for p, c, k, s, g in zip(solo, contexts, ks, samplings, generators())]
+    joint = proposers()
+    together = propose_together(joint, contexts, ks, samplings, generators())
+    assert all(isinstance(p.runner, GlueDraftRunner) for p in joint)
+    for a, b in zip(alone, together):
+        assert a.tokens == b.tokens and len(b.tokens) in ks and a.weights == b.weights
+        assert (a.draft_probs is None) == (b.draft_probs is None)
+        assert a.draft_probs is None or torch.equal(a.draft_probs, b.draft_probs)
+    assert [p.runner.length for p in joint] == [p.runner.length for p in solo]
+    assert [len(b.single_token_seconds) for b in together] == [2, 0, 3]  # the catch-up forward is not timed

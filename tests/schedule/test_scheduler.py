@@ -523,3 +523,32 @@ def test_target_only_k0_has_no_proposer_and_never_runs_the_draft(tmp_path):
             assert system.engine.proposer is None and calls == [] and system.engine.k_max == 0
         else:
             assert calls  # the same hook sees the draft's forwards when it serves
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_several_sequences_draft_in_one_forward_and_each_answer_is_the_one_it_gets_alone(target, compiled, monkeypatch,
+                                                                                         temperature):
+    """A draft on the compiled glue runner: the scheduler runs the draft forwards of every sequence that proposes as
+    one (`propose_together`), and every answer, greedy or sampled with its own seed, is the one it gets alone."""
+    from osd.models.glue_draft import qualifies
+    from osd.models.serving_draft import make_serving_draft
+    from osd.schedule import scheduler as scheduler_module
+
+    serving, _ = make_serving_draft(tiny_qwen2(seed=1, hidden=64), "int8")
+    try:
+        from osd.models.q4_runner import glue
+
+        glue()
+    except Exception as e:  # noqa: BLE001
+        skip_or_fail(f"the glue kernels cannot be built here: {e}")
+    assert qualifies(serving) is None
+    sampling = [SamplingConfig(max_new_tokens=n, temperature=temperature, seed=i) for i, n in enumerate(NEW_TOKENS)]
+    fresh, _ = engine_over(target, serving, k=3, max_batch=1)
+    want = [r.token_ids for r in alone(fresh, PROMPTS, sampling)]
+    engine, _ = engine_over(target, serving, k=3, max_batch=4)
+    joint = []
+    real = scheduler_module.propose_together
+    monkeypatch.setattr(scheduler_module, "propose_together", lambda proposers, *a: joint.append(len(proposers)) or real(proposers, *a))
+    got, most = run_batched(engine, PROMPTS, sampling)
+    assert [got[i].token_ids for i in range(len(PROMPTS))] == want
+    assert most >= 3 and max(joint) >= 3  # several sequences' drafts did run as one

@@ -22,6 +22,7 @@ and the caller keeps the transformers runner (models/cached.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -156,19 +157,55 @@ class GlueDraftRunner(PositionCache):
     @torch.inference_mode()
     def feed(self, token_ids: list[int], n_logits: int = 1) -> torch.Tensor:
         """Append tokens to the cache; return float32 logits (n_logits, V') for the last positions."""
-        end = self.length + len(token_ids)
-        if self.context_window and end > self.context_window:
-            raise ContextTooLong(f"{end} tokens exceed the draft's context of {self.context_window}")
-        self._grow(end)
+        x = _forward([self], [token_ids])
         n_logits = max(1, min(n_logits, len(token_ids)))
-        g, linear = self._glue, self._kernel
-        x = self._embed(torch.tensor(token_ids, dtype=torch.long)).contiguous()  # (M, hidden)
-        pos = torch.arange(self.length, end)
-        for layer, (k_cache, v_cache) in zip(self.layers, self._kv):
-            qkv = linear(g.rms_norm(x, layer.attn_norm, self.eps), *layer.qkv, None, False)  # (M, (H + 2G) D)
-            q = g.qkv_rope(qkv, layer.qkv_bias, self.cos, self.sin, pos, k_cache, v_cache, self.heads)
-            x = x + layer.o(g.attention(q, k_cache, v_cache, pos))
-            gate_up = linear(g.rms_norm(x, layer.ffn_norm, self.eps), *layer.gate_up, None, False)  # (M, 2 I)
-            x = x + layer.down(g.silu_mul(gate_up))
-        self.length = end
-        return self._head(g.rms_norm(x[-n_logits:].contiguous(), self._norm, self.eps))  # (n_logits, V')
+        return self._logits(x[-n_logits:])  # (n_logits, V')
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._head(self._glue.rms_norm(hidden.contiguous(), self._norm, self.eps))
+
+
+@torch.inference_mode()
+def feed_together(runners: list[GlueDraftRunner], token_lists: list[list[int]]) -> torch.Tensor:
+    """Several sequences' draft forwards in one: each runner (its own cache, all over the same serving copy) appends
+    its tokens -> (len(runners), V') float32 logits of each one's last position. The matrices read every row at once
+    (one pass over the draft's weights for all sequences: 4 rows cost ~2.8x one, 8 rows ~4x, on the AMD machine);
+    attention stays per sequence on its own cache. Each row's bits are those of its runner's own `feed` (the int8
+    kernel and the glue compute a row the same way whatever else is fed with it)."""
+    if len({id(r.model) for r in runners}) != 1:
+        raise ValueError("feed_together: every runner must serve the same draft model")
+    x = _forward(runners, token_lists)
+    ends = torch.tensor(list(accumulate(len(t) for t in token_lists))) - 1
+    return runners[0]._logits(x[ends])
+
+
+def _forward(runners: list[GlueDraftRunner], token_lists: list[list[int]]) -> torch.Tensor:
+    """The rows of every (runner, tokens) pair through the layers, each appended to its runner's cache -> (M, hidden)."""
+    ends = []
+    for runner, tokens in zip(runners, token_lists):  # every check before any cache changes
+        if not tokens:
+            raise ValueError("feed: no tokens")
+        end = runner.length + len(tokens)
+        if runner.context_window and end > runner.context_window:
+            raise ContextTooLong(f"{end} tokens exceed the draft's context of {runner.context_window}")
+        ends.append(end)
+    for runner, end in zip(runners, ends):
+        runner._grow(end)
+    first = runners[0]
+    g, linear, eps = first._glue, first._kernel, first.eps
+    x = first._embed(torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)).contiguous()
+    starts = [0, *accumulate(len(t) for t in token_lists)]
+    spans = [(a, b, torch.arange(r.length, end)) for r, a, b, end in zip(runners, starts, starts[1:], ends)]
+    for i, layer in enumerate(first.layers):
+        qkv = linear(g.rms_norm(x, layer.attn_norm, eps), *layer.qkv, None, False)  # (M, (H + 2G) D)
+        attended = []
+        for runner, (a, b, pos) in zip(runners, spans):
+            k_cache, v_cache = runner._kv[i]
+            q = g.qkv_rope(qkv[a:b], layer.qkv_bias, runner.cos, runner.sin, pos, k_cache, v_cache, first.heads)
+            attended.append(g.attention(q, k_cache, v_cache, pos))
+        x = x + layer.o(attended[0] if len(attended) == 1 else torch.cat(attended))
+        gate_up = linear(g.rms_norm(x, layer.ffn_norm, eps), *layer.gate_up, None, False)  # (M, 2 I)
+        x = x + layer.down(g.silu_mul(gate_up))
+    for runner, end in zip(runners, ends):
+        runner.length = end
+    return x

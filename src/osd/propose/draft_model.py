@@ -8,7 +8,7 @@ import torch
 from osd.config import SamplingConfig
 from osd.drafts import DraftRegistry, weights_fingerprint
 from osd.models.cached import CachedModel
-from osd.models.glue_draft import glue_draft_runner, qualifies
+from osd.models.glue_draft import GlueDraftRunner, feed_together, glue_draft_runner, qualifies
 from osd.notice import say
 from osd.propose.base import Proposal
 from osd.verify.sampling import sample_from, warp_probs
@@ -84,29 +84,30 @@ class DraftModelProposer:
         return int(self.vocab_ids[int(logits[: len(self.vocab_ids)].argmax())])
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator=None) -> Proposal:
-        proposed, probs, timings, runners_up = [], [], [], []
-        runner = self.runner
-        pending = tokens[runner.length :]
+        drafting = _Drafting(self, sampling, generator)
+        runner, pending = self.runner, tokens[self.runner.length :]
         for _ in range(k):
             t0 = time.perf_counter()
             logits = runner.feed(pending)[0]  # (V',): the draft's own vocabulary (a map's, or a prefix of V)
             if len(pending) == 1:  # catch-up forwards (several pending tokens) would skew the cost model
-                timings.append(time.perf_counter() - t0)
-            if sampling.greedy:
-                token = self._greedy(logits)
-                if self.runners_up:
-                    runners_up.append(self._runners_up(logits, token))
-            else:
-                q = warp_probs(self._full_vocab(logits), sampling.temperature, sampling.top_k, sampling.top_p)
-                token = sample_from(q, generator)
-                probs.append(q)
-                if self.runners_up:  # the likeliest other tokens under q (deterministic given the context)
-                    top = q.topk(self.runners_up + 1).indices.tolist()
-                    runners_up.append([t for t in top if t != token and q[t] > 0][: self.runners_up])
-            proposed.append(token)
-            pending = [token]
-        return Proposal(proposed, torch.stack(probs) if probs else None, single_token_seconds=timings,
-                        weights=self.fingerprint(runner), runners_up=runners_up or None)
+                drafting.timings.append(time.perf_counter() - t0)
+            pending = [drafting.pick(logits)]
+        return drafting.proposal()
+
+    def _pick(self, logits: torch.Tensor, sampling: SamplingConfig, generator, probs: list, runners_up: list) -> int:
+        """The next proposed token from the draft's logits at one position (its probabilities and runners-up noted)."""
+        if sampling.greedy:
+            token = self._greedy(logits)
+            if self.runners_up:
+                runners_up.append(self._runners_up(logits, token))
+            return token
+        q = warp_probs(self._full_vocab(logits), sampling.temperature, sampling.top_k, sampling.top_p)
+        token = sample_from(q, generator)
+        probs.append(q)
+        if self.runners_up:  # the likeliest other tokens under q (deterministic given the context)
+            top = q.topk(self.runners_up + 1).indices.tolist()
+            runners_up.append([t for t in top if t != token and q[t] > 0][: self.runners_up])
+        return token
 
     def fingerprint(self, runner) -> str:
         """'<name>@v<version>:<checksum of the weights `runner` holds now>' (no checksum for a non-torch runner)."""
@@ -121,6 +122,51 @@ class DraftModelProposer:
         """Tokens of `tokens` the next proposal must feed before its first forward of one token: the prompt a lazy
         `begin` left unfed, the tokens committed while this source did not propose."""
         return max(0, len(tokens) - 1 - (self.runner.length if self.runner is not None else 0))
+
+
+class _Drafting:
+    """One sequence's proposal as it grows: the tokens picked so far and what each pick noted."""
+
+    def __init__(self, proposer: DraftModelProposer, sampling: SamplingConfig, generator):
+        self.proposer, self.sampling, self.generator = proposer, sampling, generator
+        self.tokens, self.probs, self.timings, self.runners_up = [], [], [], []
+
+    def pick(self, logits: torch.Tensor) -> int:
+        token = self.proposer._pick(logits, self.sampling, self.generator, self.probs, self.runners_up)
+        self.tokens.append(token)
+        return token
+
+    def proposal(self) -> Proposal:
+        p = self.proposer
+        return Proposal(self.tokens, torch.stack(self.probs) if self.probs else None, single_token_seconds=self.timings,
+                        weights=p.fingerprint(p.runner), runners_up=self.runners_up or None)
+
+
+def propose_together(proposers: list[DraftModelProposer], tokens: list[list[int]], ks: list[int],
+                     samplings: list[SamplingConfig], generators: list) -> list[Proposal]:
+    """Each proposer's proposal of ks[i] tokens for its own sequence, the draft forwards of every sequence still
+    drafting at a depth run as one (`feed_together`: one pass over the draft's weights for all of them). The same
+    proposals as each proposer's `propose` alone: each row's logits are bitwise those of its own forward, and each
+    sequence picks from them with its own sampling and generator, in the same order. Proposers whose runners are not
+    glue runners over one serving copy propose one after another. A sequence's per-token seconds are its share of the
+    forwards it was in (timed where every row fed was a single token, as `propose` times)."""
+    runners = [p.runner for p in proposers]
+    if len(proposers) < 2 or not all(isinstance(r, GlueDraftRunner) for r in runners) or len(
+            {id(r.model) for r in runners}) != 1:
+        return [p.propose(t, k, s, g) for p, t, k, s, g in zip(proposers, tokens, ks, samplings, generators)]
+    drafting = [_Drafting(p, s, g) for p, s, g in zip(proposers, samplings, generators)]
+    pending = [t[r.length :] for t, r in zip(tokens, runners)]
+    for depth in range(max(ks, default=0)):
+        active = [i for i, k in enumerate(ks) if k > depth]
+        t0 = time.perf_counter()
+        logits = feed_together([runners[i] for i in active], [pending[i] for i in active])  # (len(active), V')
+        share = (time.perf_counter() - t0) / len(active)
+        single = all(len(pending[i]) == 1 for i in active)
+        for row, i in enumerate(active):
+            if single:
+                drafting[i].timings.append(share)
+            pending[i] = [drafting[i].pick(logits[row])]
+    return [d.proposal() for d in drafting]
 
 
 class RunnerProposer(DraftModelProposer):

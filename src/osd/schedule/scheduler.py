@@ -18,7 +18,9 @@ not, `bench-serve-vs-noprop-prefill.json`.)
 Lossless per request: a sequence's rows are computed bitwise as if it ran alone (Q4Slots; RunnerSlots feeds each
 slot on its own), and acceptance runs per sequence with its own generator, so a greedy answer is the one the request
 gets alone whatever shares its steps, and sampled output keeps its law (tests/schedule/).
-Limitations: draft-model proposals are per sequence (one draft forward per sequence per token, not batched); a
+The draft forwards of the sequences that propose run as one per depth (`propose_together`: one pass over the draft's
+weights for all of them, where the draft runs on the compiled glue runner), each sequence picking from its own row.
+Limitations: a draft on the transformers runner drafts per sequence (one forward per sequence per token); a
 proposer that cannot fork (several routed drafts, a frozen runner draft) serves one sequence at a time; an error in
 the shared target pass fails every sequence in that step (each gets the error).
 """
@@ -35,6 +37,7 @@ from osd.config import SamplingConfig
 from osd.schedule.records import GenerationResult, StepRecord
 from osd.models.slots import Feed
 from osd.propose.base import Proposal, forkable
+from osd.propose.draft_model import DraftModelProposer, propose_together
 from osd.propose.tree import grow_tree
 from osd.schedule.goodput import allocate_k
 from osd.schedule.prefix import choose_slot, common_prefix
@@ -232,12 +235,43 @@ class Scheduler:
         ks = caps if not self.engine.spec.adaptive else allocate_k(  # fixed k: every sequence at its cap
             [a.alpha for a in asks], [a.draft_seconds for a in asks], caps, self.engine.row_costs,
             [a.catch_up_seconds for a in asks])
+        ks = [self._probe(seq, k, a.source, len(asked)) for (seq, a), k in zip(asked, ks)]
+        drafted = self._draft_together([(seq, a.source, k) for (seq, a), k in zip(asked, ks)
+                                        if k and a.source is not None and a.proposal is None])
         for (seq, a), k in zip(asked, ks):
             try:
-                plans.append(self._draft(seq, a.source, a.proposal, self._probe(seq, k, a.source, len(asked))))
+                plans.append(drafted.get(id(seq)) or self._draft(seq, a.source, a.proposal, k))
             except Exception as err:  # noqa: BLE001
                 failed.append(self._end(seq, err))
         return plans, failed
+
+    def _draft_together(self, wanted: list[tuple[Sequence, int, int]]) -> dict:
+        """The draft proposals of several sequences (seq, source index, k), each draft's forwards for all of them in
+        one (`propose_together`) -> id(seq) -> plan. Where a joint forward fails, nothing is kept: each of its
+        sequences' draft caches is rolled back and drafts alone (`_draft`), so a failure stays with its sequence."""
+        groups: dict[int, list] = {}
+        for seq, source, k in wanted:
+            proposer = seq.sources[source]
+            groups.setdefault(id(getattr(getattr(proposer, "runner", None), "model", proposer)), []).append(
+                (seq, source, k, proposer))
+        plans = {}
+        for group in groups.values():
+            if len(group) < 2 or not all(isinstance(p, DraftModelProposer) for *_, p in group):
+                continue
+            lengths = [p.runner.length for *_, p in group]
+            t0 = self.engine.clock()
+            try:
+                proposals = propose_together([p for *_, p in group], [seq.tokens for seq, *_ in group],
+                                             [k for _, _, k, _ in group], [seq.sampling for seq, *_ in group],
+                                             [seq.generator for seq, *_ in group])
+            except Exception:  # noqa: BLE001 - retried alone below, where a failure fails its own sequence only
+                for (*_, p), length in zip(group, lengths):
+                    p.rollback(min(length, p.runner.length))
+                continue
+            seconds, total = self.engine.clock() - t0, sum(k for _, _, k, _ in group)
+            for (seq, source, k, _), proposal in zip(group, proposals):
+                plans[id(seq)] = (seq, proposal, source if proposal.k else None, seconds * k / total)
+        return plans
 
     def _propose_alone(self, seq: Sequence):
         """One sequence alone: the first source whose policy asks for k > 0 and that finds tokens (the engine's
