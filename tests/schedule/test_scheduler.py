@@ -552,3 +552,35 @@ def test_several_sequences_draft_in_one_forward_and_each_answer_is_the_one_it_ge
     got, most = run_batched(engine, PROMPTS, sampling)
     assert [got[i].token_ids for i in range(len(PROMPTS))] == want
     assert most >= 3 and max(joint) >= 3  # several sequences' drafts did run as one
+
+
+def test_a_failed_joint_draft_forward_leaves_every_sequence_drafting_alone_with_its_cache_as_before(target, compiled,
+                                                                                                    monkeypatch):
+    """The joint draft forward fails after it has fed every sequence's pending tokens: the scheduler rolls each draft
+    cache back and each sequence drafts alone, so every answer is still the one it gets alone (without the rollback
+    a draft cache would hold tokens that were never committed, and its proposals would come from a wrong context)."""
+    from osd.models.glue_draft import feed_together
+    from osd.models.serving_draft import make_serving_draft
+    from osd.schedule import scheduler as scheduler_module
+
+    serving, _ = make_serving_draft(tiny_qwen2(seed=1, hidden=64), "int8")
+    try:
+        from osd.models.q4_runner import glue
+
+        glue()
+    except Exception as e:  # noqa: BLE001
+        skip_or_fail(f"the glue kernels cannot be built here: {e}")
+    sampling = [SamplingConfig(max_new_tokens=n, temperature=0.8, seed=i) for i, n in enumerate(NEW_TOKENS)]
+    fresh, _ = engine_over(target, serving, k=3, max_batch=1)
+    want = [r.token_ids for r in alone(fresh, PROMPTS, sampling)]
+    engine, _ = engine_over(target, serving, k=3, max_batch=4)
+    failures = []
+
+    def failing(proposers, tokens, *rest):
+        feed_together([p.runner for p in proposers], [t[p.runner.length:] for p, t in zip(proposers, tokens)])
+        failures.append(len(proposers))
+        raise RuntimeError("joint draft forward failed")
+
+    monkeypatch.setattr(scheduler_module, "propose_together", failing)
+    got, _ = run_batched(engine, PROMPTS, sampling)
+    assert failures and [got[i].token_ids for i in range(len(PROMPTS))] == want
