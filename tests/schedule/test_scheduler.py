@@ -525,23 +525,30 @@ def test_target_only_k0_has_no_proposer_and_never_runs_the_draft(tmp_path):
             assert calls  # the same hook sees the draft's forwards when it serves
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_several_sequences_draft_in_one_forward_and_each_answer_is_the_one_it_gets_alone(target, compiled, monkeypatch,
-                                                                                         temperature):
-    """A draft on the compiled glue runner: the scheduler runs the draft forwards of every sequence that proposes as
-    one (`propose_together`), and every answer, greedy or sampled with its own seed, is the one it gets alone."""
+def _glue_serving_draft():
+    """An int8 serving copy of a tiny Qwen2 draft that runs on the compiled glue runner (head dim 16)."""
     from osd.models.glue_draft import qualifies
     from osd.models.serving_draft import make_serving_draft
-    from osd.schedule import scheduler as scheduler_module
 
-    serving, _ = make_serving_draft(tiny_qwen2(seed=1, hidden=64), "int8")
     try:
         from osd.models.q4_runner import glue
 
         glue()
     except Exception as e:  # noqa: BLE001
         skip_or_fail(f"the glue kernels cannot be built here: {e}")
+    serving, _ = make_serving_draft(tiny_qwen2(seed=1, hidden=64), "int8")
     assert qualifies(serving) is None
+    return serving
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_several_sequences_draft_in_one_forward_and_each_answer_is_the_one_it_gets_alone(target, compiled, monkeypatch,
+                                                                                         temperature):
+    """A draft on the compiled glue runner: the scheduler runs the draft forwards of every sequence that proposes as
+    one (`propose_together`), and every answer, greedy or sampled with its own seed, is the one it gets alone."""
+    from osd.schedule import scheduler as scheduler_module
+
+    serving = _glue_serving_draft()
     sampling = [SamplingConfig(max_new_tokens=n, temperature=temperature, seed=i) for i, n in enumerate(NEW_TOKENS)]
     fresh, _ = engine_over(target, serving, k=3, max_batch=1)
     want = [r.token_ids for r in alone(fresh, PROMPTS, sampling)]
@@ -560,16 +567,9 @@ def test_a_failed_joint_draft_forward_leaves_every_sequence_drafting_alone_with_
     cache back and each sequence drafts alone, so every answer is still the one it gets alone (without the rollback
     a draft cache would hold tokens that were never committed, and its proposals would come from a wrong context)."""
     from osd.models.glue_draft import feed_together
-    from osd.models.serving_draft import make_serving_draft
     from osd.schedule import scheduler as scheduler_module
 
-    serving, _ = make_serving_draft(tiny_qwen2(seed=1, hidden=64), "int8")
-    try:
-        from osd.models.q4_runner import glue
-
-        glue()
-    except Exception as e:  # noqa: BLE001
-        skip_or_fail(f"the glue kernels cannot be built here: {e}")
+    serving = _glue_serving_draft()
     sampling = [SamplingConfig(max_new_tokens=n, temperature=0.8, seed=i) for i, n in enumerate(NEW_TOKENS)]
     fresh, _ = engine_over(target, serving, k=3, max_batch=1)
     want = [r.token_ids for r in alone(fresh, PROMPTS, sampling)]
