@@ -509,6 +509,18 @@ def test_the_serve_vs_table_and_its_reading_are_those_of_bench_serve_vs_prefix()
             f"on the first slice with the arms alternating (osd {' and '.join(f'{v:.1f}' for v in ab_tok['osd'])}, "
             f"llama-server {' and '.join(f'{v:.1f}' for v in ab_tok['llama-server'])} tokens/s") in flat
     assert f"their ratio ({tok('osd', 8) / tok('osd-target-only', 8):.2f}x at 8 clients) is the noise" in flat
+    joint = result("bench-serve-vs-joint.json")
+    jb = {(x["server"], x["concurrency"]): x for x in joint["records"]}
+    jt = lambda server, c: jb[(server, c)]["aggregate_tokens_per_s"]  # noqa: E731
+    jsame = [v for arm in joint["identity"].values() for v in arm.values()]
+    assert all(v["same"] == v["of"] for v in jsame) and joint["config"]["levels"] == levels
+    assert (f"(`bench-serve-vs-joint.json`, rev {joint['git_revision']}, the same prompts): osd "
+            + " / ".join(f"{jt('osd', c) / jt('llama-server', c):.2f}x" for c in levels) + " llama-server at 1 / 2 / 4 / 8 / 16 "
+            "clients, target-only " + " / ".join(f"{jt('osd-target-only', c) / jt('llama-server', c):.2f}x" for c in levels)
+            + f", learning's cost at 8 clients {(1 - jt('osd-learning', 8) / jt('osd', 8)) * 100:.0f}%, TTFT p95 "
+            + " / ".join(f"{jb[('osd', c)]['ttft_p95_s']:.2f}" for c in levels) + " against llama-server's "
+            + " / ".join(f"{jb[('llama-server', c)]['ttft_p95_s']:.2f}" for c in levels)
+            + f" s, greedy identity {sum(v['same'] for v in jsame) // 2} of {sum(v['of'] for v in jsame) // 2} per arm") in flat
     in_process = {(x["arm"], x["concurrency"]): x for x in result("bench-scheduler-prefix.json")["records"]}[("target-only", 4)]
     assert f"the prompt rows, {in_process['prefill_rows']} of {in_process['rows']} rows at 4 clients in-process" in flat
     if worse:
