@@ -4,8 +4,9 @@ No HTTP, no tokenizer round trips: `c` requests kept in flight on the engine's s
 finishes, as `osd bench serve-vs`'s clients do), the same interleaved code / gsm8k / spider / chat test prompts for
 every arm, a new slice of prompts per level, levels in order in one engine per arm (as one server serves them), one
 warm-up request per arm not counted; each level runs every arm in turn, the order reversed every other level. Per
-level: output tokens/s, steps, rows (prompt, reused prompt, decode), proposals and acceptances, and the seconds in
-propose, the target pass (feed) and commit. Run it alone on the machine. Writes JSON and a BENCHMARKS.md block.
+level: output tokens/s, steps, rows (prompt, reused prompt, decode), sequence steps (JSON), proposals and
+acceptances, the seconds in propose, the target pass (feed) and commit. Run it alone on the machine. Writes JSON
+and a BENCHMARKS.md block.
 
     python scripts/bench_scheduler.py --levels 1 2 4 8 --arms spec target-only
 """
@@ -50,6 +51,10 @@ def closed_loop(engine, prompts: list[list[int]], concurrency: int, max_new_toke
     return tokens
 
 
+# per level, from the scheduler's counters; sequence_steps / steps is how many sequences a step advanced on average
+COUNTED = ("steps", "rows", "decode_rows", "prefill_rows", "proposed", "accepted", "reused_rows", "sequence_steps")
+
+
 class Arm:
     """One engine (its own target runner, slots, proposer and policies) and the timers on its scheduler."""
 
@@ -70,8 +75,7 @@ class Arm:
         t0 = time.perf_counter()
         tokens = closed_loop(self.engine, prompts, concurrency, max_new_tokens)
         wall = time.perf_counter() - t0
-        delta = {key: vars(stats)[key] - before[key] for key in ("steps", "rows", "decode_rows", "prefill_rows",
-                                                                 "proposed", "accepted", "reused_rows")}
+        delta = {key: vars(stats)[key] - before[key] for key in COUNTED}
         print(f"  {self.name:12s} c={concurrency:<3d} {tokens / wall:6.1f} tok/s  steps {delta['steps']}  rows "
               f"{delta['rows']} (prompt {delta['prefill_rows']})  proposed {delta['proposed']} accepted "
               f"{delta['accepted']}", flush=True)

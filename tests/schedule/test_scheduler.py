@@ -555,7 +555,8 @@ def test_several_sequences_draft_in_one_forward_and_each_answer_is_the_one_it_ge
     engine, _ = engine_over(target, serving, k=3, max_batch=4)
     joint = []
     real = scheduler_module.propose_together
-    monkeypatch.setattr(scheduler_module, "propose_together", lambda proposers, *a: joint.append(len(proposers)) or real(proposers, *a))
+    monkeypatch.setattr(scheduler_module, "propose_together",
+                        lambda proposers, *a: joint.append(len(proposers)) or real(proposers, *a))
     got, most = run_batched(engine, PROMPTS, sampling)
     assert [got[i].token_ids for i in range(len(PROMPTS))] == want
     assert most >= 3 and max(joint) >= 3  # several sequences' drafts did run as one

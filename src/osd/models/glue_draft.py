@@ -180,7 +180,8 @@ def feed_together(runners: list[GlueDraftRunner], token_lists: list[list[int]]) 
 
 
 def _forward(runners: list[GlueDraftRunner], token_lists: list[list[int]]) -> torch.Tensor:
-    """The rows of every (runner, tokens) pair through the layers, each appended to its runner's cache -> (M, hidden)."""
+    """The rows of every (runner, tokens) pair through the layers, each appended to its runner's cache
+    -> (M, hidden)."""
     ends = []
     for runner, tokens in zip(runners, token_lists):  # every check before any cache changes
         if not tokens:
