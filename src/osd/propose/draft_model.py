@@ -94,21 +94,6 @@ class DraftModelProposer:
             pending = [drafting.pick(logits)]
         return drafting.proposal()
 
-    def _pick(self, logits: torch.Tensor, sampling: SamplingConfig, generator, probs: list, runners_up: list) -> int:
-        """The next proposed token from the draft's logits at one position (its probabilities and runners-up noted)."""
-        if sampling.greedy:
-            token = self._greedy(logits)
-            if self.runners_up:
-                runners_up.append(self._runners_up(logits, token))
-            return token
-        q = warp_probs(self._full_vocab(logits), sampling.temperature, sampling.top_k, sampling.top_p)
-        token = sample_from(q, generator)
-        probs.append(q)
-        if self.runners_up:  # the likeliest other tokens under q (deterministic given the context)
-            top = q.topk(self.runners_up + 1).indices.tolist()
-            runners_up.append([t for t in top if t != token and q[t] > 0][: self.runners_up])
-        return token
-
     def fingerprint(self, runner) -> str:
         """'<name>@v<version>:<checksum of the weights `runner` holds now>' (no checksum for a non-torch runner)."""
         model = getattr(runner, "model", None)
@@ -132,7 +117,19 @@ class _Drafting:
         self.tokens, self.probs, self.timings, self.runners_up = [], [], [], []
 
     def pick(self, logits: torch.Tensor) -> int:
-        token = self.proposer._pick(logits, self.sampling, self.generator, self.probs, self.runners_up)
+        """The next proposed token from the draft's logits at one position (its probabilities and runners-up noted)."""
+        p, sampling = self.proposer, self.sampling
+        if sampling.greedy:
+            token = p._greedy(logits)
+            if p.runners_up:
+                self.runners_up.append(p._runners_up(logits, token))
+        else:
+            q = warp_probs(p._full_vocab(logits), sampling.temperature, sampling.top_k, sampling.top_p)
+            token = sample_from(q, self.generator)
+            self.probs.append(q)
+            if p.runners_up:  # the likeliest other tokens under q (deterministic given the context)
+                top = q.topk(p.runners_up + 1).indices.tolist()
+                self.runners_up.append([t for t in top if t != token and q[t] > 0][: p.runners_up])
         self.tokens.append(token)
         return token
 

@@ -249,28 +249,29 @@ class Scheduler:
         """The draft proposals of several sequences (seq, source index, k), each draft's forwards for all of them in
         one (`propose_together`) -> id(seq) -> plan. Where a joint forward fails, nothing is kept: each of its
         sequences' draft caches is rolled back and drafts alone (`_draft`), so a failure stays with its sequence."""
-        groups: dict[int, list] = {}
+        groups: dict[int, list[tuple[Sequence, int, int]]] = {}  # by the draft model their forwards run on
         for seq, source, k in wanted:
             proposer = seq.sources[source]
-            groups.setdefault(id(getattr(getattr(proposer, "runner", None), "model", proposer)), []).append(
-                (seq, source, k, proposer))
+            if isinstance(proposer, DraftModelProposer):
+                groups.setdefault(id(getattr(proposer.runner, "model", proposer)), []).append((seq, source, k))
         plans = {}
         for group in groups.values():
-            if len(group) < 2 or not all(isinstance(p, DraftModelProposer) for *_, p in group):
+            if len(group) < 2:
                 continue
-            lengths = [p.runner.length for *_, p in group]
+            seqs, ks = [seq for seq, _, _ in group], [k for _, _, k in group]
+            proposers = [seq.sources[source] for seq, source, _ in group]
+            lengths = [p.runner.length for p in proposers]
             t0 = self.engine.clock()
             try:
-                proposals = propose_together([p for *_, p in group], [seq.tokens for seq, *_ in group],
-                                             [k for _, _, k, _ in group], [seq.sampling for seq, *_ in group],
-                                             [seq.generator for seq, *_ in group])
+                proposals = propose_together(proposers, [s.tokens for s in seqs], ks, [s.sampling for s in seqs],
+                                             [s.generator for s in seqs])
             except Exception:  # noqa: BLE001 - retried alone below, where a failure fails its own sequence only
-                for (*_, p), length in zip(group, lengths):
+                for p, length in zip(proposers, lengths):
                     p.rollback(min(length, p.runner.length))
                 continue
-            seconds, total = self.engine.clock() - t0, sum(k for _, _, k, _ in group)
-            for (seq, source, k, _), proposal in zip(group, proposals):
-                plans[id(seq)] = (seq, proposal, source if proposal.k else None, seconds * k / total)
+            seconds = self.engine.clock() - t0
+            for (seq, source, k), proposal in zip(group, proposals):
+                plans[id(seq)] = (seq, proposal, source if proposal.k else None, seconds * k / sum(ks))
         return plans
 
     def _propose_alone(self, seq: Sequence):
