@@ -66,6 +66,7 @@ def test_with_no_empty_slot_the_redundant_one_is_overwritten():
     free = {2: HEAD + [80, 81, 82, 83, 84, 85], 0: SCHEMA + [7], 1: SCHEMA + [8]}
     slot, donor, n = choose_slot(free, {}, HEAD + [90, 91])
     assert slot in (0, 1) and n == len(HEAD)  # each loses 1 token no other slot holds; slot 2 would lose 6
+    assert donor == slot  # every slot holds the head: reused in place, not copied from another
 
 
 def test_ties_go_to_the_least_recently_freed_slot():

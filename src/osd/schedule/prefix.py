@@ -46,9 +46,6 @@ def choose_slot(free: dict[int, list[int]], running: dict[int, list[int]], promp
         kept = max([reuse[slot]] + [common_prefix(held, other) for s, other in holders.items() if s != slot])
         return len(held) - kept
 
-    order = {slot: i for i, slot in enumerate(free)}
-    slot = min(free, key=lambda s: (lost(s), -reuse[s], order[s]))
-    donor = max(holders, key=lambda s: (reuse[s], s == slot))
-    if reuse[donor] <= reuse[slot]:
-        return slot, slot, reuse[slot]
+    slot = min(free, key=lambda s: (lost(s), -reuse[s]))  # on a tie the first: the least recently freed
+    donor = max(holders, key=lambda s: (reuse[s], s == slot))  # the slot itself where it holds as much: no copy
     return slot, donor, reuse[donor]
