@@ -99,6 +99,17 @@ def require_module(name: str):
         skip_or_fail(f"{name} cannot be imported: {e}")
 
 
+def require_glue():
+    """The Q4 backend's compiled glue (the glue draft runner runs on it): skip where it cannot be built, fail where
+    the kernels are required."""
+    try:
+        from osd.models.q4_runner import glue
+
+        return glue()
+    except Exception as e:  # noqa: BLE001
+        skip_or_fail(f"the glue kernels cannot be built here: {e}")
+
+
 def require_q4() -> None:
     """Osd's Q4 kernel: skip where it cannot run, fail where it is required."""
     from osd.models import q4

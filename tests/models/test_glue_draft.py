@@ -3,7 +3,7 @@ the same greedy proposals, row invariance, a cache that grows, and a clear 'does
 from __future__ import annotations
 
 import pytest
-from conftest import skip_or_fail
+from conftest import require_glue
 import torch
 
 from osd.config import SamplingConfig
@@ -19,15 +19,6 @@ from tests.conftest import tiny_qwen2
 VOCAB = 48
 
 
-def _glue():
-    try:
-        from osd.models.q4_runner import glue
-
-        return glue()
-    except Exception as e:  # noqa: BLE001
-        skip_or_fail(f"the glue kernels cannot be built here: {e}")
-
-
 def _serving(seed: int = 3, tied: bool = False, hidden: int = 64, **kw):
     master = tiny_qwen2(seed, hidden=hidden, vocab=VOCAB, tied=tied, **kw)
     serving, _ = make_serving_draft(master, "int8")
@@ -36,7 +27,7 @@ def _serving(seed: int = 3, tied: bool = False, hidden: int = 64, **kw):
 
 @pytest.fixture
 def serving(compiled):
-    _glue()
+    require_glue()
     return _serving()
 
 
@@ -91,7 +82,7 @@ def test_feeding_past_the_models_context_is_refused(serving):
 
 
 def test_models_that_do_not_qualify_say_why_and_keep_the_transformers_runner(compiled):
-    _glue()
+    require_glue()
     float_model = tiny_qwen2(3, hidden=64, vocab=VOCAB)
     assert qualifies(float_model) == "not an int8 serving copy"
     assert glue_draft_runner(float_model) is None

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from conftest import EOS, require_module, skip_or_fail, tiny_qwen2
+from conftest import EOS, require_glue, require_module, skip_or_fail, tiny_qwen2
 
 from osd.config import SamplingConfig, SpeculationConfig
 from osd.drafts import DraftRegistry, weights_fingerprint
@@ -530,12 +530,7 @@ def _glue_serving_draft():
     from osd.models.glue_draft import qualifies
     from osd.models.serving_draft import make_serving_draft
 
-    try:
-        from osd.models.q4_runner import glue
-
-        glue()
-    except Exception as e:  # noqa: BLE001
-        skip_or_fail(f"the glue kernels cannot be built here: {e}")
+    require_glue()
     serving, _ = make_serving_draft(tiny_qwen2(seed=1, hidden=64), "int8")
     assert qualifies(serving) is None
     return serving
