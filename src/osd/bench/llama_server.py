@@ -1,9 +1,14 @@
 """llama.cpp's own `llama-server`, the serving anchor of `osd bench serve-vs`: built once per machine from the
-llama.cpp source that the installed llama-cpp-python vendors (its PyPI sdist), with the portable flags of
-scripts/setup.sh, cached under ~/.cache/osd/llama-server/<version>/; started as a subprocess on loopback.
+llama.cpp source that the installed llama-cpp-python vendors (its PyPI sdist), cached under
+~/.cache/osd/llama-server/, and started as a subprocess on loopback. Two builds:
+  portable  the flags of llama-cpp-python's wheel as scripts/setup.sh builds it (AVX2, FMA, F16C; no AVX-512)
+  native    llama.cpp's own default, `-DGGML_NATIVE=ON` (-march=native: AVX-512 and VNNI where the CPU has them),
+            what a user who builds llama.cpp for this machine runs; cached per CPU feature set, since the cache
+            may outlive the machine kind it was built on
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -18,9 +23,13 @@ import httpx
 
 from osd.errors import BackendUnavailable
 
-CMAKE_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=OFF",
-               "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-               "-DCMAKE_BUILD_TYPE=Release"]  # the flags llama-cpp-python's wheel is built with (scripts/setup.sh)
+COMMON_FLAGS = ["-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                "-DCMAKE_BUILD_TYPE=Release"]
+BUILDS = {  # build -> its CPU flags
+    "portable": ["-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=OFF"],
+    "native": ["-DGGML_NATIVE=ON"],
+}
+CMAKE_FLAGS = BUILDS["portable"] + COMMON_FLAGS  # the flags llama-cpp-python's wheel is built with (scripts/setup.sh)
 
 
 def llama_cpp_version() -> str:
@@ -29,21 +38,35 @@ def llama_cpp_version() -> str:
     return version("llama_cpp_python")
 
 
-def server_binary(cache: Path | None = None) -> Path:
+def build_folder(build: str) -> str:
+    """The cache folder's name: the version, and for a native build the CPU's feature set (a short hash of
+    /proc/cpuinfo's flags), so a binary built for one CPU never runs on another."""
+    if build not in BUILDS:
+        raise ValueError(f"unknown llama-server build {build!r}; one of {sorted(BUILDS)}")
+    if build == "portable":
+        return llama_cpp_version()
+    from osd.bench.record import all_cpu_flags
+
+    return f"{llama_cpp_version()}-native-{hashlib.sha256(all_cpu_flags().encode()).hexdigest()[:10]}"
+
+
+def server_binary(cache: Path | None = None, build: str = "portable") -> Path:
     from osd.models.bundled import cache_root
 
-    return (cache or cache_root()) / "llama-server" / llama_cpp_version() / "llama-server"
+    return (cache or cache_root()) / "llama-server" / build_folder(build) / "llama-server"
 
 
-def ensure_llama_server(log=print) -> Path:
-    """The cached llama-server binary, built first where missing (~5-10 min on 2 cores; needs cmake and g++)."""
-    binary = server_binary()
+def ensure_llama_server(log=print, build: str = "portable") -> Path:
+    """The cached llama-server binary of `build`, built first where missing (~5-10 min on 2 cores; needs cmake and
+    g++)."""
+    binary = server_binary(build=build)
     if binary.exists():
         return binary
     if shutil.which("cmake") is None:
         raise BackendUnavailable("building llama-server needs cmake (apt-get install cmake g++)")
     version = llama_cpp_version()
-    log(f"[osd] building llama-server from llama-cpp-python {version}'s vendored llama.cpp (once per machine) ...")
+    log(f"[osd] building llama-server ({build}) from llama-cpp-python {version}'s vendored llama.cpp (once per "
+        "machine) ...")
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", tmp,
                         f"llama-cpp-python=={version}"], check=True)
@@ -51,19 +74,31 @@ def ensure_llama_server(log=print) -> Path:
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp, filter="data")
         source = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
-        build = Path(tmp) / "build"
-        subprocess.run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS], check=True,
+        build_dir = Path(tmp) / "build"
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), *BUILDS[build], *COMMON_FLAGS], check=True,
                        stdout=subprocess.DEVNULL)
-        subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
+        subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
                        check=True, stdout=subprocess.DEVNULL)
-        built = next(build.rglob("bin/llama-server"))
+        built = next(build_dir.rglob("bin/llama-server"))
         binary.parent.mkdir(parents=True, exist_ok=True)
         partial = binary.with_name(f"llama-server.{os.getpid()}.partial")
         shutil.copy2(built, partial)
-        for lib in build.rglob("bin/*.so*"):  # a shared build's libraries beside the binary
+        for lib in build_dir.rglob("bin/*.so*"):  # a shared build's libraries beside the binary
             shutil.copy2(lib, binary.parent / lib.name)
         partial.replace(binary)
     return binary
+
+
+def system_info(log_path: Path) -> str | None:
+    """The CPU features line llama.cpp printed at startup (`system_info: ... | CPU : SSE3 = 1 | ... AVX512 = 1 ...`):
+    which kernels the build actually runs, kept in the benchmark's JSON."""
+    try:
+        for line in log_path.read_text(errors="replace").splitlines():
+            if "system_info" in line:
+                return line.split("system_info:", 1)[-1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def wait_healthy(url: str, process: subprocess.Popen, seconds: float = 600.0) -> None:

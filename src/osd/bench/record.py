@@ -13,18 +13,23 @@ import torch
 from osd.bench.revision import git_revision
 
 
+def all_cpu_flags() -> str:
+    """Every flag /proc/cpuinfo gives this CPU, sorted ("" where it cannot be read): what -march=native compiles for."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return " ".join(sorted(set(line.split(":", 1)[1].split())))
+    except OSError:
+        pass
+    return ""
+
+
 def cpu_flags() -> str:
     """The vector-ISA flags that decide kernel speed here (AVX2, AVX-512, VNNI, AMX), as /proc/cpuinfo names them."""
     wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
               "amx_int8", "amx_bf16")
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return " ".join(f for f in wanted if f in have)
-    except OSError:
-        pass
-    return "unknown"
+    have = set(all_cpu_flags().split())
+    return " ".join(f for f in wanted if f in have) if have else "unknown"
 
 
 def machine() -> dict:

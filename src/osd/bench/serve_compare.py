@@ -1,8 +1,9 @@
 """`osd bench serve-vs`: osd serve against llama.cpp's llama-server under load, side by side in one run.
 
 Each server runs alone on the machine, one after the other, on the same GGUF with the same threads: llama-server
-(`-np N --cont-batching`, built once from the llama.cpp that llama-cpp-python vendors, bench/llama_server.py) and
-`osd serve` in the arms asked (speculative without learning, with learning, target-only k = 0: the greedy reference
+(`-np N --cont-batching`, built once from the llama.cpp that llama-cpp-python vendors, bench/llama_server.py: the
+`llama-server` arm with the wheel's portable AVX2 flags, `llama-server-native` built for this CPU as llama.cpp builds by
+default, AVX-512 included where the CPU has it) and `osd serve` in the arms asked (speculative without learning, with learning, target-only k = 0: the greedy reference
 every osd answer must equal). Every arm gets the same prompts in the same order: level c takes its own slice of the
 prompt list (no prompt is repeated across levels, so the n-gram lookup cannot replay an earlier level's answer), after
 one warm-up request that is not counted. Streaming chat completions, greedy, a fixed max_tokens.
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from osd.bench.llama_server import ensure_llama_server, llama_server_command, running
+from osd.bench.llama_server import ensure_llama_server, llama_server_command, running, system_info
 from osd.bench.serve_load import Sample, _client, _request_body, one_request, percentile
 from osd.bench.speed import bench_prompts
 from osd.data import load_records
@@ -32,6 +33,7 @@ OSD_ARMS = {  # arm -> extra `osd serve` flags
     "osd-learning": ["--learn"],
     "osd-target-only": ["--no-learn", "--k", "0"],
 }
+LLAMA_ARMS = {"llama-server": "portable", "llama-server-native": "native"}  # arm -> its build (llama_server.py)
 REFERENCE_ARM = "osd-target-only"
 
 
@@ -220,8 +222,8 @@ def run_compare(config: CompareConfig) -> dict:
     records, texts, prefill = [], {}, []
     for arm in config.arms:
         env = None
-        if arm == "llama-server":
-            binary = ensure_llama_server()
+        if arm in LLAMA_ARMS:
+            binary = ensure_llama_server(build=LLAMA_ARMS[arm])
             command = llama_server_command(binary, config.gguf, config.port, config.threads, max(config.levels),
                                            config.n_ctx)
             env = dict(os.environ, LD_LIBRARY_PATH=f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}")
@@ -229,11 +231,14 @@ def run_compare(config: CompareConfig) -> dict:
             shutil.rmtree(config.logs / f"ckpt-{arm}", ignore_errors=True)  # every learning arm starts fresh
             command = osd_command(arm, config)
         print(f"[serve-vs] {arm}: {' '.join(command)}", flush=True)
-        with running(command, url, config.logs / f"{arm}.log", env) as process:
+        log_path = config.logs / f"{arm}.log"
+        with running(command, url, log_path, env) as process:
             arm_records, texts[arm], arm_prefill = asyncio.run(
                 measure_server(arm, arm == "osd-learning", url, process.pid, config))
+        build = {"llama_build": LLAMA_ARMS[arm], "llama_system_info": system_info(log_path)} if arm in LLAMA_ARMS else {}
         for r in arm_records:
             r["server"], r["command"] = arm, " ".join(command)
+            r.update(build)
         records += arm_records
         prefill += [arm_prefill] if arm_prefill else []
     return {"records": records, "prefill": prefill, "identity": identity(texts, config.levels)}
@@ -245,7 +250,7 @@ def identity(texts: dict, levels) -> dict:
         return {}
     out = {}
     for arm, by_level in texts.items():
-        if arm in (REFERENCE_ARM, "llama-server"):
+        if arm == REFERENCE_ARM or arm in LLAMA_ARMS:
             continue
         out[arm] = {str(c): {"same": sum(a is not None and a == b for a, b in zip(by_level[c], texts[REFERENCE_ARM][c])),
                              "of": len(by_level[c])} for c in levels}

@@ -99,38 +99,58 @@ def report_paired(result: dict, out: str, markdown: str) -> None:
 
 # --- `osd bench serve-vs`: osd serve against llama-server ---------------------------------------------------------
 VS_COLUMNS = [("server", "server"), ("concurrency", "c"), ("aggregate_tokens_per_s", "aggregate tok/s"),
-              ("vs_llama", "x llama-server"), ("decode_tokens_per_s_p50", "decode tok/s p50"),
-              ("ttft_p50_s", "TTFT p50 s"), ("ttft_p95_s", "TTFT p95 s"), ("e2e_p50_s", "e2e p50 s"),
-              ("e2e_p95_s", "e2e p95 s"), ("errors", "errors"), ("peak_rss_gb", "peak RSS GB"), ("mean_k", "mean k"),
-              ("acceptance_rate", "acceptance"), ("rows_per_step", "rows/step")]
+              ("vs_llama", "x llama-server"), ("vs_llama_native", "x llama-server native"),
+              ("decode_tokens_per_s_p50", "decode tok/s p50"), ("ttft_p50_s", "TTFT p50 s"), ("ttft_p95_s", "TTFT p95 s"),
+              ("e2e_p50_s", "e2e p50 s"), ("e2e_p95_s", "e2e p95 s"), ("errors", "errors"), ("peak_rss_gb", "peak RSS GB"),
+              ("mean_k", "mean k"), ("acceptance_rate", "acceptance"), ("rows_per_step", "rows/step")]
+ANCHORS = {"vs_llama": "llama-server", "vs_llama_native": "llama-server-native"}  # ratio column -> the llama arm
 
 
 def vs_rows(records: list[dict]) -> list[dict]:
-    """Each record with its ratio to llama-server's aggregate tokens/s at the same level, and peak RSS in GB (1e9)."""
-    anchor = {r["concurrency"]: r["aggregate_tokens_per_s"] for r in records if r["server"] == "llama-server"}
+    """Each record with its ratios to each llama-server build's aggregate tokens/s at the same level (None where that
+    build did not run), and peak RSS in GB (1e9)."""
+    anchors = {column: {r["concurrency"]: r["aggregate_tokens_per_s"] for r in records if r["server"] == server}
+               for column, server in ANCHORS.items()}
     out = []
     for r in records:
-        base = anchor.get(r["concurrency"])
-        out.append(dict(r, vs_llama=r["aggregate_tokens_per_s"] / base if base and r["aggregate_tokens_per_s"] else None,
-                        peak_rss_gb=r["peak_rss_bytes"] / 1e9 if r.get("peak_rss_bytes") else None))
+        ratios = {}
+        for column, anchor in anchors.items():
+            base = anchor.get(r["concurrency"])
+            ratios[column] = r["aggregate_tokens_per_s"] / base if base and r["aggregate_tokens_per_s"] else None
+        out.append(dict(r, **ratios, peak_rss_gb=r["peak_rss_bytes"] / 1e9 if r.get("peak_rss_bytes") else None))
     return sorted(out, key=lambda r: (r["concurrency"], r["server"]))
 
 
 def vs_table(result: dict) -> str:
+    """The table, without the ratio column of a llama-server build that did not run."""
     from osd.bench.report import table
 
-    return table([[r.get(key) for key, _ in VS_COLUMNS] for r in vs_rows(result["records"])],
-                 [title for _, title in VS_COLUMNS])
+    rows = vs_rows(result["records"])
+    columns = [(key, title) for key, title in VS_COLUMNS
+               if key not in ANCHORS or any(r[key] is not None for r in rows)]
+    return table([[r.get(key) for key, _ in columns] for r in rows], [title for _, title in columns])
 
 
 def prefill_lines(result: dict) -> list[str]:
-    """One line per server: prompt tokens/s on the long prompt, and its ratio to llama-server's."""
+    """One line per server: prompt tokens/s on the long prompt, and its ratio to each llama-server build's."""
     rows = {r["server"]: r for r in result.get("prefill", []) if r.get("prompt_tokens_per_s")}
-    anchor = rows.get("llama-server", {}).get("prompt_tokens_per_s")
-    return [f"- prefill, {r['prompt_tokens']}-token prompt alone: `{name}` {r['prompt_tokens_per_s']:.0f} prompt tokens/s "
-            f"({r['ttft_s']:.2f} s to the first token)" + (f", {r['prompt_tokens_per_s'] / anchor:.2f}x llama-server"
-                                                          if anchor and name != "llama-server" else "")
-            for name, r in rows.items()]
+    lines = []
+    for name, r in rows.items():
+        ratios = [f"{r['prompt_tokens_per_s'] / rows[server]['prompt_tokens_per_s']:.2f}x {server}"
+                  for server in ANCHORS.values() if server in rows and server != name]
+        lines.append(f"- prefill, {r['prompt_tokens']}-token prompt alone: `{name}` {r['prompt_tokens_per_s']:.0f} prompt "
+                     f"tokens/s ({r['ttft_s']:.2f} s to the first token)" + "".join(f", {x}" for x in ratios))
+    return lines
+
+
+def build_lines(result: dict) -> list[str]:
+    """Which CPU kernels each llama-server build ran (its startup line), one line per build."""
+    seen = {}
+    for r in result["records"]:
+        if r.get("llama_system_info"):
+            seen.setdefault(r["server"], r["llama_system_info"])
+    return [f"- `{server}` ({next(r['llama_build'] for r in result['records'] if r['server'] == server)} build): {info}"
+            for server, info in seen.items()]
 
 
 def identity_lines(result: dict) -> list[str]:
@@ -171,4 +191,5 @@ def report_vs(result: dict, out: str, markdown: str) -> None:
                 f"`{redacted_command(sys.argv[1:])}` on {m['cpu']} ({m['cores']} cores; flags {m['cpu_flags']}); "
                 f"{cfg['per_level']} streaming greedy chat requests per level, {cfg['max_tokens']} tokens, "
                 f"{cfg['threads']} threads, each server alone",
-                [vs_table(result), "\n".join(identity_lines(result) + prefill_lines(result))], path, markdown, plot)
+                [vs_table(result), "\n".join(identity_lines(result) + prefill_lines(result) + build_lines(result))],
+                path, markdown, plot)

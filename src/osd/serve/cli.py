@@ -65,7 +65,10 @@ def register(sub, bench) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--port", type=int, default=8791)
     p.add_argument("--arms", nargs="+", default=["llama-server", "osd", "osd-learning", "osd-target-only"],
-                   choices=["llama-server", "osd", "osd-learning", "osd-target-only"])
+                   choices=["llama-server", "llama-server-native", "osd", "osd-learning", "osd-target-only"],
+                   help="llama-server: built with the portable AVX2 flags of llama-cpp-python's wheel; "
+                        "llama-server-native: built for this CPU (-DGGML_NATIVE=ON, AVX-512 where it has it), as "
+                        "llama.cpp builds by default; both once per machine, cached")
     p.add_argument("--osd-args", default="--lookup", help="more `osd serve` flags for every osd arm (one string)")
     p.add_argument("--prefill-chars", type=int, default=4000,
                    help="also time each server's prefill of one long prompt of about this many characters (~1,000 "

@@ -1,0 +1,102 @@
+"""serve-vs against two llama-server builds: the wheel's portable flags and llama.cpp's native default, each cached
+where it cannot be taken for the other, each arm on its own build, ratios to each in the report."""
+from pathlib import Path
+
+import pytest
+
+import osd.bench.llama_server as llama_server
+import osd.bench.serve_compare as serve_compare
+from osd.bench.serve_report import build_lines, prefill_lines, vs_rows, vs_table
+
+
+def test_a_native_build_is_cached_per_cpu_feature_set_and_the_portable_one_where_it_always_was(monkeypatch):
+    monkeypatch.setattr(llama_server, "llama_cpp_version", lambda: "0.3.36")
+    monkeypatch.setattr("osd.bench.record.all_cpu_flags", lambda: "avx2 avx512f fma")
+    amd = llama_server.server_binary(Path("/c"), build="native")
+    monkeypatch.setattr("osd.bench.record.all_cpu_flags", lambda: "amx_int8 avx2 avx512f fma")
+    intel = llama_server.server_binary(Path("/c"), build="native")
+    assert llama_server.server_binary(Path("/c")) == Path("/c/llama-server/0.3.36/llama-server")
+    assert amd != intel and amd.parent.name.startswith("0.3.36-native-") and amd.name == "llama-server"
+    assert llama_server.server_binary(Path("/c"), build="native") == intel  # the same CPU finds its build again
+    with pytest.raises(ValueError, match="unknown llama-server build"):
+        llama_server.server_binary(Path("/c"), build="avx9")
+
+
+def test_the_builds_differ_in_their_cpu_flags_only():
+    assert "-DGGML_AVX512=OFF" in llama_server.BUILDS["portable"] and "-DGGML_NATIVE=OFF" in llama_server.BUILDS["portable"]
+    assert llama_server.BUILDS["native"] == ["-DGGML_NATIVE=ON"]
+    assert llama_server.CMAKE_FLAGS == llama_server.BUILDS["portable"] + llama_server.COMMON_FLAGS
+
+
+def test_system_info_is_the_startup_features_line(tmp_path):
+    log = tmp_path / "llama-server.log"
+    log.write_text("build: 1 (abc)\nsystem_info: n_threads = 2 | CPU : AVX2 = 1 | AVX512 = 1 |\nmain: listening\n")
+    assert llama_server.system_info(log) == "n_threads = 2 | CPU : AVX2 = 1 | AVX512 = 1 |"
+    log.write_text("nothing here\n")
+    assert llama_server.system_info(log) is None
+    assert llama_server.system_info(tmp_path / "missing.log") is None
+
+
+def test_each_llama_arm_runs_its_own_build_and_records_it(monkeypatch, tmp_path):
+    asked = []
+
+    def fake_ensure(log=print, build="portable"):
+        asked.append(build)
+        return tmp_path / build / "llama-server"
+
+    class FakeProcess:
+        pid = 1
+
+    class FakeRunning:
+        def __init__(self, command, url, log_path, env):
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_path.write_text(f"system_info: CPU : {command[0]}\n")
+
+        def __enter__(self):
+            return FakeProcess()
+
+        def __exit__(self, *exc):
+            return False
+
+    async def fake_measure(server, learning, url, pid, config):
+        return [{"concurrency": 1, "aggregate_tokens_per_s": 10.0}], {1: ["a"]}, None
+
+    monkeypatch.setattr(serve_compare, "ensure_llama_server", fake_ensure)
+    monkeypatch.setattr(serve_compare, "running", FakeRunning)
+    monkeypatch.setattr(serve_compare, "measure_server", fake_measure)
+    config = serve_compare.CompareConfig(Path("m.gguf"), ["w", "p"], levels=(1,), per_level=1,
+                                         arms=("llama-server", "llama-server-native"), logs=tmp_path / "logs")
+    result = serve_compare.run_compare(config)
+    assert asked == ["portable", "native"]
+    by_server = {r["server"]: r for r in result["records"]}
+    assert by_server["llama-server"]["llama_build"] == "portable"
+    assert by_server["llama-server-native"]["llama_build"] == "native"
+    assert by_server["llama-server-native"]["llama_system_info"] == f"CPU : {tmp_path / 'native' / 'llama-server'}"
+    assert result["identity"] == {}  # no osd arm: nothing to compare with the reference
+
+
+def record(server, c, tps, **extra):
+    return dict(server=server, concurrency=c, aggregate_tokens_per_s=tps, peak_rss_bytes=None, **extra)
+
+
+def test_ratios_to_each_build_and_no_native_column_without_its_arm():
+    records = [record("llama-server", 4, 20.0), record("llama-server-native", 4, 25.0), record("osd", 4, 50.0)]
+    osd = next(r for r in vs_rows(records) if r["server"] == "osd")
+    assert osd["vs_llama"] == 2.5 and osd["vs_llama_native"] == 2.0
+    assert "x llama-server native" in vs_table({"records": records})
+    portable_only = [record("llama-server", 4, 20.0), record("osd", 4, 50.0)]
+    assert next(r for r in vs_rows(portable_only) if r["server"] == "osd")["vs_llama_native"] is None
+    assert "native" not in vs_table({"records": portable_only})
+
+
+def test_prefill_and_build_lines_name_each_build():
+    result = {"prefill": [{"server": "llama-server", "prompt_tokens": 1000, "prompt_tokens_per_s": 50.0, "ttft_s": 20.0},
+                          {"server": "llama-server-native", "prompt_tokens": 1000, "prompt_tokens_per_s": 100.0,
+                           "ttft_s": 10.0},
+                          {"server": "osd", "prompt_tokens": 1000, "prompt_tokens_per_s": 120.0, "ttft_s": 8.3}],
+              "records": [record("llama-server-native", 1, 9.0, llama_build="native", llama_system_info="AVX512 = 1"),
+                          record("osd", 1, 12.0)]}
+    osd_line = next(line for line in prefill_lines(result) if "`osd`" in line)
+    assert "2.40x llama-server," in osd_line + "," and "1.20x llama-server-native" in osd_line
+    assert "2.00x llama-server" in next(line for line in prefill_lines(result) if "native`" in line)
+    assert build_lines(result) == ["- `llama-server-native` (native build): AVX512 = 1"]
