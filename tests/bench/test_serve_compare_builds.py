@@ -28,13 +28,21 @@ def test_the_builds_differ_in_their_cpu_flags_only():
     assert llama_server.CMAKE_FLAGS == llama_server.BUILDS["portable"] + llama_server.COMMON_FLAGS
 
 
-def test_system_info_is_the_startup_features_line(tmp_path):
-    log = tmp_path / "llama-server.log"
-    log.write_text("build: 1 (abc)\nsystem_info: n_threads = 2 | CPU : AVX2 = 1 | AVX512 = 1 |\nmain: listening\n")
-    assert llama_server.system_info(log) == "n_threads = 2 | CPU : AVX2 = 1 | AVX512 = 1 |"
-    log.write_text("nothing here\n")
-    assert llama_server.system_info(log) is None
-    assert llama_server.system_info(tmp_path / "missing.log") is None
+def test_build_features_are_what_the_builds_ggml_says_it_was_compiled_for(tmp_path):
+    """A stand-in ggml (two tiny shared libraries, as a shared llama.cpp build puts beside its binary) answers."""
+    import subprocess
+
+    answers = {"avx2": 1, "avx512": 1, "avx512_vnni": 0}
+    body = "".join(f"int ggml_cpu_has_{name}(void) {{ return {answers.get(name, 0)}; }}\n"
+                   for name in llama_server.FEATURES)
+    (tmp_path / "cpu.c").write_text(body)
+    (tmp_path / "base.c").write_text("int ggml_base_marker(void) { return 1; }\n")
+    for src, lib in (("base.c", "libggml-base.so"), ("cpu.c", "libggml-cpu.so")):
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / lib), str(tmp_path / src)], check=True)
+    line = llama_server.build_features(tmp_path / "llama-server")
+    assert line.startswith("AVX2 = 1 | FMA = 0 | F16C = 0 | AVX512 = 1 | ") and "AVX512_VNNI = 0" in line
+    assert line.count(" = ") == len(llama_server.FEATURES)
+    assert llama_server.build_features(tmp_path / "missing" / "llama-server") is None
 
 
 def test_each_llama_arm_runs_its_own_build_and_records_it(monkeypatch, tmp_path):
@@ -49,8 +57,7 @@ def test_each_llama_arm_runs_its_own_build_and_records_it(monkeypatch, tmp_path)
 
     class FakeRunning:
         def __init__(self, command, url, log_path, env):
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            log_path.write_text(f"system_info: CPU : {command[0]}\n")
+            pass
 
         def __enter__(self):
             return FakeProcess()
@@ -64,6 +71,7 @@ def test_each_llama_arm_runs_its_own_build_and_records_it(monkeypatch, tmp_path)
     monkeypatch.setattr(serve_compare, "ensure_llama_server", fake_ensure)
     monkeypatch.setattr(serve_compare, "running", FakeRunning)
     monkeypatch.setattr(serve_compare, "measure_server", fake_measure)
+    monkeypatch.setattr(serve_compare, "build_features", lambda binary: f"features of {binary.parent.name}")
     config = serve_compare.CompareConfig(Path("m.gguf"), ["w", "p"], levels=(1,), per_level=1,
                                          arms=("llama-server", "llama-server-native"), logs=tmp_path / "logs")
     result = serve_compare.run_compare(config)
@@ -71,7 +79,8 @@ def test_each_llama_arm_runs_its_own_build_and_records_it(monkeypatch, tmp_path)
     by_server = {r["server"]: r for r in result["records"]}
     assert by_server["llama-server"]["llama_build"] == "portable"
     assert by_server["llama-server-native"]["llama_build"] == "native"
-    assert by_server["llama-server-native"]["llama_system_info"] == f"CPU : {tmp_path / 'native' / 'llama-server'}"
+    assert by_server["llama-server-native"]["llama_features"] == "features of native"
+    assert by_server["llama-server"]["llama_features"] == "features of portable"
     assert result["identity"] == {}  # no osd arm: nothing to compare with the reference
 
 
@@ -94,7 +103,7 @@ def test_prefill_and_build_lines_name_each_build():
                           {"server": "llama-server-native", "prompt_tokens": 1000, "prompt_tokens_per_s": 100.0,
                            "ttft_s": 10.0},
                           {"server": "osd", "prompt_tokens": 1000, "prompt_tokens_per_s": 120.0, "ttft_s": 8.3}],
-              "records": [record("llama-server-native", 1, 9.0, llama_build="native", llama_system_info="AVX512 = 1"),
+              "records": [record("llama-server-native", 1, 9.0, llama_build="native", llama_features="AVX512 = 1"),
                           record("osd", 1, 12.0)]}
     osd_line = next(line for line in prefill_lines(result) if "`osd`" in line)
     assert "2.40x llama-server," in osd_line + "," and "1.20x llama-server-native" in osd_line

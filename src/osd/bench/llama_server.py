@@ -89,16 +89,29 @@ def ensure_llama_server(log=print, build: str = "portable") -> Path:
     return binary
 
 
-def system_info(log_path: Path) -> str | None:
-    """The CPU features line llama.cpp printed at startup (`system_info: ... | CPU : SSE3 = 1 | ... AVX512 = 1 ...`):
-    which kernels the build actually runs, kept in the benchmark's JSON."""
+FEATURES = ("avx2", "fma", "f16c", "avx512", "avx512_vbmi", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8")
+_ASK_GGML = """import ctypes, json, sys
+ctypes.CDLL(sys.argv[1] + "/libggml-base.so", mode=ctypes.RTLD_GLOBAL)
+cpu = ctypes.CDLL(sys.argv[1] + "/libggml-cpu.so")
+print(json.dumps({name: getattr(cpu, "ggml_cpu_has_" + name)() for name in sys.argv[2:]}))"""
+
+
+def build_features(binary: Path) -> str | None:
+    """Which of the CPU features the build's ggml was compiled for (its `ggml_cpu_has_*`, asked in a subprocess of
+    its own), e.g. "AVX2 = 1 | AVX512 = 0 | ...": what its kernels use, kept in the benchmark's JSON; None where the
+    build has no such libraries beside the binary."""
     try:
-        for line in log_path.read_text(errors="replace").splitlines():
-            if "system_info" in line:
-                return line.split("system_info:", 1)[-1].strip()
-    except OSError:
-        pass
-    return None
+        out = subprocess.run([sys.executable, "-c", _ASK_GGML, str(binary.parent), *FEATURES], capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+        import json
+
+        return features_line(json.loads(out))
+    except (subprocess.SubprocessError, OSError, ValueError):
+        return None
+
+
+def features_line(has: dict) -> str:
+    return " | ".join(f"{name.upper()} = {int(value)}" for name, value in has.items())
 
 
 def wait_healthy(url: str, process: subprocess.Popen, seconds: float = 600.0) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from osd.bench.llama_server import ensure_llama_server, llama_server_command, running, system_info
+from osd.bench.llama_server import ensure_llama_server, build_features, llama_server_command, running
 from osd.bench.serve_load import Sample, _client, _request_body, one_request, percentile
 from osd.bench.speed import bench_prompts
 from osd.data import load_records
@@ -231,11 +231,10 @@ def run_compare(config: CompareConfig) -> dict:
             shutil.rmtree(config.logs / f"ckpt-{arm}", ignore_errors=True)  # every learning arm starts fresh
             command = osd_command(arm, config)
         print(f"[serve-vs] {arm}: {' '.join(command)}", flush=True)
-        log_path = config.logs / f"{arm}.log"
-        with running(command, url, log_path, env) as process:
+        with running(command, url, config.logs / f"{arm}.log", env) as process:
             arm_records, texts[arm], arm_prefill = asyncio.run(
                 measure_server(arm, arm == "osd-learning", url, process.pid, config))
-        build = {"llama_build": LLAMA_ARMS[arm], "llama_system_info": system_info(log_path)} if arm in LLAMA_ARMS else {}
+        build = {"llama_build": LLAMA_ARMS[arm], "llama_features": build_features(binary)} if arm in LLAMA_ARMS else {}
         for r in arm_records:
             r["server"], r["command"] = arm, " ".join(command)
             r.update(build)

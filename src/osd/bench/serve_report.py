@@ -144,11 +144,11 @@ def prefill_lines(result: dict) -> list[str]:
 
 
 def build_lines(result: dict) -> list[str]:
-    """Which CPU kernels each llama-server build ran (its startup line), one line per build."""
+    """Which CPU features each llama-server build's ggml was compiled for, one line per build."""
     seen = {}
     for r in result["records"]:
-        if r.get("llama_system_info"):
-            seen.setdefault(r["server"], r["llama_system_info"])
+        if r.get("llama_features"):
+            seen.setdefault(r["server"], r["llama_features"])
     return [f"- `{server}` ({next(r['llama_build'] for r in result['records'] if r['server'] == server)} build): {info}"
             for server, info in seen.items()]
 
