@@ -586,3 +586,25 @@ def test_learnings_cost_in_the_alternating_runs_is_that_of_their_jsons():
     after = arms("bench-serve-vs-learning-abba-teams.json")
     assert (f"after the fix {cost(after) * 100:.1f}%; before it {cost(at_01) * 100:.1f}% at the old busy share 0.1 and "
             f"{cost(at_005) * 100:.1f}% at 0.05") in flat
+
+
+def test_the_native_llama_server_figures_are_those_of_bench_serve_vs_native():
+    r = result("bench-serve-vs-native.json")
+    flat = " ".join(README.split())
+    by = {(x["server"], x["concurrency"]): x["aggregate_tokens_per_s"] for x in r["records"]}
+    levels = r["config"]["levels"]
+    native, portable = "llama-server-native", "llama-server"
+    ratios = lambda a, b: " / ".join(f"{by[(a, c)] / by[(b, c)]:.2f}x" for c in levels)  # noqa: E731
+    prefill = {p["server"]: p["prompt_tokens_per_s"] for p in r["prefill"]}
+    same = [v for arm in r["identity"].values() for v in arm.values()]
+    assert levels == [1, 2, 4, 8, 16] and {x["llama_build"] for x in r["records"] if x["server"] == native} == {"native"}
+    assert f"`bench-serve-vs-native.json`, rev {r['git_revision']}, the same prompts" in flat
+    assert (f"the native build served {ratios(native, portable)} the portable one's tokens/s at 1 / 2 / 4 / 8 / 16 "
+            f"clients and prefilled the long prompt at {prefill[native]:.0f} prompt tokens/s against {prefill[portable]:.0f}") in flat
+    assert (f"osd served {ratios('osd', native)} the native build ({ratios('osd', portable)} the portable one in this run) "
+            f"and prefilled at {prefill['osd']:.0f} prompt tokens/s ({prefill['osd'] / prefill[native]:.2f}x the native "
+            f"build); greedy identity {sum(v['same'] for v in same)} of {sum(v['of'] for v in same)}.") in flat
+    short = {c: by[("osd", c)] / by[(native, c)] for c in levels if by[("osd", c)] / by[(native, c)] < (1.3 if c < 4 else 2.0)}
+    assert sorted(short) == [1, 16] and (f"Against the native build 1 client ({short[1]:.2f}x, target 1.3x) and 16 "
+                                         f"clients ({short[16]:.2f}x, target 2.0x) fall short") in flat
+    assert by[("osd", 1)] / by[(portable, 1)] < 1.3 and "1 client was just short against the portable build too" in flat
