@@ -95,37 +95,67 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return y;
 }
 
-// qkv (M, (H + 2G) D) = the q, k, v projections side by side, bias ((H + 2G) D), cos/sin (T, D/2), pos (M) int64,
-// k_cache/v_cache (G, T, D) of this layer. Adds the biases, rotates q and k (NEOX RoPE at each row's position),
-// writes k and v at the rows' positions; returns q (M, H, D).
-// qkv_rope_at: the same with the keys/values written at cache index at[r] instead of pos[r] (token trees: a node's
-// RoPE position is its depth, its cache index its place in the tree).
-torch::Tensor qkv_rope_at(torch::Tensor qkv, torch::Tensor bias, torch::Tensor cos, torch::Tensor sin, torch::Tensor pos,
-                          torch::Tensor at, torch::Tensor k_cache, torch::Tensor v_cache, int64_t H) {
+namespace {
+
+struct CacheRef {  // one sequence's cache of one layer: keys, values (G, T, D)
+  float *k, *v;
+  int64_t T;
+};
+
+void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t G, int64_t D) {
+  check_f32(k_cache, 3, "k_cache");
+  check_f32(v_cache, 3, "v_cache");
+  TORCH_CHECK(k_cache.size(0) == G && k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes(),
+              "the caches' shapes disagree (G, T, D)");
+}
+
+// Each row's caches: caches[of[r]] (several sequences in one call), checked: one per group of rows.
+std::vector<CacheRef> cache_refs(const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                                 const torch::Tensor& of, int64_t M, int64_t G, int64_t D) {
+  TORCH_CHECK(!k_caches.empty() && k_caches.size() == v_caches.size(), "one key and one value cache per sequence");
+  TORCH_CHECK(of.scalar_type() == at::kLong && of.is_contiguous() && of.dim() == 1 && of.size(0) == M,
+              "cache_of must be (M,) int64");
+  std::vector<CacheRef> refs;
+  for (size_t i = 0; i < k_caches.size(); ++i) {
+    check_cache(k_caches[i], v_caches[i], G, D);
+    refs.push_back({k_caches[i].data_ptr<float>(), v_caches[i].data_ptr<float>(), k_caches[i].size(1)});
+  }
+  const int64_t* O = of.data_ptr<int64_t>();
+  std::vector<CacheRef> rows(M);
+  for (int64_t r = 0; r < M; ++r) {
+    TORCH_CHECK(O[r] >= 0 && O[r] < static_cast<int64_t>(refs.size()), "cache_of: row ", r, " names no cache");
+    rows[r] = refs[O[r]];
+  }
+  return rows;
+}
+
+// biases + RoPE of every row, keys/values written at cache index A[r] of the row's cache (cache_of(r) -> CacheRef).
+template <class CacheOf>
+torch::Tensor rope_rows(const torch::Tensor& qkv, const torch::Tensor& bias, const torch::Tensor& cos,
+                        const torch::Tensor& sin, const torch::Tensor& pos, const torch::Tensor& at, int64_t H,
+                        int64_t G, int64_t D, CacheOf cache_of) {
   check_f32(qkv, 2, "qkv");
   check_f32(bias, 1, "bias");
   check_f32(cos, 2, "cos");
   check_f32(sin, 2, "sin");
-  check_f32(k_cache, 3, "k_cache");
-  check_f32(v_cache, 3, "v_cache");
-  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.dim() == 1 && pos.size(0) == qkv.size(0),
-              "qkv_rope: pos must be (M,) int64");
-  const int64_t M = qkv.size(0), G = k_cache.size(0), T = k_cache.size(1), D = k_cache.size(2), half = D / 2;
-  const int64_t width = (H + 2 * G) * D;
+  const int64_t M = qkv.size(0), half = D / 2, width = (H + 2 * G) * D;
   check_width(half, "half the head dim");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.dim() == 1 && pos.size(0) == M,
+              "qkv_rope: pos must be (M,) int64");
   TORCH_CHECK(qkv.size(1) == width && bias.size(0) == width, "qkv_rope: qkv/bias width must be (H + 2G) D = ", width);
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && cos.size(1) == half && sin.sizes() == cos.sizes() &&
-                  cos.size(0) >= T, "qkv_rope: cache or RoPE table shapes disagree");
   TORCH_CHECK(at.scalar_type() == at::kLong && at.is_contiguous() && at.dim() == 1 && at.size(0) == M,
               "qkv_rope: at must be (M,) int64");
+  TORCH_CHECK(cos.size(1) == half && sin.sizes() == cos.sizes(), "qkv_rope: RoPE table shapes disagree");
   const int64_t *P = pos.data_ptr<int64_t>(), *A = at.data_ptr<int64_t>();
-  for (int64_t r = 0; r < M; ++r)
-    TORCH_CHECK(P[r] >= 0 && P[r] < T && A[r] >= 0 && A[r] < T, "qkv_rope: position ", P[r], " / index ", A[r],
-                " outside the cache");
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t T = cache_of(r).T;
+    TORCH_CHECK(P[r] >= 0 && P[r] < T && P[r] < cos.size(0) && A[r] >= 0 && A[r] < T, "qkv_rope: position ", P[r],
+                " / index ", A[r], " outside the cache");
+  }
   auto q = torch::empty({M, H, D}, qkv.options());
   const float *X = qkv.data_ptr<float>(), *B = bias.data_ptr<float>();
   const float *C = cos.data_ptr<float>(), *S = sin.data_ptr<float>();
-  float *Q = q.data_ptr<float>(), *KC = k_cache.data_ptr<float>(), *VC = v_cache.data_ptr<float>();
+  float* Q = q.data_ptr<float>();
   // one head vector (D) of row r: x + bias, rotated by position p, stored at out
   auto rotate = [&](const float* x, const float* b, int64_t p, float* out) {
     const float *c = C + p * half, *s = S + p * half;
@@ -141,11 +171,12 @@ torch::Tensor qkv_rope_at(torch::Tensor qkv, torch::Tensor bias, torch::Tensor c
     for (int64_t r = r0; r < r1; ++r) {
       const float* x = X + r * width;
       const int64_t p = P[r], a = A[r];
+      const CacheRef c = cache_of(r);
       for (int64_t h = 0; h < H; ++h) rotate(x + h * D, B + h * D, p, Q + (r * H + h) * D);
       for (int64_t g = 0; g < G; ++g) {
-        rotate(x + (H + g) * D, B + (H + g) * D, p, KC + (g * T + a) * D);
+        rotate(x + (H + g) * D, B + (H + g) * D, p, c.k + (g * c.T + a) * D);
         const float *v = x + (H + G + g) * D, *bv = B + (H + G + g) * D;
-        float* vout = VC + (g * T + a) * D;
+        float* vout = c.v + (g * c.T + a) * D;
         for (int64_t i = 0; i < D; i += 8)
           _mm256_storeu_ps(vout + i, _mm256_add_ps(_mm256_loadu_ps(v + i), _mm256_loadu_ps(bv + i)));
       }
@@ -154,9 +185,36 @@ torch::Tensor qkv_rope_at(torch::Tensor qkv, torch::Tensor bias, torch::Tensor c
   return q;
 }
 
+}  // namespace
+
+// qkv (M, (H + 2G) D) = the q, k, v projections side by side, bias ((H + 2G) D), cos/sin (T, D/2), pos (M) int64,
+// k_cache/v_cache (G, T, D) of this layer. Adds the biases, rotates q and k (NEOX RoPE at each row's position),
+// writes k and v at the rows' positions; returns q (M, H, D).
+// qkv_rope_at: the same with the keys/values written at cache index at[r] instead of pos[r] (token trees: a node's
+// RoPE position is its depth, its cache index its place in the tree).
+torch::Tensor qkv_rope_at(torch::Tensor qkv, torch::Tensor bias, torch::Tensor cos, torch::Tensor sin, torch::Tensor pos,
+                          torch::Tensor at, torch::Tensor k_cache, torch::Tensor v_cache, int64_t H) {
+  check_f32(k_cache, 3, "k_cache");
+  const int64_t G = k_cache.size(0), D = k_cache.size(2);
+  check_cache(k_cache, v_cache, G, D);
+  const CacheRef c{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(1)};
+  return rope_rows(qkv, bias, cos, sin, pos, at, H, G, D, [c](int64_t) { return c; });
+}
+
 torch::Tensor qkv_rope(torch::Tensor qkv, torch::Tensor bias, torch::Tensor cos, torch::Tensor sin, torch::Tensor pos,
                        torch::Tensor k_cache, torch::Tensor v_cache, int64_t H) {
   return qkv_rope_at(qkv, bias, cos, sin, pos, pos, k_cache, v_cache, H);
+}
+
+// Several sequences' rows in one call (one parallel region instead of one per sequence): row r's keys/values go to
+// k_caches[cache_of[r]], v_caches[cache_of[r]] at its position. The same arithmetic per row as qkv_rope.
+torch::Tensor qkv_rope_many(torch::Tensor qkv, torch::Tensor bias, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor pos, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+                            torch::Tensor cache_of, int64_t H) {
+  TORCH_CHECK(!k_caches.empty(), "qkv_rope_many: no caches");
+  const int64_t G = k_caches[0].size(0), D = k_caches[0].size(2);
+  const auto rows = cache_refs(k_caches, v_caches, cache_of, qkv.size(0), G, D);
+  return rope_rows(qkv, bias, cos, sin, pos, pos, H, G, D, [&rows](int64_t r) { return rows[r]; });
 }
 
 namespace {
@@ -249,15 +307,14 @@ void check_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const
               "attention: cache shapes disagree with q (G must divide H)");
 }
 
-// Every (row, KV head) of q over the cache, split across threads by (row, KV head), the query heads of a KV head
-// together (attend): keys_of(r) -> (n, key) names the n cache indices key(0..n-1) row r attends to, in order.
-// Returns (M, H D).
-template <class KeysOf>
-torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                          KeysOf keys_of) {
-  const int64_t M = q.size(0), H = q.size(1), D = q.size(2), G = k_cache.size(0), T = k_cache.size(1);
+// Every (row, KV head) of q over its cache, split across threads by (row, KV head), the query heads of a KV head
+// together (attend): cache_of(r) -> row r's CacheRef; keys_of(r) -> (n, key) names the n cache indices key(0..n-1)
+// row r attends to, in order. Returns (M, H D).
+template <class CacheOf, class KeysOf>
+torch::Tensor attend_rows(const torch::Tensor& q, int64_t G, CacheOf cache_of, KeysOf keys_of) {
+  const int64_t M = q.size(0), H = q.size(1), D = q.size(2);
   auto out = torch::empty({M, H * D}, q.options());
-  const float *Q = q.data_ptr<float>(), *KC = k_cache.data_ptr<float>(), *VC = v_cache.data_ptr<float>();
+  const float* Q = q.data_ptr<float>();
   float* O = out.data_ptr<float>();
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const int64_t group = H / G;
@@ -266,11 +323,16 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, 
     std::vector<__m256> acc;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / G, g = i % G, first = (r * H + g * group) * D;  // the group's first query head
+      const CacheRef c = cache_of(r);
       const auto [n, key] = keys_of(r);
-      attend(Q + first, group, KC + g * T * D, VC + g * T * D, n, D, scale, key, scores, inv, acc, O + first);
+      attend(Q + first, group, c.k + g * c.T * D, c.v + g * c.T * D, n, D, scale, key, scores, inv, acc, O + first);
     }
   });
   return out;
+}
+
+CacheRef only_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  return {k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(1)};
 }
 
 }  // namespace
@@ -284,7 +346,27 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
               "attention: pos must be (M,) int64");
   const int64_t* P = pos.data_ptr<int64_t>();
   for (int64_t r = 0; r < M; ++r) TORCH_CHECK(P[r] >= 0 && P[r] < T, "attention: position ", P[r], " outside the cache");
-  return attend_rows(q, k_cache, v_cache,
+  const CacheRef c = only_cache(k_cache, v_cache);
+  return attend_rows(q, k_cache.size(0), [c](int64_t) { return c; },
+                     [P](int64_t r) { return std::make_pair(P[r] + 1, [](int64_t t) { return t; }); });
+}
+
+// Several sequences' rows in one call: row r attends to positions 0..pos[r] of k_caches[cache_of[r]] (and its
+// values). The same arithmetic per (row, head) as `attention`.
+torch::Tensor attention_many(torch::Tensor q, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+                             torch::Tensor cache_of, torch::Tensor pos) {
+  check_f32(q, 3, "q");
+  TORCH_CHECK(!k_caches.empty(), "attention_many: no caches");
+  const int64_t M = q.size(0), H = q.size(1), D = q.size(2), G = k_caches[0].size(0);
+  check_width(D, "the head dim");
+  TORCH_CHECK(G > 0 && H % G == 0, "attention: cache shapes disagree with q (G must divide H)");
+  const auto rows = cache_refs(k_caches, v_caches, cache_of, M, G, D);
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.dim() == 1 && pos.size(0) == M,
+              "attention: pos must be (M,) int64");
+  const int64_t* P = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r)
+    TORCH_CHECK(P[r] >= 0 && P[r] < rows[r].T, "attention: position ", P[r], " outside the cache");
+  return attend_rows(q, G, [&rows](int64_t r) { return rows[r]; },
                      [P](int64_t r) { return std::make_pair(P[r] + 1, [](int64_t t) { return t; }); });
 }
 
@@ -307,7 +389,8 @@ torch::Tensor attention_at(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     TORCH_CHECK(PRE[r] >= 0 && PRE[r] <= T && OFF[r] <= OFF[r + 1] && OFF[r + 1] <= N && PRE[r] + OFF[r + 1] - OFF[r] > 0,
                 "attention_at: row ", r, " has no keys or bad offsets");
   for (int64_t j = 0; j < N; ++j) TORCH_CHECK(EX[j] >= 0 && EX[j] < T, "attention_at: key index ", EX[j], " outside the cache");
-  return attend_rows(q, k_cache, v_cache, [PRE, OFF, EX](int64_t r) {
+  const CacheRef c = only_cache(k_cache, v_cache);
+  return attend_rows(q, k_cache.size(0), [c](int64_t) { return c; }, [PRE, OFF, EX](int64_t r) {
     const int64_t pre = PRE[r], *ex = EX + OFF[r] - pre;
     return std::make_pair(pre + OFF[r + 1] - OFF[r], [pre, ex](int64_t t) { return t < pre ? t : ex[t]; });
   });
@@ -341,6 +424,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qkv_rope", &qkv_rope, "biases + NEOX RoPE + KV-cache write; returns q (M, H, D)");
   m.def("qkv_rope_at", &qkv_rope_at, "qkv_rope with keys/values written at cache indices `at` (token trees)");
   m.def("attention", &attention, "causal GQA attention of each row over the cache up to its position -> (M, H D)");
+  m.def("qkv_rope_many", &qkv_rope_many, "qkv_rope over several sequences' rows, row r's cache cache_of[r]");
+  m.def("attention_many", &attention_many, "attention over several sequences' rows, row r's cache cache_of[r]");
   m.def("attention_at", &attention_at, "GQA attention of each row over its listed cache indices (token trees)");
   m.def("silu_mul", &silu_mul, "gate_up (M, 2I) -> silu(gate) * up (M, I)");
 }

@@ -419,23 +419,38 @@ class Q4Runner(PositionCache):
         matrices see all M rows at once (one pass over each weight); everything else runs per row, so a row's
         result does not depend on the other rows or groups (bitwise)."""
         s, g, quantize = self.shape, self._glue, self._quantize
+        joint = None
+        if len(groups) > 1 and all(rows.tree is None for rows in groups):  # several sequences' chains: their RoPE and
+            joint = (torch.cat([torch.full((rows.stop - rows.start,), j) for j, rows in enumerate(groups)]),  # attention
+                     torch.cat([rows.pos for rows in groups]))  # in one call per layer (row r's cache: cache_of[r])
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(quantize(g.rms_norm(x, layer.attn_norm, s.eps)))  # (M, (H + 2G) D)
-            attended = []
-            for rows in groups:
-                k_cache, v_cache, t = *rows.kv[i], rows.tree
-                if t is None:
-                    q = g.qkv_rope(qkv[rows.start : rows.stop], layer.qkv_bias, self.cos, self.sin, rows.pos, k_cache,
-                                   v_cache, s.heads)  # (m, H, D)
-                    attended.append(g.attention(q, k_cache, v_cache, rows.pos))
-                else:
-                    q = g.qkv_rope_at(qkv[rows.start : rows.stop], layer.qkv_bias, self.cos, self.sin, t.pos, t.at,
-                                      k_cache, v_cache, s.heads)
-                    attended.append(g.attention_at(q, k_cache, v_cache, t.prefix, t.offsets, t.extra))
-            x += layer.attn_output(quantize(attended[0] if len(attended) == 1 else torch.cat(attended)))
+            x += layer.attn_output(quantize(self._attend(qkv, i, groups, joint)))
             gate_up = layer.gate_up(quantize(g.rms_norm(x, layer.ffn_norm, s.eps)))  # (M, 2 I)
             x += layer.ffn_down(quantize(g.silu_mul(gate_up)))
         return x
+
+    def _attend(self, qkv: torch.Tensor, i: int, groups: list["Rows"], joint) -> torch.Tensor:
+        """Layer i's biases, RoPE, cache writes and attention for every row -> (M, H D): all groups in one call where
+        `joint` = (cache_of, pos) is given (the same arithmetic per row as one call per group), else group by group."""
+        s, g, bias = self.shape, self._glue, self.layers[i].qkv_bias
+        if joint is not None:
+            cache_of, pos = joint
+            k_caches, v_caches = zip(*(rows.kv[i] for rows in groups))
+            q = g.qkv_rope_many(qkv, bias, self.cos, self.sin, pos, k_caches, v_caches, cache_of, s.heads)
+            return g.attention_many(q, k_caches, v_caches, cache_of, pos)
+        attended = []
+        for rows in groups:
+            k_cache, v_cache, t = *rows.kv[i], rows.tree
+            if t is None:
+                q = g.qkv_rope(qkv[rows.start : rows.stop], bias, self.cos, self.sin, rows.pos, k_cache, v_cache,
+                               s.heads)  # (m, H, D)
+                attended.append(g.attention(q, k_cache, v_cache, rows.pos))
+            else:
+                q = g.qkv_rope_at(qkv[rows.start : rows.stop], bias, self.cos, self.sin, t.pos, t.at, k_cache, v_cache,
+                                  s.heads)
+                attended.append(g.attention_at(q, k_cache, v_cache, t.prefix, t.offsets, t.extra))
+        return attended[0] if len(attended) == 1 else torch.cat(attended)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden) final hidden states -> (n, V) float32 logits (final RMSNorm, LM head)."""
