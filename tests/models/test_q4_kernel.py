@@ -97,7 +97,7 @@ def test_a_wrong_layout_would_fail_the_reference_check():
     """The tolerance above is tight enough to catch a swapped scale (a bug the kernel could have)."""
     raw = random_blocks(8, 512, "Q4_K", seed=3)
     weight = q4.repack_q4k(raw)
-    swapped = q4.Q4KWeight(weight.n, weight.qs, weight.sm[..., [1, 0, *range(2, 16)]].contiguous(), weight.dd)
+    swapped = q4.Q4KWeight(weight.n, weight.qs, weight.sm[..., [1, 0, *range(2, 256)]].contiguous(), weight.dd)
     x = activations(2, 512, seed=4)
     q, d, _ = q8k_reference(x)
     expected = (q.double() * d.double()[..., None]).reshape(2, 512) @ dequantized(raw, "Q4_K").T

@@ -120,23 +120,29 @@ class Q8KActivations(NamedTuple):
     def d(self) -> torch.Tensor:  # (M, B) float32: block = d * q
         return self._field(352, 356, torch.float32)[..., 0]
 
+    @property
+    def bs32(self) -> torch.Tensor:  # (M, B, 8) int16: sums of the quants of 32-element sub-blocks
+        return self._field(356, 372, torch.int16)
+
 
 
 @dataclass(frozen=True)
 class Q4KWeight:
-    """A Q4_K matrix (N, K) repacked for the kernel: 148 bytes per 256 weights (the GGUF's 144, scales unpacked).
+    """A Q4_K matrix (N, K) repacked for the kernel, columns interleaved 16 at a time (q4_kernel.cpp): 148 bytes per
+    256 weights (the GGUF's 144, scales unpacked), N padded with zero columns to a multiple of 16.
 
-    Blocks are in tile order (`tile_order`): 16 output columns at a time, block-major within a tile.
+    Per (tile of 16 columns, block), tile-major: `qs` their weights as 32 lines of 64 bytes (`interleave_q4k`), `sm`
+    their sub-block scales then their mins, `dd` their d then their dmin.
     """
 
     n: int  # output features N
-    qs: torch.Tensor  # (N B, 128) uint8: nibbles
-    sm: torch.Tensor  # (N B, 16) uint8: 8 sub-block scales, 8 sub-block mins
-    dd: torch.Tensor  # (N B, 2) float16: d, dmin
+    qs: torch.Tensor  # (T B, 2048) uint8: nibbles, T = ceil(N / 16)
+    sm: torch.Tensor  # (T B, 256) uint8: 16 x 8 sub-block scales, 16 x 8 mins (6-bit)
+    dd: torch.Tensor  # (T B, 32) float16: 16 d, 16 dmin
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.n, self.qs.shape[0] // self.n * QK
+        return self.n, self.qs.shape[0] // -(-self.n // TILE) * QK
 
     @property
     def nbytes(self) -> int:
@@ -234,17 +240,32 @@ def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:  # (..., 256) values 0..15 i
     return q[..., :128] | (q[..., 128:] << 4)
 
 
+def interleave_q4k(q: torch.Tensor, sc: torch.Tensor, mins: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor):
+    """Q4_K's quants (N, B, 256) 0..15 in element order, scales and mins (N, B, 8), d and dmin (N, B) float16, N a
+    multiple of TILE -> the kernel's (qs, sm, dd): per (tile, block), line 4 l + h's lane i = column i's weights
+    32 l + 4 h + (0..3) in the low nibbles and 32 l + 4 (h + 4) + (0..3) in the high ones; scales l-major; mins as
+    (2 p, 2 p + 1) pairs per column; d then dmin."""
+    n, b = q.shape[:2]
+    t = n // TILE
+    groups = q.reshape(t, TILE, b, 8, 8, 4).permute(0, 2, 3, 4, 1, 5).reshape(t, b, 8, 8, 4 * TILE)  # (t, b, l, v, lane)
+    qs = (groups[:, :, :, :4] | (groups[:, :, :, 4:] << 4)).reshape(t * b, 2048)
+    scales = sc.reshape(t, TILE, b, 8).permute(0, 2, 3, 1).reshape(t * b, 8 * TILE)
+    pairs = mins.reshape(t, TILE, b, 4, 2).permute(0, 2, 3, 1, 4).reshape(t * b, 8 * TILE)
+    dd = torch.cat([x.reshape(t, TILE, b).permute(0, 2, 1).reshape(t * b, TILE) for x in (d, dmin)], dim=1)
+    return qs, torch.cat([scales, pairs], dim=1), dd
+
+
 def repack_q4k(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q4KWeight:
-    """A GGUF Q4_K tensor's bytes (N, B * 144) uint8 -> the kernel's layout."""
+    """A GGUF Q4_K tensor's bytes (N, B * 144) uint8 -> the kernel's layout (zero columns pad N to tiles of 16)."""
     blocks = _blocks(raw, Q4K_BLOCK_BYTES)
-    order = kernel_order()
-    qs, sm, dd = [], [], []
-    for part in blocks.split(chunk_rows):
+    n = blocks.shape[0]
+    if n % TILE:  # zero weights, scales and d: the padding columns come out 0 and are not written
+        blocks = torch.cat([blocks, torch.zeros(TILE - n % TILE, *blocks.shape[1:], dtype=torch.uint8)])
+    parts = []
+    for part in blocks.split(chunk_rows):  # chunks hold whole tiles
         sc, mins = q4k_scales(part[..., 4:16])
-        qs.append(tile_order(_pack_nibbles(q4k_quants(part[..., 16:144])[..., order])))  # chunks hold whole tiles
-        sm.append(tile_order(torch.cat([sc, mins], dim=-1)))
-        dd.append(tile_order(torch.stack([_f16(part[..., 0:2]), _f16(part[..., 2:4])], dim=-1)))
-    return Q4KWeight(raw.shape[0], *(torch.cat(t).contiguous() for t in (qs, sm, dd)))
+        parts.append(interleave_q4k(q4k_quants(part[..., 16:144]), sc, mins, _f16(part[..., 0:2]), _f16(part[..., 2:4])))
+    return Q4KWeight(n, *(torch.cat(t).contiguous() for t in zip(*parts)))
 
 
 def repack_q6k(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q6KWeight:

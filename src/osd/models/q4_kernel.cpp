@@ -8,23 +8,32 @@
 // weights per token); llama.cpp's CPU kernels cost ~1.8x for 2 rows and ~2.9x for 4 here. This kernel reads each
 // weight block once, unpacks its nibbles once and multiplies them with up to 8 rows held in registers.
 //
-// Weight layout (repacked once from the GGUF's blocks by models/q4.py): per 256-block, "unpacked" byte u (0..255)
-// holds element 32*l + 4*v + t of the block, where v = u / 32 (the 32-byte vector), l = (u % 32) / 4 (the 32-bit
-// lane), t = u % 4. So every 32-bit lane l of every vector belongs to Q4_K's sub-block l (32 elements) and to
-// Q6_K's sub-blocks 2l (vectors 0-3) or 2l+1 (vectors 4-7): integer dot products (maddubs / vpdpbusd) sum within
-// one sub-block per lane and the sub-block scales apply once per lane. Activations are permuted the same way.
-// Blocks are stored in tile order: output columns in tiles of 16, a tile's blocks block-major (block b of its
-// 16 columns, then block b + 1), so a tile streams through memory in order while the rows' activations of
-// block b stay in L1. Per block (N * B blocks, B = K / 256):
-//   Q4_K: qs (N B, 128) u8: low nibble = unpacked byte p, high nibble = unpacked byte p + 128
-//         sm (N B, 16) u8: 8 sub-block scales, then 8 sub-block mins (6-bit values)
-//         dd (N B, 2) f16: d, dmin
-//   Q6_K: ql (N B, 128) u8: low 4 bits, packed like Q4_K's qs
+// Q4_K layout (repacked once from the GGUF's blocks by models/q4.py), columns interleaved: output columns in tiles of
+// 16 (N padded with zero columns to a multiple of 16), per (tile t, block b), index tb = t B + b, stored tile-major
+// so a tile's blocks stream through memory in order:
+//   qs (T B, 2048) u8: 32 lines of 64 bytes; line 4 l + h holds, in its 4-byte lane i, column i's 4 weights
+//         32 l + 4 h + (0..3) of block b in its low nibbles and 32 l + 4 (h + 4) + (0..3) in its high nibbles
+//         (l = the 32-weight sub-block). So one vpdpbusd of an unpacked line against a row's 4 activations of those
+//         positions (broadcast) adds 4 products to each of the 16 columns' sums: lane i = column i throughout.
+//   sm (T B, 256) u8: the 16 columns' 6-bit sub-block scales (l-major: byte 16 l + i), then their mins as int16
+//         pairs for vpdpwssd (byte 32 p + 2 i + j = min 2 p + j of column i)
+//   dd (T B, 32) f16: the 16 columns' d, then their dmin
+// Per (row, block, 16 columns) the integer sums are exact: isum_i = sum_l sc_l dot_l (|.| < 2^25) and
+// imin_i = sum_l m_l bsum_l (the activations' sub-block sums); then two float steps per lane:
+// acc += isum * (d dy); acc -= imin * (dmin dy). No horizontal sums: lane i is column i's result.
+// Q6_K layout (per column, as before): per 256-block, "unpacked" byte u (0..255) holds element 32*l + 4*v + t of the
+// block, where v = u / 32 (the 32-byte vector), l = (u % 32) / 4 (the 32-bit lane), t = u % 4; every 32-bit lane l
+// belongs to Q6_K's sub-blocks 2l (vectors 0-3) or 2l+1 (vectors 4-7): integer dot products (maddubs / vpdpbusd)
+// sum within one sub-block per lane and the sub-block scales apply once per lane. Activations are permuted the same
+// way (Q4_K reads them as 4-byte groups: group 8 v + l = weights 32 l + 4 v + (0..3)). Blocks in tile order: 16
+// columns' block b, then block b + 1. Per block (N * B blocks, B = K / 256):
+//   Q6_K: ql (N B, 128) u8: low 4 bits, low nibble = unpacked byte p, high nibble = unpacked byte p + 128
 //         qh (N B, 64) u8: bits 2c..2c+1 of byte p = high 2 bits of unpacked byte p + 64 c
 //         sc (N B, 16) i8: the 16 sub-block scales (natural order); d (N B, 1) f16
 //
 // Two code paths: AVX2 (maddubs) and AVX-512 VNNI (vpdpbusd), chosen at run time. Both produce the same 8 int32
-// per block and row and then run identical float instructions, so their results are bitwise equal; and each row's
+// (Q4_K: 16 columns x exact int32) per block and row and then run identical float instructions, so their results
+// are bitwise equal; and each row's
 // float accumulation is the same whatever the number of rows computed together (bitwise row-count invariance).
 // Limitations: K must be a multiple of 256; no bias (add it outside); rows beyond 8 go in further passes of 8
 // over the same weights (hot in cache per tile of output columns).
@@ -33,6 +42,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 
 namespace {
@@ -51,11 +61,12 @@ struct Rec {
   float ybs[8];     // d * (sum of the quants of 32-element sub-block l), l = 0..7
   int32_t nbs[16];  // -32 * (sum of the quants of 16-element sub-block 2l) for l = 0..7, then of sub-block 2l+1
   float d;          // row block = d * q
-  uint8_t pad[REC - QK - 32 - 64 - 4];
+  int16_t bs32[8];  // sums of the quants of 32-element sub-block l (Q4_K's mins, in integers)
+  uint8_t pad[REC - QK - 32 - 64 - 4 - 16];
 };
 static_assert(sizeof(Rec) == REC, "activation record size");
 
-struct Q4W {
+struct Q4W {  // per (tile, block): qs 2048 bytes, sm 256 bytes, dd 32 halves (see the layout above)
   const uint8_t* qs;
   const uint8_t* sm;
   const uint16_t* dd;
@@ -111,6 +122,7 @@ void quantize_block(const float* x, Rec* rec) {
     for (int i = 0; i < 16; ++i) bs[g] += nat[16 * g + i];
   }
   for (int l = 0; l < 8; ++l) {
+    rec->bs32[l] = static_cast<int16_t>(bs[2 * l] + bs[2 * l + 1]);  // |.| <= 32 * 127
     rec->ybs[l] = rec->d * static_cast<float>(bs[2 * l] + bs[2 * l + 1]);
     rec->nbs[l] = -32 * bs[2 * l];
     rec->nbs[8 + l] = -32 * bs[2 * l + 1];
@@ -123,14 +135,8 @@ void quantize_block(const float* x, Rec* rec) {
   std::memcpy(rec->q, out, QK);
 }
 
-// Both paths reduce a row's block to 8 exact int32 lanes (lane l = sub-block l's integer dot product), then run
-// these float steps. Q4_K: acc += (dot * d sc_l) * dy - (dmin m_l) * (dy bsum_l).
-inline void q4_finish(__m256& acc, __m256i dot, __m256 dsc, __m256 dmn, const Rec* y) {
-  const __m256 dy = _mm256_broadcast_ss(&y->d), ybs = _mm256_loadu_ps(y->ybs);  // loads first: one store of acc
-  const __m256 a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), dsc), dy, acc);
-  acc = _mm256_fnmadd_ps(dmn, ybs, a);
-}
-
+// Both Q6_K paths reduce a row's block to 8 exact int32 lanes (lane l = sub-block l's integer dot product), then
+// run these float steps.
 // Q6_K: even/odd = sub-blocks 2l / 2l+1's dot products with the -32 offset (|.| <= 16*32*127: exact in float);
 // acc += (even * d sc_2l + odd * d sc_2l+1) * dy.
 inline void q6_finish(__m256& acc, __m256i even, __m256i odd, __m256 dsce, __m256 dsco, const Rec* y) {
@@ -162,82 +168,101 @@ inline void q6_scales(const int8_t* sc, float d, __m256& dsce, __m256& dsco) {
 // kernels take two columns at a time so that each row's activations are loaded once for both (~10% faster).
 
 // ---------------------------------------------------------------- Q4_K
+// One tile of 16 columns x R rows, block by block: each sub-block's 4 lines are loaded and unpacked once for the R
+// rows (8 lines of weights in registers), each row's 8 activation groups broadcast against them.
+// Float steps per (row, block), identical in both paths lane by lane: acc += isum * (d dy); acc -= imin * (dmin dy).
+
 template <int R>
-void q4_avx2(const Rec* a, const Q4W& w, __m256* accs, int64_t first, int64_t nt, int64_t r0) {
+void q4_avx2(const Rec* a, const Q4W& w, float* accs, int64_t t, int64_t r0) {
   const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t B = w.B;
   for (int64_t b = 0; b < B; ++b) {
-    const Rec* y[R];
-    for (int r = 0; r < R; ++r) y[r] = a + (r0 + r) * B + b;
-    for (int64_t i = 0; i < nt; ++i) {
-      const int64_t nb = first + b * nt + i;
-      const uint8_t* qs = w.qs + nb * 128;
-      prefetch(qs, 2);
-      __m256i wv[8];
-      for (int j = 0; j < 4; ++j) {
-        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-        wv[j] = _mm256_and_si256(p, m4);
-        wv[j + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+    const int64_t tb = t * B + b;
+    const uint8_t *qs = w.qs + tb * 2048, *sm = w.sm + tb * 256;
+    const int32_t* yq[R];
+    for (int r = 0; r < R; ++r) yq[r] = reinterpret_cast<const int32_t*>(a[(r0 + r) * B + b].q);
+    for (int half = 0; half < 2; ++half) {  // columns 8 half .. 8 half + 7
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      for (int l = 0; l < 8; ++l) {
+        __m256i wv[8];
+        for (int h = 0; h < 4; ++h) {
+          const uint8_t* line = qs + 64 * (4 * l + h);
+          prefetch(line, 1);
+          const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * half));
+          wv[h] = _mm256_and_si256(p, m4);
+          wv[h + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+        }
+        const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 16 * l + 8 * half)));
+        for (int r = 0; r < R; ++r) {  // |int16 pair| <= 2*15*128 < 2^15
+          __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(yq[r][l])), ones);
+          for (int v = 1; v < 8; ++v)
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[v], _mm256_set1_epi32(yq[r][8 * v + l])), ones));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(s, sc));
+        }
       }
-      const __m256 dsc = scaled(w.sm + nb * 16, fp16(w.dd[2 * nb]));
-      const __m256 dmn = scaled(w.sm + nb * 16 + 8, fp16(w.dd[2 * nb + 1]));
-      __m256* acc = accs + i * MAX_R;
-#pragma GCC unroll 8
+      __m256i mn[4];
+      for (int p = 0; p < 4; ++p)
+        mn[p] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 128 + 32 * p + 16 * half)));
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dd + tb * 32 + 8 * half)));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dd + tb * 32 + 16 + 8 * half)));
       for (int r = 0; r < R; ++r) {
-        const __m256i* q = reinterpret_cast<const __m256i*>(y[r]->q);
-        __m256i p = _mm256_maddubs_epi16(wv[0], _mm256_loadu_si256(q));  // int16 pairs, |.| <= 2*15*127
-        for (int v = 1; v < 8; ++v) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(wv[v], _mm256_loadu_si256(q + v)));
-        q4_finish(acc[r], _mm256_madd_epi16(p, ones), dsc, dmn, y[r]);  // |p| <= 8*3810 < 2^15: no overflow
+        const Rec* y = a + (r0 + r) * B + b;
+        const int32_t* bs = reinterpret_cast<const int32_t*>(y->bs32);
+        __m256i im = _mm256_madd_epi16(mn[0], _mm256_set1_epi32(bs[0]));
+        for (int p = 1; p < 4; ++p) im = _mm256_add_epi32(im, _mm256_madd_epi16(mn[p], _mm256_set1_epi32(bs[p])));
+        const __m256 dy = _mm256_set1_ps(y->d);
+        float* acc = accs + 16 * r + 8 * half;
+        const __m256 t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, dy), _mm256_load_ps(acc));
+        _mm256_store_ps(acc, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dmin, dy), t1));
       }
-    }
-  }
-}
-
-struct Q4Block {  // one column's weight block, unpacked
-  __m512i w[4];
-  __m256 dsc, dmn;
-};
-
-VNNI_TARGET inline Q4Block q4_block(const Q4W& w, int64_t nb) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  const uint8_t* qs = w.qs + nb * 128;
-  prefetch(qs, 2);
-  const __m512i p0 = _mm512_loadu_si512(qs), p1 = _mm512_loadu_si512(qs + 64);
-  return {{_mm512_and_si512(p0, m4), _mm512_and_si512(p1, m4),  // unpacked bytes 0-63, 64-127
-           _mm512_and_si512(_mm512_srli_epi16(p0, 4), m4), _mm512_and_si512(_mm512_srli_epi16(p1, 4), m4)},
-          scaled(w.sm + nb * 16, fp16(w.dd[2 * nb])), scaled(w.sm + nb * 16 + 8, fp16(w.dd[2 * nb + 1]))};
-}
-
-// C consecutive columns (blocks nb..nb+C-1 of the tile layout) x R rows; each row's activations loaded once.
-template <int R, int C>
-VNNI_TARGET inline void q4_vnni_cols(const Rec* const* y, const Q4W& w, int64_t nb, __m256* acc) {
-  Q4Block k[C];
-  for (int c = 0; c < C; ++c) k[c] = q4_block(w, nb + c);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const int8_t* q = y[r]->q;
-    const __m512i y0 = _mm512_loadu_si512(q), y1 = _mm512_loadu_si512(q + 64);
-    const __m512i y2 = _mm512_loadu_si512(q + 128), y3 = _mm512_loadu_si512(q + 192);
-    for (int c = 0; c < C; ++c) {
-      __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k[c].w[0], y0);
-      s = _mm512_dpbusd_epi32(s, k[c].w[1], y1);
-      s = _mm512_dpbusd_epi32(s, k[c].w[2], y2);
-      s = _mm512_dpbusd_epi32(s, k[c].w[3], y3);  // lane i: sub-block i % 8
-      q4_finish(acc[c * MAX_R + r], _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1)),
-                k[c].dsc, k[c].dmn, y[r]);
     }
   }
 }
 
 template <int R>
-VNNI_TARGET void q4_vnni(const Rec* a, const Q4W& w, __m256* accs, int64_t first, int64_t nt, int64_t r0) {
+VNNI_TARGET void q4_vnni(const Rec* a, const Q4W& w, float* accs, int64_t t, int64_t r0) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
   const int64_t B = w.B;
   for (int64_t b = 0; b < B; ++b) {
-    const Rec* y[R];
-    for (int r = 0; r < R; ++r) y[r] = a + (r0 + r) * B + b;
-    int64_t i = 0;
-    for (; i + 2 <= nt; i += 2) q4_vnni_cols<R, 2>(y, w, first + b * nt + i, accs + i * MAX_R);
-    if (i < nt) q4_vnni_cols<R, 1>(y, w, first + b * nt + i, accs + i * MAX_R);
+    const int64_t tb = t * B + b;
+    const uint8_t *qs = w.qs + tb * 2048, *sm = w.sm + tb * 256;
+    const int32_t* yq[R];
+    for (int r = 0; r < R; ++r) yq[r] = reinterpret_cast<const int32_t*>(a[(r0 + r) * B + b].q);
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int l = 0; l < 8; ++l) {
+      __m512i wv[8];
+      for (int h = 0; h < 4; ++h) {
+        const uint8_t* line = qs + 64 * (4 * l + h);
+        prefetch(line, 1);
+        const __m512i p = _mm512_loadu_si512(line);
+        wv[h] = _mm512_and_si512(p, m4);
+        wv[h + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+      }
+      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 16 * l)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], _mm512_set1_epi32(yq[r][l]));
+        for (int v = 1; v < 8; ++v) s = _mm512_dpbusd_epi32(s, wv[v], _mm512_set1_epi32(yq[r][8 * v + l]));
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(s, sc));
+      }
+    }
+    __m512i mn[4];
+    for (int p = 0; p < 4; ++p)
+      mn[p] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 128 + 32 * p)));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.dd + tb * 32)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.dd + tb * 32 + 16)));
+    for (int r = 0; r < R; ++r) {
+      const Rec* y = a + (r0 + r) * B + b;
+      const int32_t* bs = reinterpret_cast<const int32_t*>(y->bs32);
+      __m512i im = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mn[0], _mm512_set1_epi32(bs[0]));
+      for (int p = 1; p < 4; ++p) im = _mm512_dpwssd_epi32(im, mn[p], _mm512_set1_epi32(bs[p]));
+      const __m512 dy = _mm512_set1_ps(y->d);
+      float* acc = accs + 16 * r;
+      const __m512 t1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, dy), _mm512_load_ps(acc));
+      _mm512_store_ps(acc, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(dmin, dy), t1));
+    }
   }
 }
 
@@ -366,8 +391,6 @@ template <class W, RowsFn<W>... Fns>
 struct Table {  // the kernel for R = 1..MAX_R rows
   static constexpr RowsFn<W> fn[MAX_R] = {Fns...};
 };
-using Q4Avx2 = Table<Q4W, q4_avx2<1>, q4_avx2<2>, q4_avx2<3>, q4_avx2<4>, q4_avx2<5>, q4_avx2<6>, q4_avx2<7>, q4_avx2<8>>;
-using Q4Vnni = Table<Q4W, q4_vnni<1>, q4_vnni<2>, q4_vnni<3>, q4_vnni<4>, q4_vnni<5>, q4_vnni<6>, q4_vnni<7>, q4_vnni<8>>;
 using Q6Avx2 = Table<Q6W, q6_avx2<1>, q6_avx2<2>, q6_avx2<3>, q6_avx2<4>, q6_avx2<5>, q6_avx2<6>, q6_avx2<7>, q6_avx2<8>>;
 using Q6Vnni = Table<Q6W, q6_vnni<1>, q6_vnni<2>, q6_vnni<3>, q6_vnni<4>, q6_vnni<5>, q6_vnni<6>, q6_vnni<7>, q6_vnni<8>>;
 
@@ -390,10 +413,33 @@ void run_rows(const Rec* a, const W& w, float* Y, int64_t M, int64_t N, const Ro
   });
 }
 
+using Q4Fn = void (*)(const Rec*, const Q4W&, float*, int64_t, int64_t);
+constexpr Q4Fn Q4_AVX2[MAX_R] = {q4_avx2<1>, q4_avx2<2>, q4_avx2<3>, q4_avx2<4>,
+                                 q4_avx2<5>, q4_avx2<6>, q4_avx2<7>, q4_avx2<8>};
+constexpr Q4Fn Q4_VNNI[MAX_R] = {q4_vnni<1>, q4_vnni<2>, q4_vnni<3>, q4_vnni<4>,
+                                 q4_vnni<5>, q4_vnni<6>, q4_vnni<7>, q4_vnni<8>};
+
+// Q4_K: tiles of 16 columns split across threads; within a tile, rows in groups of MAX_R. Lane i of a row's
+// accumulator is column i: written out directly (the padding columns of the last tile are dropped).
+void run_q4(const Rec* a, const Q4W& w, float* Y, int64_t M, int64_t N, const Q4Fn* fns) {
+  at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
+    alignas(64) float accs[TILE * MAX_R];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nt = std::min(TILE, N - t * TILE);
+      for (int64_t r0 = 0; r0 < M; r0 += MAX_R) {
+        const int64_t R = std::min<int64_t>(MAX_R, M - r0);
+        std::fill(accs, accs + TILE * MAX_R, 0.f);
+        fns[R - 1](a, w, accs, t, r0);
+        for (int64_t r = 0; r < R; ++r) std::memcpy(Y + (r0 + r) * N + t * TILE, accs + TILE * r, nt * sizeof(float));
+      }
+    }
+  });
+}
+
 void check_blocks(const torch::Tensor& t, int64_t NB, int64_t last, const char* name, at::ScalarType type) {
   TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.dim() == 2 && t.size(0) == NB && t.size(1) == last,
               "q4_kernel: ", name, " must be a contiguous (", NB, ", ", last, ") tensor of ", type,
-              " (N * K / 256 blocks in tile order)");
+              " (blocks in tile order)");
 }
 
 const Rec* check_act(const torch::Tensor& acts) {
@@ -423,13 +469,13 @@ torch::Tensor quantize_q8k(torch::Tensor x) {
 torch::Tensor q4k_matmul(torch::Tensor acts, torch::Tensor qs, torch::Tensor sm, torch::Tensor dd, int64_t N,
                          int64_t isa) {
   const Rec* a = check_act(acts);
-  const int64_t M = acts.size(0), B = acts.size(1);
-  check_blocks(qs, N * B, 128, "qs", at::kByte);
-  check_blocks(sm, N * B, 16, "sm", at::kByte);
-  check_blocks(dd, N * B, 2, "dd", at::kHalf);
+  const int64_t M = acts.size(0), B = acts.size(1), T = (N + TILE - 1) / TILE;
+  check_blocks(qs, T * B, 2048, "qs", at::kByte);
+  check_blocks(sm, T * B, 256, "sm", at::kByte);
+  check_blocks(dd, T * B, 32, "dd", at::kHalf);
   const Q4W w{qs.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr()), B};
   auto y = torch::empty({M, N}, acts.options().dtype(at::kFloat));
-  run_rows(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? Q4Vnni::fn : Q4Avx2::fn);
+  run_q4(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? Q4_VNNI : Q4_AVX2);
   return y;
 }
 
