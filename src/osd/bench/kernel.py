@@ -63,14 +63,13 @@ def target_matrices(gguf: Path | None) -> list[dict]:
 
 def random_weight(type_name: str, n: int, k: int, gen: torch.Generator) -> q4.Q4KWeight | q4.Q6KWeight:
     """Random blocks already in the kernel's layout (valid: 6-bit scales, small finite fp16 factors)."""
-    nb = n * (k // q4.QK)
+    tb = -(-n // q4.TILE) * (k // q4.QK)  # (tile of 16 columns, block) pairs (q4.Q4KWeight, q4.Q6KWeight)
     u8 = lambda *shape, hi=256: torch.randint(0, hi, shape, dtype=torch.uint8, generator=gen)
-    if type_name == "Q4_K":  # tiles of 16 columns (q4.Q4KWeight)
-        tb = -(-n // q4.TILE) * (k // q4.QK)
+    if type_name == "Q4_K":
         return q4.Q4KWeight(n, u8(tb, 2048), u8(tb, 256, hi=64), (torch.rand(tb, 32, generator=gen) * 0.01).half())
     if type_name == "Q6_K":
-        return q4.Q6KWeight(n, u8(nb, 128), u8(nb, 64), u8(nb, 16).view(torch.int8),
-                            (torch.rand(nb, 1, generator=gen) * 0.01).half())
+        return q4.Q6KWeight(n, u8(tb, 2048), u8(tb, 1024), u8(tb, 256).view(torch.int8),
+                            (torch.rand(tb, 16, generator=gen) * 0.01).half())
     raise ValueError(f"no kernel for {type_name}")
 
 

@@ -109,21 +109,16 @@ class Q8KActivations(NamedTuple):
         return self._field(0, 256, torch.int8)
 
     @property
-    def ybs(self) -> torch.Tensor:  # (M, B, 8) float32: d * sums of 32-element sub-blocks
-        return self._field(256, 288, torch.float32)
-
-    @property
     def nbs(self) -> torch.Tensor:  # (M, B, 16) int32: -32 * sums of 16-element sub-blocks 0, 2, .., 14, 1, 3, .., 15
-        return self._field(288, 352, torch.int32)
+        return self._field(256, 320, torch.int32)
 
     @property
     def d(self) -> torch.Tensor:  # (M, B) float32: block = d * q
-        return self._field(352, 356, torch.float32)[..., 0]
+        return self._field(320, 324, torch.float32)[..., 0]
 
     @property
     def bs32(self) -> torch.Tensor:  # (M, B, 8) int16: sums of the quants of 32-element sub-blocks
-        return self._field(356, 372, torch.int16)
-
+        return self._field(324, 340, torch.int16)
 
 
 @dataclass(frozen=True)
@@ -151,17 +146,18 @@ class Q4KWeight:
 
 @dataclass(frozen=True)
 class Q6KWeight:
-    """A Q6_K matrix (N, K) repacked for the kernel: 210 bytes per 256 weights, as in the GGUF; tile order."""
+    """A Q6_K matrix (N, K) repacked for the kernel, 16 columns interleaved as Q4KWeight: 210 bytes per 256 weights,
+    as in the GGUF; N padded with zero columns to a multiple of 16 (`interleave_q6k`)."""
 
     n: int
-    ql: torch.Tensor  # (N B, 128) uint8: low 4 bits
-    qh: torch.Tensor  # (N B, 64) uint8: high 2 bits
-    sc: torch.Tensor  # (N B, 16) int8: sub-block scales
-    d: torch.Tensor  # (N B, 1) float16
+    ql: torch.Tensor  # (T B, 2048) uint8: low 4 bits, T = ceil(N / 16)
+    qh: torch.Tensor  # (T B, 1024) uint8: high 2 bits
+    sc: torch.Tensor  # (T B, 256) int8: 16 x 16 sub-block scales
+    d: torch.Tensor  # (T B, 16) float16
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.n, self.ql.shape[0] // self.n * QK
+        return self.n, self.ql.shape[0] // -(-self.n // TILE) * QK
 
     @property
     def nbytes(self) -> int:
@@ -228,26 +224,13 @@ def q6k_quants(ql: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
     return (low | (high << 4)).reshape(*lead, QK)
 
 
-def tile_order(t: torch.Tensor, tile: int = TILE) -> torch.Tensor:
-    """(N, B, X) per-block data -> (N B, X) in the kernel's order: columns in tiles of `tile`, block-major within."""
-    n, b, x = t.shape
-    full = n - n % tile
-    head = t[:full].reshape(full // tile, tile, b, x).transpose(1, 2).reshape(-1, x)
-    return torch.cat([head, t[full:].transpose(0, 1).reshape(-1, x)])
-
-
-def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:  # (..., 256) values 0..15 in kernel order -> (..., 128)
-    return q[..., :128] | (q[..., 128:] << 4)
-
-
 def interleave_q4k(q: torch.Tensor, sc: torch.Tensor, mins: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor):
     """Q4_K's quants (N, B, 256) 0..15 in element order, scales and mins (N, B, 8), d and dmin (N, B) float16, N a
     multiple of TILE -> the kernel's (qs, sm, dd): per (tile, block), line 4 l + h's lane i = column i's weights
     32 l + 4 h + (0..3) in the low nibbles and 32 l + 4 (h + 4) + (0..3) in the high ones; scales l-major; mins as
     (2 p, 2 p + 1) pairs per column; d then dmin."""
-    n, b = q.shape[:2]
-    t = n // TILE
-    groups = q.reshape(t, TILE, b, 8, 8, 4).permute(0, 2, 3, 4, 1, 5).reshape(t, b, 8, 8, 4 * TILE)  # (t, b, l, v, lane)
+    t, b = q.shape[0] // TILE, q.shape[1]
+    groups = _interleaved_groups(q)  # (t, b, l, v, lane)
     qs = (groups[:, :, :, :4] | (groups[:, :, :, 4:] << 4)).reshape(t * b, 2048)
     scales = sc.reshape(t, TILE, b, 8).permute(0, 2, 3, 1).reshape(t * b, 8 * TILE)
     pairs = mins.reshape(t, TILE, b, 4, 2).permute(0, 2, 3, 1, 4).reshape(t * b, 8 * TILE)
@@ -258,29 +241,49 @@ def interleave_q4k(q: torch.Tensor, sc: torch.Tensor, mins: torch.Tensor, d: tor
 def repack_q4k(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q4KWeight:
     """A GGUF Q4_K tensor's bytes (N, B * 144) uint8 -> the kernel's layout (zero columns pad N to tiles of 16)."""
     blocks = _blocks(raw, Q4K_BLOCK_BYTES)
-    n = blocks.shape[0]
-    if n % TILE:  # zero weights, scales and d: the padding columns come out 0 and are not written
-        blocks = torch.cat([blocks, torch.zeros(TILE - n % TILE, *blocks.shape[1:], dtype=torch.uint8)])
     parts = []
-    for part in blocks.split(chunk_rows):  # chunks hold whole tiles
+    for part in _pad_tiles(blocks).split(chunk_rows):  # chunks hold whole tiles
         sc, mins = q4k_scales(part[..., 4:16])
         parts.append(interleave_q4k(q4k_quants(part[..., 16:144]), sc, mins, _f16(part[..., 0:2]), _f16(part[..., 2:4])))
-    return Q4KWeight(n, *(torch.cat(t).contiguous() for t in zip(*parts)))
+    return Q4KWeight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
+
+
+def _interleaved_groups(q: torch.Tensor) -> torch.Tensor:
+    """(N, B, 256) per-element values, N a multiple of TILE -> (T, B, 8 l, 8 v, 64): group (l, v)'s 4-byte lane i =
+    column i's elements 32 l + 4 v + (0..3)."""
+    n, b = q.shape[:2]
+    return q.reshape(n // TILE, TILE, b, 8, 8, 4).permute(0, 2, 3, 4, 1, 5).reshape(n // TILE, b, 8, 8, 4 * TILE)
+
+
+def _pad_tiles(blocks: torch.Tensor) -> torch.Tensor:
+    """(N, B, bytes) GGUF blocks -> N padded to a multiple of TILE with zero blocks (their columns come out 0)."""
+    extra = -blocks.shape[0] % TILE
+    return torch.cat([blocks, blocks.new_zeros(extra, *blocks.shape[1:])]) if extra else blocks
+
+
+def interleave_q6k(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor):
+    """Q6_K's quants (N, B, 256) 0..63 in element order, scales (N, B, 16) int8 and d (N, B) float16, N a multiple of
+    TILE -> the kernel's (ql, qh, sc, d): low 4 bits as Q4_K's qs; qh line 2 l + j's byte holds in bits 2c..2c+1 the
+    high 2 bits of group (l, 4 j + c)'s same byte; scales s-major."""
+    t, b = q.shape[0] // TILE, q.shape[1]
+    groups = _interleaved_groups(q)
+    low, high = groups & 0xF, groups >> 4
+    ql = (low[:, :, :, :4] | (low[:, :, :, 4:] << 4)).reshape(t * b, 2048)
+    high = high.reshape(t, b, 8, 2, 4, 4 * TILE)  # (.., l, j, c, lane)
+    qh = (high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)).reshape(t * b, 1024)
+    scales = sc.reshape(t, TILE, b, 16).permute(0, 2, 3, 1).reshape(t * b, 16 * TILE)
+    return ql, qh, scales, d.reshape(t, TILE, b).permute(0, 2, 1).reshape(t * b, TILE)
 
 
 def repack_q6k(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q6KWeight:
-    """A GGUF Q6_K tensor's bytes (N, B * 210) uint8 -> the kernel's layout."""
+    """A GGUF Q6_K tensor's bytes (N, B * 210) uint8 -> the kernel's layout (zero columns pad N to tiles of 16)."""
     blocks = _blocks(raw, Q6K_BLOCK_BYTES)
-    order = kernel_order()
-    ql, qh, sc, d = [], [], [], []
-    for part in blocks.split(chunk_rows):
-        q = q6k_quants(part[..., 0:128], part[..., 128:192])[..., order]  # (n, B, 256) 0..63, kernel order
-        ql.append(tile_order(_pack_nibbles(q & 0xF)))
-        top = (q >> 4).reshape(*q.shape[:-1], 4, 64)  # byte p + 64 c -> bits 2c..2c+1 of qh byte p
-        qh.append(tile_order(top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)))
-        sc.append(tile_order(part[..., 192:208].contiguous().view(torch.int8)))
-        d.append(tile_order(part[..., 208:210].contiguous().view(torch.float16)))
-    return Q6KWeight(raw.shape[0], *(torch.cat(t).contiguous() for t in (ql, qh, sc, d)))
+    parts = []
+    for part in _pad_tiles(blocks).split(chunk_rows):  # chunks hold whole tiles
+        q = q6k_quants(part[..., 0:128], part[..., 128:192])
+        parts.append(interleave_q6k(q, part[..., 192:208].contiguous().view(torch.int8),
+                                    part[..., 208:210].contiguous().view(torch.float16)[..., 0]))
+    return Q6KWeight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
 
 
 def repack(raw: torch.Tensor, type_name: str) -> Q4KWeight | Q6KWeight:

@@ -21,28 +21,24 @@
 // Per (row, block, 16 columns) the integer sums are exact: isum_i = sum_l sc_l dot_l (|.| < 2^25) and
 // imin_i = sum_l m_l bsum_l (the activations' sub-block sums); then two float steps per lane:
 // acc += isum * (d dy); acc -= imin * (dmin dy). No horizontal sums: lane i is column i's result.
-// Q6_K layout (per column, as before): per 256-block, "unpacked" byte u (0..255) holds element 32*l + 4*v + t of the
-// block, where v = u / 32 (the 32-byte vector), l = (u % 32) / 4 (the 32-bit lane), t = u % 4; every 32-bit lane l
-// belongs to Q6_K's sub-blocks 2l (vectors 0-3) or 2l+1 (vectors 4-7): integer dot products (maddubs / vpdpbusd)
-// sum within one sub-block per lane and the sub-block scales apply once per lane. Activations are permuted the same
-// way (Q4_K reads them as 4-byte groups: group 8 v + l = weights 32 l + 4 v + (0..3)). Blocks in tile order: 16
-// columns' block b, then block b + 1. Per block (N * B blocks, B = K / 256):
-//   Q6_K: ql (N B, 128) u8: low 4 bits, low nibble = unpacked byte p, high nibble = unpacked byte p + 128
-//         qh (N B, 64) u8: bits 2c..2c+1 of byte p = high 2 bits of unpacked byte p + 64 c
-//         sc (N B, 16) i8: the 16 sub-block scales (natural order); d (N B, 1) f16
+// Q6_K, the same interleaving: ql (T B, 2048) u8 the low 4 bits as Q4_K's qs; qh (T B, 1024) u8: 16 lines of 64
+// bytes, line 2 l + j holding in bits 2c..2c+1 of its byte the high 2 bits of the same byte of group v = 4 j + c
+// (so line 4 l + h's low nibbles pair with line 2 l's bits 2h, its high nibbles with line 2 l + 1's); sc (T B, 256)
+// i8 the 16 columns' 16 signed sub-block scales (s-major); d (T B, 16) f16. Activations are in kernel order:
+// 4-byte group 8 v + l holds weights 32 l + 4 v + (0..3) of the block.
 //
-// Two code paths: AVX2 (maddubs) and AVX-512 VNNI (vpdpbusd), chosen at run time. Both produce the same 8 int32
-// (Q4_K: 16 columns x exact int32) per block and row and then run identical float instructions, so their results
-// are bitwise equal; and each row's
-// float accumulation is the same whatever the number of rows computed together (bitwise row-count invariance).
+// Two code paths: AVX2 (maddubs, 8 columns a vector) and AVX-512 VNNI (vpdpbusd, 16), chosen at run time. Both
+// compute the same exact int32 sums per (row, block, column) and then run identical float instructions lane by lane,
+// so their results are bitwise equal; and each row's float accumulation is the same whatever the number of rows
+// computed together (bitwise row-count invariance).
 // Limitations: K must be a multiple of 256; no bias (add it outside); rows beyond 8 go in further passes of 8
 // over the same weights (hot in cache per tile of output columns).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 namespace {
@@ -55,14 +51,13 @@ constexpr int REC = 384;      // bytes per activation record (one row, one block
 #define VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 // One row's 256-block of Q8_K activations and what the kernels derive from it once per row instead of once per
-// weight row: float sums for Q4_K's mins, the -32 offset of Q6_K's quants in integers.
+// weight row: the sums of its sub-blocks' quants, as Q4_K's mins and Q6_K's -32 offset need them, in integers.
 struct Rec {
   int8_t q[QK];     // quants, kernel order
-  float ybs[8];     // d * (sum of the quants of 32-element sub-block l), l = 0..7
   int32_t nbs[16];  // -32 * (sum of the quants of 16-element sub-block 2l) for l = 0..7, then of sub-block 2l+1
   float d;          // row block = d * q
-  int16_t bs32[8];  // sums of the quants of 32-element sub-block l (Q4_K's mins, in integers)
-  uint8_t pad[REC - QK - 32 - 64 - 4 - 16];
+  int16_t bs32[8];  // sums of the quants of 32-element sub-block l (Q4_K's mins)
+  uint8_t pad[REC - QK - 64 - 4 - 16];
 };
 static_assert(sizeof(Rec) == REC, "activation record size");
 
@@ -73,7 +68,7 @@ struct Q4W {  // per (tile, block): qs 2048 bytes, sm 256 bytes, dd 32 halves (s
   int64_t B;
 };
 
-struct Q6W {
+struct Q6W {  // per (tile, block): ql 2048 bytes, qh 1024 bytes, sc 256 bytes, d 16 halves (see the layout above)
   const uint8_t* ql;
   const uint8_t* qh;
   const int8_t* sc;
@@ -82,12 +77,6 @@ struct Q6W {
 };
 
 inline float fp16(uint16_t h) { return _cvtsh_ss(h); }
-
-inline float hsum8(__m256 v) {  // fixed order: both paths and every row count use this one
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 // ---------------------------------------------------------------- activations: ggml's quantize_row_q8_K_ref
 void quantize_block(const float* x, Rec* rec) {
@@ -123,7 +112,6 @@ void quantize_block(const float* x, Rec* rec) {
   }
   for (int l = 0; l < 8; ++l) {
     rec->bs32[l] = static_cast<int16_t>(bs[2 * l] + bs[2 * l + 1]);  // |.| <= 32 * 127
-    rec->ybs[l] = rec->d * static_cast<float>(bs[2 * l] + bs[2 * l + 1]);
     rec->nbs[l] = -32 * bs[2 * l];
     rec->nbs[8 + l] = -32 * bs[2 * l + 1];
   }
@@ -135,37 +123,12 @@ void quantize_block(const float* x, Rec* rec) {
   std::memcpy(rec->q, out, QK);
 }
 
-// Both Q6_K paths reduce a row's block to 8 exact int32 lanes (lane l = sub-block l's integer dot product), then
-// run these float steps.
-// Q6_K: even/odd = sub-blocks 2l / 2l+1's dot products with the -32 offset (|.| <= 16*32*127: exact in float);
-// acc += (even * d sc_2l + odd * d sc_2l+1) * dy.
-inline void q6_finish(__m256& acc, __m256i even, __m256i odd, __m256 dsce, __m256 dsco, const Rec* y) {
-  const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd), dsco, _mm256_mul_ps(_mm256_cvtepi32_ps(even), dsce));
-  acc = _mm256_fmadd_ps(t, _mm256_broadcast_ss(&y->d), acc);
-}
-
 // Weights stream in layout order; fetching them PREFETCH bytes ahead hides more of the memory latency than the
 // hardware prefetcher alone when many rows make each block slow (measured ~25% faster at 8 rows).
 constexpr int PREFETCH = 2048;
 inline void prefetch(const uint8_t* p, int lines) {
   for (int i = 0; i < lines; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + 64 * i), _MM_HINT_T0);
 }
-
-inline __m256 scaled(const uint8_t* p, float d) {  // 8 u8 -> float (x * d)
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(d));
-}
-
-inline void q6_scales(const int8_t* sc, float d, __m256& dsce, __m256& dsco) {
-  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));  // (sc_2l, sc_2l+1)
-  dsce = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(s, 16), 16)), _mm256_set1_ps(d));
-  dsco = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(s, 16)), _mm256_set1_ps(d));
-}
-
-// The four kernels share one loop: for each block b, for each output column i of the tile, unpack the column's
-// weight block once and update the accumulators of the R rows (held in memory, one per column and row; the
-// rows' records of block b stay in L1 while the tile's weights stream through in layout order). The VNNI
-// kernels take two columns at a time so that each row's activations are loaded once for both (~10% faster).
 
 // ---------------------------------------------------------------- Q4_K
 // One tile of 16 columns x R rows, block by block: each sub-block's 4 lines are loaded and unpacked once for the R
@@ -267,105 +230,109 @@ VNNI_TARGET void q4_vnni(const Rec* a, const Q4W& w, float* accs, int64_t t, int
 }
 
 // ---------------------------------------------------------------- Q6_K
+// As Q4_K, with 6-bit weights (ql: low 4 bits, qh: high 2) and 16 signed scales of 16-weight sub-blocks: per 32-weight
+// chunk l, sub-block 2 l is groups v = 0..3 and 2 l + 1 groups 4..7; isum = sum_s sc_s (dot_s - 32 bsum16_s), exact
+// (|.| < 2^29); one float step per (row, block, 16 columns): acc += isum * (d dy).
+
+// bits 2c..2c+1 of each byte -> bits 4-5 (the rest is masked off by the caller)
+inline __m256i high_bits(__m256i h, int c) {
+  return c == 0 ? _mm256_slli_epi16(h, 4) : c == 1 ? _mm256_slli_epi16(h, 2) : c == 2 ? h : _mm256_srli_epi16(h, 2);
+}
+VNNI_TARGET inline __m512i high_bits(__m512i h, int c) {
+  return c == 0 ? _mm512_slli_epi16(h, 4) : c == 1 ? _mm512_slli_epi16(h, 2) : c == 2 ? h : _mm512_srli_epi16(h, 2);
+}
+
 template <int R>
-void q6_avx2(const Rec* a, const Q6W& w, __m256* accs, int64_t first, int64_t nt, int64_t r0) {
+void q6_avx2(const Rec* a, const Q6W& w, float* accs, int64_t t, int64_t r0) {
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
   const int64_t B = w.B;
   for (int64_t b = 0; b < B; ++b) {
+    const int64_t tb = t * B + b;
+    const uint8_t *ql = w.ql + tb * 2048, *qh = w.qh + tb * 1024;
+    const int8_t* sc = w.sc + tb * 256;
     const Rec* y[R];
     for (int r = 0; r < R; ++r) y[r] = a + (r0 + r) * B + b;
-    for (int64_t i = 0; i < nt; ++i) {
-      const int64_t nb = first + b * nt + i;
-      const uint8_t* ql = w.ql + nb * 128;
-      prefetch(ql, 2);
-      prefetch(w.qh + nb * 64 - PREFETCH / 2, 1);  // qh: half the bytes, half the distance
-      const uint8_t* qh = w.qh + nb * 64;
-      const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
-      const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32));
-      const __m256i high[8] = {  // bits 2c..2c+1 -> bits 4-5, c = v / 2, qh vector v % 2
-          _mm256_and_si256(_mm256_slli_epi16(h0, 4), m30), _mm256_and_si256(_mm256_slli_epi16(h1, 4), m30),
-          _mm256_and_si256(_mm256_slli_epi16(h0, 2), m30), _mm256_and_si256(_mm256_slli_epi16(h1, 2), m30),
-          _mm256_and_si256(h0, m30), _mm256_and_si256(h1, m30),
-          _mm256_and_si256(_mm256_srli_epi16(h0, 2), m30), _mm256_and_si256(_mm256_srli_epi16(h1, 2), m30)};
-      __m256i wv[8];
-      for (int j = 0; j < 4; ++j) {
-        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * j));
-        wv[j] = _mm256_or_si256(_mm256_and_si256(p, m4), high[j]);
-        wv[j + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), m4), high[j + 4]);
+    for (int half = 0; half < 2; ++half) {
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      for (int l = 0; l < 8; ++l) {
+        prefetch(qh + 128 * l, 2);
+        const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 128 * l + 32 * half));
+        const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 128 * l + 64 + 32 * half));
+        __m256i wv[8];
+        for (int h = 0; h < 4; ++h) {
+          const uint8_t* line = ql + 64 * (4 * l + h);
+          prefetch(line, 1);
+          const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * half));
+          wv[h] = _mm256_or_si256(_mm256_and_si256(p, m4), _mm256_and_si256(high_bits(h0, h), m30));
+          wv[h + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), m4),
+                                      _mm256_and_si256(high_bits(h1, h), m30));
+        }
+        const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 32 * l + 8 * half)));
+        const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 32 * l + 16 + 8 * half)));
+        for (int r = 0; r < R; ++r) {  // |int16 pair| <= 2*63*128 < 2^15
+          const int32_t* yq = reinterpret_cast<const int32_t*>(y[r]->q);
+          __m256i s0 = _mm256_set1_epi32(y[r]->nbs[l]), s1 = _mm256_set1_epi32(y[r]->nbs[8 + l]);
+          for (int v = 0; v < 4; ++v) {
+            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[v], _mm256_set1_epi32(yq[8 * v + l])), ones));
+            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[v + 4], _mm256_set1_epi32(yq[8 * (v + 4) + l])), ones));
+          }
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1)));
+        }
       }
-      __m256 dsce, dsco;
-      q6_scales(w.sc + nb * 16, fp16(w.d[nb]), dsce, dsco);
-      __m256* acc = accs + i * MAX_R;
-#pragma GCC unroll 8
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + tb * 16 + 8 * half)));
       for (int r = 0; r < R; ++r) {
-        const __m256i* q = reinterpret_cast<const __m256i*>(y[r]->q);
-        __m256i t[4];  // sums of two vectors' int16 pairs, |.| <= 4*63*127 < 2^15
-        for (int j = 0; j < 4; ++j)
-          t[j] = _mm256_add_epi16(_mm256_maddubs_epi16(wv[2 * j], _mm256_loadu_si256(q + 2 * j)),
-                                  _mm256_maddubs_epi16(wv[2 * j + 1], _mm256_loadu_si256(q + 2 * j + 1)));
-        const __m256i* nbs = reinterpret_cast<const __m256i*>(y[r]->nbs);
-        const __m256i even = _mm256_add_epi32(_mm256_add_epi32(_mm256_loadu_si256(nbs), _mm256_madd_epi16(t[0], ones)),
-                                              _mm256_madd_epi16(t[1], ones));  // vectors 0-3: sub-blocks 2l
-        const __m256i odd = _mm256_add_epi32(_mm256_add_epi32(_mm256_loadu_si256(nbs + 1), _mm256_madd_epi16(t[2], ones)),
-                                             _mm256_madd_epi16(t[3], ones));  // vectors 4-7: sub-blocks 2l+1
-        q6_finish(acc[r], even, odd, dsce, dsco, y[r]);
+        float* acc = accs + 16 * r + 8 * half;
+        _mm256_store_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(y[r]->d)),
+                                             _mm256_load_ps(acc)));
       }
-    }
-  }
-}
-
-struct Q6Block {
-  __m512i w[4];
-  __m256 dsce, dsco;
-};
-
-VNNI_TARGET inline Q6Block q6_block(const Q6W& w, int64_t nb) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-  const uint8_t* ql = w.ql + nb * 128;
-  prefetch(ql, 2);
-  prefetch(w.qh + nb * 64 - PREFETCH / 2, 1);  // qh: half the bytes, half the distance
-  const __m512i l0 = _mm512_loadu_si512(ql), l1 = _mm512_loadu_si512(ql + 64);
-  const __m512i h = _mm512_loadu_si512(w.qh + nb * 64);
-  Q6Block k;
-  k.w[0] = _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
-  k.w[1] = _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
-  k.w[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4), _mm512_and_si512(h, m30));
-  k.w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
-  q6_scales(w.sc + nb * 16, fp16(w.d[nb]), k.dsce, k.dsco);
-  return k;
-}
-
-template <int R, int C>
-VNNI_TARGET inline void q6_vnni_cols(const Rec* const* y, const Q6W& w, int64_t nb, __m256* acc) {
-  Q6Block k[C];
-  for (int c = 0; c < C; ++c) k[c] = q6_block(w, nb + c);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const int8_t* q = y[r]->q;
-    const __m512i y0 = _mm512_loadu_si512(q), y1 = _mm512_loadu_si512(q + 64);
-    const __m512i y2 = _mm512_loadu_si512(q + 128), y3 = _mm512_loadu_si512(q + 192);
-    const __m256i* nbs = reinterpret_cast<const __m256i*>(y[r]->nbs);
-    const __m512i ne = _mm512_zextsi256_si512(_mm256_loadu_si256(nbs));  // the -32 offset, in the low half only
-    const __m512i no = _mm512_zextsi256_si512(_mm256_loadu_si256(nbs + 1));
-    for (int c = 0; c < C; ++c) {
-      const __m512i e = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ne, k[c].w[0], y0), k[c].w[1], y1);
-      const __m512i o = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(no, k[c].w[2], y2), k[c].w[3], y3);
-      q6_finish(acc[c * MAX_R + r], _mm256_add_epi32(_mm512_castsi512_si256(e), _mm512_extracti64x4_epi64(e, 1)),
-                _mm256_add_epi32(_mm512_castsi512_si256(o), _mm512_extracti64x4_epi64(o, 1)), k[c].dsce, k[c].dsco,
-                y[r]);
     }
   }
 }
 
 template <int R>
-VNNI_TARGET void q6_vnni(const Rec* a, const Q6W& w, __m256* accs, int64_t first, int64_t nt, int64_t r0) {
+VNNI_TARGET void q6_vnni(const Rec* a, const Q6W& w, float* accs, int64_t t, int64_t r0) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   const int64_t B = w.B;
   for (int64_t b = 0; b < B; ++b) {
+    const int64_t tb = t * B + b;
+    const uint8_t *ql = w.ql + tb * 2048, *qh = w.qh + tb * 1024;
+    const int8_t* sc = w.sc + tb * 256;
     const Rec* y[R];
     for (int r = 0; r < R; ++r) y[r] = a + (r0 + r) * B + b;
-    int64_t i = 0;
-    for (; i + 2 <= nt; i += 2) q6_vnni_cols<R, 2>(y, w, first + b * nt + i, accs + i * MAX_R);
-    if (i < nt) q6_vnni_cols<R, 1>(y, w, first + b * nt + i, accs + i * MAX_R);
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int l = 0; l < 8; ++l) {
+      prefetch(qh + 128 * l, 2);
+      const __m512i h0 = _mm512_loadu_si512(qh + 128 * l), h1 = _mm512_loadu_si512(qh + 128 * l + 64);
+      __m512i wv[8];
+      for (int h = 0; h < 4; ++h) {
+        const uint8_t* line = ql + 64 * (4 * l + h);
+        prefetch(line, 1);
+        const __m512i p = _mm512_loadu_si512(line);
+        wv[h] = _mm512_or_si512(_mm512_and_si512(p, m4), _mm512_and_si512(high_bits(h0, h), m30));
+        wv[h + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p, 4), m4),
+                                    _mm512_and_si512(high_bits(h1, h), m30));
+      }
+      const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 32 * l)));
+      const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 32 * l + 16)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int32_t* yq = reinterpret_cast<const int32_t*>(y[r]->q);
+        __m512i s0 = _mm512_set1_epi32(y[r]->nbs[l]), s1 = _mm512_set1_epi32(y[r]->nbs[8 + l]);
+        for (int v = 0; v < 4; ++v) {
+          s0 = _mm512_dpbusd_epi32(s0, wv[v], _mm512_set1_epi32(yq[8 * v + l]));
+          s1 = _mm512_dpbusd_epi32(s1, wv[v + 4], _mm512_set1_epi32(yq[8 * (v + 4) + l]));
+        }
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1)));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + tb * 16)));
+    for (int r = 0; r < R; ++r) {
+      float* acc = accs + 16 * r;
+      _mm512_store_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(y[r]->d)),
+                                           _mm512_load_ps(acc)));
+    }
   }
 }
 
@@ -385,43 +352,21 @@ bool use_vnni(int64_t isa) {
 }
 
 template <class W>
-using RowsFn = void (*)(const Rec*, const W&, __m256*, int64_t, int64_t, int64_t);
+using TileFn = void (*)(const Rec*, const W&, float*, int64_t, int64_t);  // (records, weight, accs, tile, first row)
+constexpr TileFn<Q4W> Q4_AVX2[MAX_R] = {q4_avx2<1>, q4_avx2<2>, q4_avx2<3>, q4_avx2<4>,
+                                        q4_avx2<5>, q4_avx2<6>, q4_avx2<7>, q4_avx2<8>};
+constexpr TileFn<Q4W> Q4_VNNI[MAX_R] = {q4_vnni<1>, q4_vnni<2>, q4_vnni<3>, q4_vnni<4>,
+                                        q4_vnni<5>, q4_vnni<6>, q4_vnni<7>, q4_vnni<8>};
+constexpr TileFn<Q6W> Q6_AVX2[MAX_R] = {q6_avx2<1>, q6_avx2<2>, q6_avx2<3>, q6_avx2<4>,
+                                        q6_avx2<5>, q6_avx2<6>, q6_avx2<7>, q6_avx2<8>};
+constexpr TileFn<Q6W> Q6_VNNI[MAX_R] = {q6_vnni<1>, q6_vnni<2>, q6_vnni<3>, q6_vnni<4>,
+                                        q6_vnni<5>, q6_vnni<6>, q6_vnni<7>, q6_vnni<8>};
 
-template <class W, RowsFn<W>... Fns>
-struct Table {  // the kernel for R = 1..MAX_R rows
-  static constexpr RowsFn<W> fn[MAX_R] = {Fns...};
-};
-using Q6Avx2 = Table<Q6W, q6_avx2<1>, q6_avx2<2>, q6_avx2<3>, q6_avx2<4>, q6_avx2<5>, q6_avx2<6>, q6_avx2<7>, q6_avx2<8>>;
-using Q6Vnni = Table<Q6W, q6_vnni<1>, q6_vnni<2>, q6_vnni<3>, q6_vnni<4>, q6_vnni<5>, q6_vnni<6>, q6_vnni<7>, q6_vnni<8>>;
-
-// Output columns in tiles of TILE (the weight layout's tiles) split across threads; within a tile, rows in groups
-// of MAX_R (a row's float sum runs over the blocks in the same order whatever group it is in).
+// Tiles of 16 columns split across threads; within a tile, rows in groups of MAX_R (a row's float sum runs over the
+// blocks in the same order whatever group it is in). Lane i of a row's accumulator is column i: written out directly
+// (the padding columns of the last tile are dropped).
 template <class W>
-void run_rows(const Rec* a, const W& w, float* Y, int64_t M, int64_t N, const RowsFn<W>* fns) {
-  at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
-    alignas(32) __m256 accs[TILE * MAX_R];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * TILE, nt = std::min(TILE, N - n0);
-      for (int64_t r0 = 0; r0 < M; r0 += MAX_R) {
-        const int64_t R = std::min<int64_t>(MAX_R, M - r0);
-        for (auto& acc : accs) acc = _mm256_setzero_ps();
-        fns[R - 1](a, w, accs, n0 * w.B, nt, r0);
-        for (int64_t i = 0; i < nt; ++i)
-          for (int64_t r = 0; r < R; ++r) Y[(r0 + r) * N + n0 + i] = hsum8(accs[i * MAX_R + r]);
-      }
-    }
-  });
-}
-
-using Q4Fn = void (*)(const Rec*, const Q4W&, float*, int64_t, int64_t);
-constexpr Q4Fn Q4_AVX2[MAX_R] = {q4_avx2<1>, q4_avx2<2>, q4_avx2<3>, q4_avx2<4>,
-                                 q4_avx2<5>, q4_avx2<6>, q4_avx2<7>, q4_avx2<8>};
-constexpr Q4Fn Q4_VNNI[MAX_R] = {q4_vnni<1>, q4_vnni<2>, q4_vnni<3>, q4_vnni<4>,
-                                 q4_vnni<5>, q4_vnni<6>, q4_vnni<7>, q4_vnni<8>};
-
-// Q4_K: tiles of 16 columns split across threads; within a tile, rows in groups of MAX_R. Lane i of a row's
-// accumulator is column i: written out directly (the padding columns of the last tile are dropped).
-void run_q4(const Rec* a, const Q4W& w, float* Y, int64_t M, int64_t N, const Q4Fn* fns) {
+void run_tiles(const Rec* a, const W& w, float* Y, int64_t M, int64_t N, const TileFn<W>* fns) {
   at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
     alignas(64) float accs[TILE * MAX_R];
     for (int64_t t = t0; t < t1; ++t) {
@@ -475,22 +420,22 @@ torch::Tensor q4k_matmul(torch::Tensor acts, torch::Tensor qs, torch::Tensor sm,
   check_blocks(dd, T * B, 32, "dd", at::kHalf);
   const Q4W w{qs.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr()), B};
   auto y = torch::empty({M, N}, acts.options().dtype(at::kFloat));
-  run_q4(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? Q4_VNNI : Q4_AVX2);
+  run_tiles(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? Q4_VNNI : Q4_AVX2);
   return y;
 }
 
 torch::Tensor q6k_matmul(torch::Tensor acts, torch::Tensor ql, torch::Tensor qh, torch::Tensor sc, torch::Tensor wd,
                          int64_t N, int64_t isa) {
   const Rec* a = check_act(acts);
-  const int64_t M = acts.size(0), B = acts.size(1);
-  check_blocks(ql, N * B, 128, "ql", at::kByte);
-  check_blocks(qh, N * B, 64, "qh", at::kByte);
-  check_blocks(sc, N * B, 16, "sc", at::kChar);
-  check_blocks(wd, N * B, 1, "d", at::kHalf);
+  const int64_t M = acts.size(0), B = acts.size(1), T = (N + TILE - 1) / TILE;
+  check_blocks(ql, T * B, 2048, "ql", at::kByte);
+  check_blocks(qh, T * B, 1024, "qh", at::kByte);
+  check_blocks(sc, T * B, 256, "sc", at::kChar);
+  check_blocks(wd, T * B, 16, "d", at::kHalf);
   const Q6W w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(),
               reinterpret_cast<const uint16_t*>(wd.data_ptr()), B};
   auto y = torch::empty({M, N}, acts.options().dtype(at::kFloat));
-  run_rows(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? Q6Vnni::fn : Q6Avx2::fn);
+  run_tiles(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? Q6_VNNI : Q6_AVX2);
   return y;
 }
 

@@ -43,7 +43,7 @@ from osd.models.tree_rows import TreeRows
 
 ARCHITECTURES = ("qwen2",)
 MATRIX_TYPES = ("Q4_K", "Q6_K")
-LAYOUT_VERSION = 2  # bump when the cached repacked layout changes
+LAYOUT_VERSION = 3  # bump when the cached repacked layout changes
 CACHE_MIN_BYTES = 64 << 20  # files at least this large keep their repacked weights on disk
 
 _lock = threading.Lock()
