@@ -608,3 +608,36 @@ def test_the_native_llama_server_figures_are_those_of_bench_serve_vs_native():
     assert sorted(short) == [1, 16] and (f"Against the native build 1 client ({short[1]:.2f}x, target 1.3x) and 16 "
                                          f"clients ({short[16]:.2f}x, target 2.0x) fall short") in flat
     assert by[("osd", 1)] / by[(portable, 1)] < 1.3 and "1 client was just short against the portable build too" in flat
+
+
+def test_the_latest_serve_vs_run_is_that_of_bench_serve_vs_x16():
+    r = result("bench-serve-vs-x16.json")
+    flat = " ".join(README.split())
+    by = {(x["server"], x["concurrency"]): x for x in r["records"]}
+    tok = lambda s, c: by[(s, c)]["aggregate_tokens_per_s"]  # noqa: E731
+    levels = r["config"]["levels"]
+    native, portable = "llama-server-native", "llama-server"
+    ratios = lambda a, b: " / ".join(f"{tok(a, c) / tok(b, c):.2f}x" for c in levels)  # noqa: E731
+    p95 = lambda s: " / ".join(f"{by[(s, c)]['ttft_p95_s']:.2f}" for c in levels)  # noqa: E731
+    goal = {1: 1.3, 2: 1.3, 4: 2.0, 8: 2.0, 16: 2.0}
+    assert levels == [1, 2, 4, 8, 16] and f"(rev {r['git_revision']}, `bench-serve-vs-x16.json`" in flat
+    assert (f"osd {ratios('osd', portable)} the portable llama-server and {ratios('osd', native)} the native build at "
+            f"1 / 2 / 4 / 8 / 16 clients; target-only {ratios('osd-target-only', portable)} the portable build; with "
+            f"learning {ratios('osd-learning', portable)}, learning's cost at 8 clients "
+            f"{(1 - tok('osd-learning', 8) / tok('osd', 8)) * 100:.0f}%.") in flat
+    assert all(tok("osd", c) / tok(portable, c) >= goal[c] for c in levels)  # "Every target met against the portable"
+    assert [c for c in levels if tok("osd", c) / tok(native, c) < goal[c]] == [16]
+    assert (f"all but 16 clients ({tok('osd', 16) / tok(native, 16):.2f}x, target 2.0x; target-only "
+            f"{tok('osd-target-only', 16) / tok(native, 16):.2f}x)") in flat
+    assert all(by[("osd", c)]["ttft_p95_s"] <= min(by[(s, c)]["ttft_p95_s"] for s in (native, portable)) for c in levels)
+    assert f"TTFT p95 {p95('osd')} s against {p95(native)} (native) and {p95(portable)} (portable)" in flat
+    prefill = {p["server"]: p["prompt_tokens_per_s"] for p in r["prefill"]}
+    assert (f"1,063-token prompt {prefill['osd']:.0f} prompt tokens/s against {prefill[native]:.0f} and "
+            f"{prefill[portable]:.0f}") in flat
+    same = [v for arm in r["identity"].values() for v in arm.values()]
+    assert all(v["same"] == v["of"] for v in same) and len(r["identity"]) == 2
+    assert f"Greedy identity {sum(v['same'] for v in same) // 2} of {sum(v['of'] for v in same) // 2} per arm" in flat
+    assert (f"Peak RSS at 16 clients {by[('osd', 16)]['peak_rss_bytes'] / 1e9:.2f} GB, learning on "
+            f"{by[('osd-learning', 16)]['peak_rss_bytes'] / 1e9:.2f} GB") in flat
+    assert by[("osd-learning", 16)]["peak_rss_bytes"] <= 6e9
+    assert ("osd / target-only " + " / ".join(f"{tok('osd', c) / tok('osd-target-only', c):.2f}x" for c in levels)) in flat
