@@ -130,8 +130,11 @@ def test_the_q4_kernel_row_costs_are_those_of_bench_kernel():
     cost = result("bench-kernel.json")["model_pass"]["cost_vs_one_row"]  # rows 1..8
     assert (f"1 / 2 / 4 / 8 rows cost {cost[0]:.2f} / {cost[1]:.2f} / {cost[3]:.2f} / {cost[7]:.2f}x one row"
             in " ".join(README.split()))
-    ms = result("bench-kernel-cpu.json")["model_pass"]["ms"]
-    assert f"one thread: 1 / 4 / 8 rows = {ms[0]:.0f} / {ms[3]:.0f} / {ms[7]:.0f} ms" in " ".join(README.split())
+    ms = result("bench-kernel-cpu-x16-rerun.json")["model_pass"]["ms"]
+    before = result("bench-kernel-cpu.json")["model_pass"]["ms"]
+    assert (f"one thread: 1 / 4 / 8 rows = {ms[0]:.0f} / {ms[3]:.0f} / {ms[7]:.0f} ms, "
+            f"`benchmarks/bench-kernel-cpu-x16-rerun.json`; {before[0]:.0f} / {before[3]:.0f} / {before[7]:.0f} ms before "
+            "its columns were interleaved") in " ".join(README.split())
 
 
 def test_the_ray_memory_and_projection_figures_are_those_of_bench_scale():
@@ -641,3 +644,22 @@ def test_the_latest_serve_vs_run_is_that_of_bench_serve_vs_x16():
             f"{by[('osd-learning', 16)]['peak_rss_bytes'] / 1e9:.2f} GB") in flat
     assert by[("osd-learning", 16)]["peak_rss_bytes"] <= 6e9
     assert ("osd / target-only " + " / ".join(f"{tok('osd', c) / tok('osd-target-only', c):.2f}x" for c in levels)) in flat
+
+
+def test_the_interleaved_kernel_and_its_amd_speed_are_those_of_their_runs():
+    flat = " ".join(README.split())
+    new, old = result("bench-kernel-x16.json")["model_pass"], result("bench-kernel.json")["model_pass"]
+    ms, cost = new["ms"], new["cost_vs_one_row"]
+    assert new["ms"][0] < old["ms"][0] and new["ms"][7] < old["ms"][7]
+    assert (f"1 / 2 / 4 / 8 rows {ms[0]:.1f} / {ms[1]:.1f} / {ms[3]:.1f} / {ms[7]:.1f} ms with 2 threads, {cost[0]:.2f} / "
+            f"{cost[1]:.2f} / {cost[3]:.2f} / {cost[7]:.2f}x one row (`benchmarks/bench-kernel-x16.json`; {old['ms'][0]:.1f} / "
+            f"{old['ms'][1]:.1f} / {old['ms'][3]:.1f} / {old['ms'][7]:.1f} ms in `bench-kernel.json`") in flat
+    avx2 = result("bench-kernel-cpu-avx2-x16.json")["model_pass"]["ms"]
+    avx2_before = result("bench-kernel-cpu-avx2.json")["model_pass"]["ms"]
+    worse = [a / b for a, b in zip(avx2[4:], avx2_before[4:])]
+    assert f"5-8 rows cost {min(worse):.2f}-{max(worse):.2f}x what they did before" in flat
+    speed = result("bench-speed-x16.json")
+    dec, e2e = speed["decode_speedup_vs_baseline"], speed["end_to_end_speedup_vs_baseline"]
+    assert (f"a fresh install decodes at {dec['osd_q4']:.2f}x llama.cpp ({e2e['osd_q4']:.2f}x end to end)** and osd's Q4 "
+            f"target alone at {dec['osd_q4_target']:.2f}x") in flat
+    assert speed["outputs_differing_from_osd_target"]["osd_q4"] == 0 and "AMD" in speed["machine"]["cpu"]

@@ -7,15 +7,17 @@ products, only the float sum over blocks in another order than ggml's. Each row'
 whatever the number of rows computed with it, and the AVX2 and AVX-512 VNNI paths give bitwise equal results.
 
 Measured here (`osd bench kernel --clock cpu`: 1 thread, CPU time, AMD EPYC Zen 4; ms per token for all 196 layer
-matrices + the LM head, random weights streaming from memory; llama.cpp = its whole forward, same thread/clock):
+matrices + the LM head, weights streaming from memory; llama.cpp = its whole forward, same thread/clock;
+benchmarks/bench-kernel-cpu-x16-rerun.json and bench-kernel-cpu-avx2-x16.json):
 
     rows                              1      2      4      8
-    this kernel, AVX-512 VNNI      51.8   58.2   80.5  119.5   (1.12x / 1.56x / 2.31x one row)
-    this kernel, AVX2 path         51.3   65.5  104.9  156.7
-    llama.cpp (AVX2 build)         54.6  114.3  181.5  509.0   (2.09x / 3.32x / 9.32x)
+    this kernel, AVX-512 VNNI      51.0   54.8   66.8   98.9   (1.07x / 1.31x / 1.94x one row)
+    this kernel, AVX2 path         53.3   61.4   91.3  173.7
+    llama.cpp (AVX2 build)         53.7  106.5  177.8  500.3   (1.98x / 3.31x / 9.32x)
 
-One row is memory-bound (~20 GB/s on one core); more rows are compute-bound (~9 cycles per row and 256-block
-on VNNI, of which 4 are the vpdpbusd themselves).
+One row is memory-bound; more rows are compute-bound. Each vector lane is one output column (16 columns interleaved),
+so the sub-block scales apply in exact integers and a row, block and 16 columns take one or two float steps. With
+only 16 vector registers the AVX2 path spills beyond ~4 rows (5-8 rows: 1.03-1.15x the per-column layout it replaced).
 
 Weights are repacked once from the GGUF's blocks (`repack_q4k`, `repack_q6k`: same bytes per block, another
 order; layout in q4_kernel.cpp). The path runs where the CPU has AVX2 (AVX-512 VNNI is used where present, chosen
