@@ -449,9 +449,11 @@ def test_the_amd_q4_target_range_is_that_of_the_amd_speed_runs():
     q4 = [r["decode_speedup_vs_baseline"]["osd_q4_target"]
           for r in map(result, sorted(p.name for p in (ROOT / "benchmarks").glob("bench-speed-*.json")))
           if r["machine"]["cpu"] == "AMD EPYC" and r.get("baseline") == "llama_cpp_target"
-          and "osd_q4_target" in r.get("decode_speedup_vs_baseline", {})]
+          and "osd_q4_target" in r.get("decode_speedup_vs_baseline", {})
+          and not r["command"].count("-x16")]  # the runs before the columns were interleaved
     assert len(q4) >= 10
-    assert f"the same kernel is {min(q4):.2f}-{max(q4):.2f}x llama.cpp alone" in " ".join(README.split())
+    assert (f"the kernel before its columns were interleaved was {min(q4):.2f}-{max(q4):.2f}x llama.cpp alone"
+            in " ".join(README.split()))
 
 
 def test_the_best_amd_learned_draft_range_is_that_of_its_speed_runs():
@@ -663,3 +665,11 @@ def test_the_interleaved_kernel_and_its_amd_speed_are_those_of_their_runs():
     assert (f"a fresh install decodes at {dec['osd_q4']:.2f}x llama.cpp ({e2e['osd_q4']:.2f}x end to end)** and osd's Q4 "
             f"target alone at {dec['osd_q4_target']:.2f}x") in flat
     assert speed["outputs_differing_from_osd_target"]["osd_q4"] == 0 and "AMD" in speed["machine"]["cpu"]
+
+
+def test_the_repeated_amd_speed_run_is_that_of_its_json():
+    speed = result("bench-speed-x16-repeat.json")
+    dec, e2e = speed["decode_speedup_vs_baseline"], speed["end_to_end_speedup_vs_baseline"]
+    assert speed["outputs_differing_from_osd_target"]["osd_q4"] == 0 and "AMD" in speed["machine"]["cpu"]
+    assert (f"a second run (`bench-speed-x16-repeat.json`) gave {dec['osd_q4']:.2f}x ({e2e['osd_q4']:.2f}x end to end) "
+            f"and {dec['osd_q4_target']:.2f}x.") in " ".join(README.split())
