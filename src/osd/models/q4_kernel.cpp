@@ -76,8 +76,6 @@ struct Q6W {  // per (tile, block): ql 2048 bytes, qh 1024 bytes, sc 256 bytes, 
   int64_t B;
 };
 
-inline float fp16(uint16_t h) { return _cvtsh_ss(h); }
-
 // ---------------------------------------------------------------- activations: ggml's quantize_row_q8_K_ref
 void quantize_block(const float* x, Rec* rec) {
   std::memset(rec, 0, sizeof(Rec));
@@ -132,7 +130,7 @@ inline void prefetch(const uint8_t* p, int lines) {
 
 // ---------------------------------------------------------------- Q4_K
 // One tile of 16 columns x R rows, block by block: each sub-block's 4 lines are loaded and unpacked once for the R
-// rows (8 lines of weights in registers), each row's 8 activation groups broadcast against them.
+// rows (8 weight vectors in registers), each row's 8 activation groups broadcast against them.
 // Float steps per (row, block), identical in both paths lane by lane: acc += isum * (d dy); acc -= imin * (dmin dy).
 
 template <int R>
