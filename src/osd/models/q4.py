@@ -232,12 +232,9 @@ def interleave_q4k(q: torch.Tensor, sc: torch.Tensor, mins: torch.Tensor, d: tor
     32 l + 4 h + (0..3) in the low nibbles and 32 l + 4 (h + 4) + (0..3) in the high ones; scales l-major; mins as
     (2 p, 2 p + 1) pairs per column; d then dmin."""
     t, b = q.shape[0] // TILE, q.shape[1]
-    groups = _interleaved_groups(q)  # (t, b, l, v, lane)
-    qs = (groups[:, :, :, :4] | (groups[:, :, :, 4:] << 4)).reshape(t * b, 2048)
-    scales = sc.reshape(t, TILE, b, 8).permute(0, 2, 3, 1).reshape(t * b, 8 * TILE)
     pairs = mins.reshape(t, TILE, b, 4, 2).permute(0, 2, 3, 1, 4).reshape(t * b, 8 * TILE)
-    dd = torch.cat([x.reshape(t, TILE, b).permute(0, 2, 1).reshape(t * b, TILE) for x in (d, dmin)], dim=1)
-    return qs, torch.cat([scales, pairs], dim=1), dd
+    sm = torch.cat([_by_lane(sc), pairs], dim=1)  # scales, then mins paired for vpdpwssd
+    return _nibble_lines(_interleaved_groups(q)), sm, _by_lane(torch.stack([d, dmin], dim=-1))
 
 
 def repack_q4k(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q4KWeight:
@@ -257,6 +254,20 @@ def _interleaved_groups(q: torch.Tensor) -> torch.Tensor:
     return q.reshape(n // TILE, TILE, b, 8, 8, 4).permute(0, 2, 3, 4, 1, 5).reshape(n // TILE, b, 8, 8, 4 * TILE)
 
 
+def _nibble_lines(groups: torch.Tensor) -> torch.Tensor:
+    """(T, B, 8 l, 8 v, 64) values 0..15 -> (T B, 2048): line 4 l + h holds group (l, h) in its low nibbles and group
+    (l, h + 4) in its high ones."""
+    t, b = groups.shape[:2]
+    return (groups[:, :, :, :4] | (groups[:, :, :, 4:] << 4)).reshape(t * b, 2048)
+
+
+def _by_lane(x: torch.Tensor) -> torch.Tensor:
+    """(N, B, X) per-column values, N a multiple of TILE -> (T B, X TILE): per (tile, block), value j of column i at
+    j TILE + i (a vector's lane i = column i)."""
+    n, b, k = x.shape
+    return x.reshape(n // TILE, TILE, b, k).permute(0, 2, 3, 1).reshape(n // TILE * b, k * TILE)
+
+
 def _pad_tiles(blocks: torch.Tensor) -> torch.Tensor:
     """(N, B, bytes) GGUF blocks -> N padded to a multiple of TILE with zero blocks (their columns come out 0)."""
     extra = -blocks.shape[0] % TILE
@@ -269,12 +280,9 @@ def interleave_q6k(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor):
     high 2 bits of group (l, 4 j + c)'s same byte; scales s-major."""
     t, b = q.shape[0] // TILE, q.shape[1]
     groups = _interleaved_groups(q)
-    low, high = groups & 0xF, groups >> 4
-    ql = (low[:, :, :, :4] | (low[:, :, :, 4:] << 4)).reshape(t * b, 2048)
-    high = high.reshape(t, b, 8, 2, 4, 4 * TILE)  # (.., l, j, c, lane)
+    high = (groups >> 4).reshape(t, b, 8, 2, 4, 4 * TILE)  # (.., l, j, c, lane)
     qh = (high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)).reshape(t * b, 1024)
-    scales = sc.reshape(t, TILE, b, 16).permute(0, 2, 3, 1).reshape(t * b, 16 * TILE)
-    return ql, qh, scales, d.reshape(t, TILE, b).permute(0, 2, 1).reshape(t * b, TILE)
+    return _nibble_lines(groups & 0xF), qh, _by_lane(sc), _by_lane(d[..., None])
 
 
 def repack_q6k(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q6KWeight:

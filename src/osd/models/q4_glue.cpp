@@ -335,20 +335,25 @@ CacheRef only_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache) 
   return {k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(1)};
 }
 
+// Causal attention: row r over positions 0..pos[r] of its cache rows[r] (checked here).
+torch::Tensor causal_rows(const torch::Tensor& q, int64_t G, const std::vector<CacheRef>& rows, const torch::Tensor& pos) {
+  const int64_t M = q.size(0);
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.dim() == 1 && pos.size(0) == M,
+              "attention: pos must be (M,) int64");
+  const int64_t* P = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r)
+    TORCH_CHECK(P[r] >= 0 && P[r] < rows[r].T, "attention: position ", P[r], " outside the cache");
+  return attend_rows(q, G, [&rows](int64_t r) { return rows[r]; },
+                     [P](int64_t r) { return std::make_pair(P[r] + 1, [](int64_t t) { return t; }); });
+}
+
 }  // namespace
 
 // q (M, H, D), k_cache/v_cache (G, T, D), pos (M): row r's head h attends to cached positions 0..pos[r] of KV head
 // h / (H / G) with softmax(q k / sqrt(D)). Returns (M, H D). Each (row, head) is computed alone, in a fixed order.
 torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor pos) {
   check_attention(q, k_cache, v_cache);
-  const int64_t M = q.size(0), T = k_cache.size(1);
-  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.dim() == 1 && pos.size(0) == M,
-              "attention: pos must be (M,) int64");
-  const int64_t* P = pos.data_ptr<int64_t>();
-  for (int64_t r = 0; r < M; ++r) TORCH_CHECK(P[r] >= 0 && P[r] < T, "attention: position ", P[r], " outside the cache");
-  const CacheRef c = only_cache(k_cache, v_cache);
-  return attend_rows(q, k_cache.size(0), [c](int64_t) { return c; },
-                     [P](int64_t r) { return std::make_pair(P[r] + 1, [](int64_t t) { return t; }); });
+  return causal_rows(q, k_cache.size(0), std::vector<CacheRef>(q.size(0), only_cache(k_cache, v_cache)), pos);
 }
 
 // Several sequences' rows in one call: row r attends to positions 0..pos[r] of k_caches[cache_of[r]] (and its
@@ -360,14 +365,7 @@ torch::Tensor attention_many(torch::Tensor q, std::vector<torch::Tensor> k_cache
   const int64_t M = q.size(0), H = q.size(1), D = q.size(2), G = k_caches[0].size(0);
   check_width(D, "the head dim");
   TORCH_CHECK(G > 0 && H % G == 0, "attention: cache shapes disagree with q (G must divide H)");
-  const auto rows = cache_refs(k_caches, v_caches, cache_of, M, G, D);
-  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.dim() == 1 && pos.size(0) == M,
-              "attention: pos must be (M,) int64");
-  const int64_t* P = pos.data_ptr<int64_t>();
-  for (int64_t r = 0; r < M; ++r)
-    TORCH_CHECK(P[r] >= 0 && P[r] < rows[r].T, "attention: position ", P[r], " outside the cache");
-  return attend_rows(q, G, [&rows](int64_t r) { return rows[r]; },
-                     [P](int64_t r) { return std::make_pair(P[r] + 1, [](int64_t t) { return t; }); });
+  return causal_rows(q, G, cache_refs(k_caches, v_caches, cache_of, M, G, D), pos);
 }
 
 // Token trees: row r attends to cache positions 0..prefix[r] - 1, then to the cache indices
