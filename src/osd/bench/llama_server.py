@@ -9,6 +9,7 @@ llama.cpp source that the installed llama-cpp-python vendors (its PyPI sdist), c
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -103,8 +104,6 @@ def build_features(binary: Path) -> str | None:
     try:
         out = subprocess.run([sys.executable, "-c", _ASK_GGML, str(binary.parent), *FEATURES], capture_output=True,
                              text=True, timeout=60, check=True).stdout
-        import json
-
         return features_line(json.loads(out))
     except (subprocess.SubprocessError, OSError, ValueError):
         return None

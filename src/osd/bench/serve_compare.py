@@ -3,8 +3,8 @@
 Each server runs alone on the machine, one after the other, on the same GGUF with the same threads: llama-server
 (`-np N --cont-batching`, built once from the llama.cpp that llama-cpp-python vendors, bench/llama_server.py: the
 `llama-server` arm with the wheel's portable AVX2 flags, `llama-server-native` built for this CPU as llama.cpp builds by
-default, AVX-512 included where the CPU has it) and `osd serve` in the arms asked (speculative without learning, with learning, target-only k = 0: the greedy reference
-every osd answer must equal). Every arm gets the same prompts in the same order: level c takes its own slice of the
+default, AVX-512 included where the CPU has it) and `osd serve` in the arms asked (speculative without learning, with
+learning, target-only k = 0: the greedy reference every osd answer must equal). Every arm gets the same prompts in the same order: level c takes its own slice of the
 prompt list (no prompt is repeated across levels, so the n-gram lookup cannot replay an earlier level's answer), after
 one warm-up request that is not counted. Streaming chat completions, greedy, a fixed max_tokens.
 Per server and level: aggregate output tokens/s over the level's wall time, per-request decode tokens/s (after the
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from osd.bench.llama_server import ensure_llama_server, build_features, llama_server_command, running
+from osd.bench.llama_server import build_features, ensure_llama_server, llama_server_command, running
 from osd.bench.serve_load import Sample, _client, _request_body, one_request, percentile
 from osd.bench.speed import bench_prompts
 from osd.data import load_records

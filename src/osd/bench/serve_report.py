@@ -145,12 +145,8 @@ def prefill_lines(result: dict) -> list[str]:
 
 def build_lines(result: dict) -> list[str]:
     """Which CPU features each llama-server build's ggml was compiled for, one line per build."""
-    seen = {}
-    for r in result["records"]:
-        if r.get("llama_features"):
-            seen.setdefault(r["server"], r["llama_features"])
-    return [f"- `{server}` ({next(r['llama_build'] for r in result['records'] if r['server'] == server)} build): {info}"
-            for server, info in seen.items()]
+    builds = {r["server"]: (r["llama_build"], r["llama_features"]) for r in result["records"] if r.get("llama_features")}
+    return [f"- `{server}` ({build} build): {info}" for server, (build, info) in builds.items()]
 
 
 def identity_lines(result: dict) -> list[str]:
