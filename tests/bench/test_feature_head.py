@@ -59,3 +59,20 @@ def test_the_draft_is_scored_at_the_same_positions():
 
     seq = [1, 2, 3, 4, 5]
     assert draft_agreement(Oracle(seq), [([1, 2], [3, 4, 5])], torch.arange(H)) == 0.5  # 4 right, 5 wrong
+
+
+def test_sources_name_their_split_and_slice_and_a_held_out_slice_may_not_meet_a_training_one():
+    import pytest
+
+    from osd.bench.feature_head import check_disjoint, source_slices
+    from osd.errors import InvalidArgument
+
+    assert source_slices(["code", "multilingual_qa@de:test[100:130]"], "train", 40) == [
+        ("code", "train", 0, 40), ("multilingual_qa@de", "test", 100, 130)]
+    train = source_slices(["multilingual_qa@de:test[0:100]", "code"], "train", 40)
+    check_disjoint(train, source_slices(["multilingual_qa@de:test[100:106]", "code"], "test", 6))  # disjoint: fine
+    check_disjoint(train, source_slices(["multilingual_qa@ru:test[0:6]"], "test", 6))  # another language
+    with pytest.raises(InvalidArgument, match="overlaps"):
+        check_disjoint(train, source_slices(["multilingual_qa@de:test[99:105]"], "test", 6))
+    with pytest.raises(InvalidArgument, match="overlaps"):
+        check_disjoint(train, source_slices(["code:train[39:45]"], "test", 6))

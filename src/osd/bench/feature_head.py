@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from osd.data import load_records, prompt_ids, with_context
+from osd.errors import InvalidArgument
 
 
 class FeatureHead(nn.Module):
@@ -122,6 +123,29 @@ def draft_agreement(draft, samples, index: torch.Tensor) -> float:
     return hits / max(total, 1)
 
 
+def source_slices(entries, split: str, per_domain: int) -> list[tuple[str, str, int, int]]:
+    """'name[@lang][:split][[start:end]]' entries -> (name, split, start, end): a plain name takes the first
+    `per_domain` records of `split`; a slice names its own (multilingual_qa has a test split only, so its study
+    trains on `multilingual_qa@de:test[0:100]` and holds out `multilingual_qa@de:test[300:306]`)."""
+    from osd.models.derived import parse_text_source
+
+    out = []
+    for entry in entries:
+        name, own_split, start, end = parse_text_source(entry, split)
+        out.append((name, own_split, start, start + per_domain if end is None else end))
+    return out
+
+
+def check_disjoint(train: list[tuple[str, str, int, int]], heldout: list[tuple[str, str, int, int]]) -> None:
+    """Held-out records must not be trained on: the same dataset and split may appear on both sides only with
+    ranges that do not meet."""
+    for name, split, start, end in heldout:
+        for t_name, t_split, t_start, t_end in train:
+            if (name, split) == (t_name, t_split) and start < t_end and t_start < end:
+                raise InvalidArgument(f"held-out {name}:{split}[{start}:{end}] overlaps the training slice "
+                                      f"[{t_start}:{t_end}]: give the held-out source a later slice")
+
+
 def seconds_per_token(fn, repeats: int = 20) -> float:
     fn()
     t0 = time.perf_counter()
@@ -139,6 +163,9 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
     from osd.models.runner import eos_ids_of
     from osd.models.vocab_map import vocab_ids_of
 
+    train_slices, heldout_slices = source_slices(train_domains, "train", train_per_domain), \
+        source_slices(heldout_domains, "test", heldout_per_domain)
+    check_disjoint(train_slices, heldout_slices)  # before any model loads
     gguf = gguf_file(target)
     runner, tokenizer = Q4Runner(gguf, n_ctx=2048), load_tokenizer(target)
     draft_model = load_model(draft)
@@ -147,8 +174,9 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
     index[vocab_ids] = torch.arange(len(vocab_ids))
     eos = runner.eos_ids | eos_ids_of(tokenizer)
 
-    def answered(domains, split, per_domain):
-        prompts = [prompt_ids(tokenizer, with_context(r)) for d in domains for r in load_records(d, split, per_domain)]
+    def answered(slices, split):
+        prompts = [prompt_ids(tokenizer, with_context(r)) for name, own, start, end in slices
+                   for r in load_records(name, own, end - start, offset=start)]
         prompts = [p for p in prompts if len(p) <= 512]
         out = [None] * len(prompts)
         it = greedy_many(runner, prompts, [max_new_tokens] * len(prompts), eos, lambda logits: None, 8)
@@ -158,8 +186,7 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
         return out
 
     t0 = time.perf_counter()
-    train_samples, heldout_samples = answered(train_domains, "train", train_per_domain), \
-        answered(heldout_domains, "test", heldout_per_domain)
+    train_samples, heldout_samples = answered(train_slices, "train"), answered(heldout_slices, "test")
     train, heldout = examples(runner, train_samples, index), examples(runner, heldout_samples, index)
     data_seconds = time.perf_counter() - t0
     torch.manual_seed(0)
@@ -177,6 +204,7 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
     return {
         "config": {"target": target, "draft": draft, "train_domains": list(train_domains), "train_per_domain":
                    train_per_domain, "heldout_domains": list(heldout_domains), "heldout_per_domain": heldout_per_domain,
+                   "train_slices": [list(x) for x in train_slices], "heldout_slices": [list(x) for x in heldout_slices],
                    "max_new_tokens": max_new_tokens, "epochs": epochs, "lr": lr, "batch": batch, "inter": inter,
                    "map_rows": len(vocab_ids)},
         "train_positions": int(len(train[2])), "train_positions_in_map": int((train[2] >= 0).sum()),
@@ -195,9 +223,12 @@ def register(bench) -> None:
                          "first-proposal agreement on held-out prompts")
     p.add_argument("--target", default="bundled:qwen2.5-coder-1.5b")
     p.add_argument("--draft", default="derived:cheap-0.5b-v3", help="the draft to compare with; its map is the head's")
-    p.add_argument("--train-domains", default="gsm8k,spider,code,support")
+    p.add_argument("--train-domains", default="gsm8k,spider,code,support",
+                   help="datasets, each optionally name[@lang][:split][[start:end]] (default split train, the first "
+                        "--train-per-domain records)")
     p.add_argument("--train-per-domain", type=int, default=40)
-    p.add_argument("--heldout-domains", default="code,gsm8k,spider,chat")
+    p.add_argument("--heldout-domains", default="code,gsm8k,spider,chat",
+                   help="as --train-domains (default split test); a slice may not overlap a training one")
     p.add_argument("--heldout-per-domain", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--epochs", type=int, default=4)
