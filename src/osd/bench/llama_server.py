@@ -26,11 +26,10 @@ from osd.errors import BackendUnavailable
 
 COMMON_FLAGS = ["-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                 "-DCMAKE_BUILD_TYPE=Release"]
-BUILDS = {  # build -> its CPU flags
+BUILDS = {  # build -> its CPU flags; portable: those llama-cpp-python's wheel is built with (scripts/setup.sh)
     "portable": ["-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=OFF"],
     "native": ["-DGGML_NATIVE=ON"],
 }
-CMAKE_FLAGS = BUILDS["portable"] + COMMON_FLAGS  # the flags llama-cpp-python's wheel is built with (scripts/setup.sh)
 
 
 def llama_cpp_version() -> str:
