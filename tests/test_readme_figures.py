@@ -673,3 +673,25 @@ def test_the_repeated_amd_speed_run_is_that_of_its_json():
     assert speed["outputs_differing_from_osd_target"]["osd_q4"] == 0 and "AMD" in speed["machine"]["cpu"]
     assert (f"a second run (`bench-speed-x16-repeat.json`) gave {dec['osd_q4']:.2f}x ({e2e['osd_q4']:.2f}x end to end) "
             f"and {dec['osd_q4_target']:.2f}x.") in " ".join(README.split())
+
+
+def test_the_intel_speed_run_on_the_interleaved_kernel_is_that_of_its_json():
+    from osd.bench.speed import decode_speedup_by_domain
+
+    speed = result("bench-speed-intel-x16.json")
+    flat = " ".join(README.split())
+    dec, e2e = speed["decode_speedup_vs_baseline"], speed["end_to_end_speedup_vs_baseline"]
+    assert "Intel" in speed["machine"]["cpu"] and "amx_int8" in speed["machine"]["cpu_flags"]
+    assert all(n == 0 for arm, n in speed["outputs_differing_from_osd_target"].items() if arm.startswith("osd_q4"))
+    by_domain = {d: x["osd_q4"] for d, x in decode_speedup_by_domain(speed).items()}
+    low, high = min(by_domain, key=by_domain.get), max(by_domain, key=by_domain.get)
+    cal = speed["osd_q4_calibration"]
+    assert (f"(AVX-512 VNNI, AMX; rev {speed['git_revision']}, `bench-speed-intel-x16.json`, with trees beside chains), "
+            f"**a fresh install decodes at {dec['osd_q4']:.2f}x llama.cpp ({e2e['osd_q4']:.2f}x end to end)**, "
+            f"{by_domain[low]:.2f}x ({low}) to {by_domain[high]:.2f}x ({high}) by domain, and osd's Q4 target alone at "
+            f"{dec['osd_q4_target']:.2f}x; verifying 2 / 3 / 4 / 5 tokens costs "
+            + " / ".join(f"{v:.2f}" for v in cal["verify_cost"][1:5]) + f"x one token and the draft c = {cal['c']:.3f}; "
+            f"trees of up to 8 nodes {dec['osd_q4_tree']:.2f}x against the chains' {dec['osd_q4']:.2f}x") in flat
+    tps = speed["decode_tokens_per_second"]["llama_cpp_target"]
+    assert (f"(llama.cpp alone {tps:.1f} tokens/s against 16.2-16.6, osd's Q4 target one token "
+            f"{cal['t_target'][0] * 1e3:.0f} ms)") in flat
