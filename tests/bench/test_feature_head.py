@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from osd.bench.feature_head import FeatureHead, draft_agreement, examples, head_agreement, train_head
+from osd.bench.feature_head import FeatureHead, draft_agreement, draft_hits, examples, head_agreement, train_head
 
 H = 8
 
@@ -59,6 +59,11 @@ def test_the_draft_is_scored_at_the_same_positions():
 
     seq = [1, 2, 3, 4, 5]
     assert draft_agreement(Oracle(seq), [([1, 2], [3, 4, 5])], torch.arange(H)) == 0.5  # 4 right, 5 wrong
+    # per position, in the order `examples` makes them (a sample with no position adds none), so the head's and
+    # the draft's hits pair up for the sign test
+    samples = [([1, 2], [3, 4, 5]), ([1], [2])]
+    hits = draft_hits(Oracle(seq), samples, torch.arange(H))
+    assert hits == [True, False] and len(hits) == len(examples(FakeRunner(), samples, torch.arange(H))[2])
 
 
 def test_sources_name_their_split_and_slice_and_a_held_out_slice_may_not_meet_a_training_one():

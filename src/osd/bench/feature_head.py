@@ -102,15 +102,22 @@ def train_head(head: FeatureHead, data, epochs: int, lr: float, batch: int, seed
 
 
 @torch.no_grad()
-def head_agreement(head: FeatureHead, data) -> float:
+def head_hits(head: FeatureHead, data) -> list[bool]:
+    """Per example: does the head's top-1 equal the target's token (a token outside the map is a miss)?"""
     feats, embs, labels = data
-    return float((head(feats, embs).argmax(-1) == labels).float().mean())
+    return (head(feats, embs).argmax(-1) == labels).tolist()
+
+
+def head_agreement(head: FeatureHead, data) -> float:
+    hits = head_hits(head, data)
+    return sum(hits) / max(len(hits), 1)
 
 
 @torch.no_grad()
-def draft_agreement(draft, samples, index: torch.Tensor) -> float:
-    """The draft's teacher-forced top-1 agreement at the same positions: its argmax after seq[:t + 2] vs seq[t + 2]."""
-    hits = total = 0
+def draft_hits(draft, samples, index: torch.Tensor) -> list[bool]:
+    """The draft's teacher-forced top-1 at the positions `examples` makes, in its order: its argmax after
+    seq[:t + 2] vs seq[t + 2]."""
+    hits = []
     for prompt, answer in samples:
         seq = prompt + answer
         ts = list(range(len(prompt) - 1, len(seq) - 2))
@@ -118,9 +125,13 @@ def draft_agreement(draft, samples, index: torch.Tensor) -> float:
             continue
         logits = draft(torch.tensor([seq[:-1]])).logits[0]  # row i predicts seq[i + 1] (over the map)
         guess = logits[[t + 1 for t in ts]].argmax(-1)
-        hits += int((guess == index[torch.tensor([seq[t + 2] for t in ts])]).sum())
-        total += len(ts)
-    return hits / max(total, 1)
+        hits += (guess == index[torch.tensor([seq[t + 2] for t in ts])]).tolist()
+    return hits
+
+
+def draft_agreement(draft, samples, index: torch.Tensor) -> float:
+    hits = draft_hits(draft, samples, index)
+    return sum(hits) / max(len(hits), 1)
 
 
 def source_slices(entries, split: str, per_domain: int) -> list[tuple[str, str, int, int]]:
@@ -157,6 +168,7 @@ def seconds_per_token(fn, repeats: int = 20) -> float:
 def run_feature_head(target: str, draft: str, train_domains, train_per_domain: int, heldout_domains,
                      heldout_per_domain: int, max_new_tokens: int, epochs: int, lr: float, batch: int, inter: int,
                      progress=None) -> dict:
+    from osd.bench.replay_fast import paired_difference
     from osd.models.loading import gguf_file, load_model, load_tokenizer
     from osd.models.q4_batch import greedy_many
     from osd.models.q4_runner import Q4Runner
@@ -195,6 +207,7 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
     t0 = time.perf_counter()
     losses = train_head(head, train, epochs, lr, batch, progress=progress)
     train_seconds = time.perf_counter() - t0
+    head_hit, draft_hit = head_hits(head, heldout), draft_hits(draft_model, heldout_samples, index)
     f1, e1 = heldout[0][:1], heldout[1][:1]
     one = torch.tensor([[heldout_samples[0][0][-1]]])
     with torch.no_grad():
@@ -211,8 +224,9 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
         "heldout_positions": int(len(heldout[2])), "heldout_positions_in_map": int((heldout[2] >= 0).sum()),
         "head_parameters": sum(p.numel() for p in head.parameters()),
         "loss_by_epoch": losses,
-        "first_proposal_agreement": {"feature_head_untrained": before, "feature_head": head_agreement(head, heldout),
-                                     "cheap_draft": draft_agreement(draft_model, heldout_samples, index)},
+        "first_proposal_agreement": {"feature_head_untrained": before, "feature_head": sum(head_hit) / len(head_hit),
+                                     "cheap_draft": sum(draft_hit) / len(draft_hit)},
+        "head_vs_draft": paired_difference(draft_hit, head_hit),  # same positions: a sign test on the flips
         "seconds_per_token_fp32": {"feature_head": head_s, "cheap_draft_torch": draft_s, "target_q4": target_s},
         "data_seconds": data_seconds, "train_seconds": train_seconds,
     }
@@ -261,6 +275,8 @@ def _cmd(args) -> None:
              f"{result['heldout_positions']} held-out ({result['heldout_positions_in_map']} in the map); head "
              f"{result['head_parameters'] / 1e6:.1f}M parameters; loss by epoch "
              + ", ".join(f"{x:.2f}" for x in result["loss_by_epoch"])
+             + f"; head vs draft on the same positions: {result['head_vs_draft']['gained']} gained, "
+             f"{result['head_vs_draft']['lost']} lost, z {result['head_vs_draft']['z']:.2f}"
              + f"; target one token on the Q4 kernel {s['target_q4'] * 1e3:.1f} ms; data {result['data_seconds']:.0f} s, "
              f"training {result['train_seconds']:.0f} s")
     emit_report("A draft that reads the target's features (`osd bench feature-head`)",
