@@ -87,6 +87,60 @@ def test_each_llama_arm_runs_its_own_build_and_records_it(monkeypatch, tmp_path)
     assert result["identity"] == {}  # no osd arm: nothing to compare with the reference
 
 
+def test_an_arm_whose_server_does_not_start_is_recorded_and_the_others_still_run(monkeypatch, tmp_path):
+    """The native build dies of SIGILL on a CPU whose OS does not run what it was built for (seen on an Intel Xeon
+    with AMX): the run records why and goes on with the other arms instead of losing them all."""
+    import os
+
+    from osd.bench.serve_report import failed_lines
+
+    crashing = tmp_path / "native" / "llama-server"
+    crashing.parent.mkdir()
+    crashing.write_text("#!/bin/sh\necho 'llama threadpool init, n_threads = 2'\nkill -ILL $$\n")
+    os.chmod(crashing, 0o755)
+
+    class FakeProcess:
+        pid = 1
+
+    class Healthy:
+        def __init__(self, command, url, log_path, env):
+            pass
+
+        def __enter__(self):
+            return FakeProcess()
+
+        def __exit__(self, *exc):
+            return False
+
+    def either(command, url, log_path, env):  # the real start-up for the crashing binary, a healthy stand-in else
+        return llama_server.running(command, url, log_path, env) if command[0] == str(crashing) else \
+            Healthy(command, url, log_path, env)
+
+    async def fake_measure(server, learning, url, pid, config):
+        return [{"concurrency": 1, "aggregate_tokens_per_s": 10.0}], {1: ["a"]}, None
+
+    monkeypatch.setattr(serve_compare, "ensure_llama_server", lambda log=print, build="portable":
+                        crashing if build == "native" else tmp_path / build / "llama-server")
+    monkeypatch.setattr(serve_compare, "running", either)
+    monkeypatch.setattr(serve_compare, "measure_server", fake_measure)
+    monkeypatch.setattr(serve_compare, "build_features", lambda binary: "features")
+    config = serve_compare.CompareConfig(Path("m.gguf"), ["w", "p"], levels=(1,), per_level=1, port=18799,
+                                         arms=("llama-server-native", "llama-server"), logs=tmp_path / "logs")
+    result = serve_compare.run_compare(config)
+    assert [r["server"] for r in result["records"]] == ["llama-server"]
+    (failed,) = result["failed_arms"]
+    assert failed["server"] == "llama-server-native" and "SIGILL" in failed["error"]
+    assert failed["log_tail"] == ["llama threadpool init, n_threads = 2"]
+    (line,) = failed_lines(result)
+    assert line.startswith("- `llama-server-native` did not run: the server exited (SIGILL") and "threadpool" in line
+
+
+def test_exit_reasons_name_the_signal():
+    assert llama_server.exit_reason(1) == "code 1"
+    assert llama_server.exit_reason(-9) == "SIGKILL"
+    assert llama_server.exit_reason(-4).startswith("SIGILL (an instruction this CPU does not run")
+
+
 def record(server, c, tps, **extra):
     return dict(server=server, concurrency=c, aggregate_tokens_per_s=tps, peak_rss_bytes=None, **extra)
 

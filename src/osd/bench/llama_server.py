@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -112,18 +113,35 @@ def features_line(has: dict) -> str:
     return " | ".join(f"{name.upper()} = {int(value)}" for name, value in has.items())
 
 
+class ServerStartError(RuntimeError):
+    """A server that exited, or never answered /health, before it served anything."""
+
+
+def exit_reason(code: int) -> str:
+    """'code 1', or the signal a negative Popen code names (SIGILL: built for instructions this CPU does not run)."""
+    if code >= 0:
+        return f"code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+    hint = " (an instruction this CPU does not run: a build for another CPU, or a feature the OS has not enabled)" \
+        if name == "SIGILL" else ""
+    return f"{name}{hint}"
+
+
 def wait_healthy(url: str, process: subprocess.Popen, seconds: float = 600.0) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"the server exited with code {process.returncode} before it was healthy")
+            raise ServerStartError(f"the server exited ({exit_reason(process.returncode)}) before it was healthy")
         try:
             if httpx.get(url + "/health", timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"{url} not healthy after {seconds:.0f} s")
+    raise ServerStartError(f"{url} not healthy after {seconds:.0f} s")
 
 
 @contextmanager

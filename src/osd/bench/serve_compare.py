@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from osd.bench.llama_server import build_features, ensure_llama_server, llama_server_command, running
+from osd.bench.llama_server import ServerStartError, build_features, ensure_llama_server, llama_server_command, running
 from osd.bench.serve_load import Sample, _client, _request_body, one_request, percentile
 from osd.bench.speed import bench_prompts
 from osd.data import load_records
@@ -219,7 +219,7 @@ def run_compare(config: CompareConfig) -> dict:
     if len(config.prompts) < needed:
         raise ValueError(f"{needed} prompts needed (1 warm-up + {config.per_level} per level), {len(config.prompts)} given")
     url = f"http://127.0.0.1:{config.port}"
-    records, texts, prefill = [], {}, []
+    records, texts, prefill, failed = [], {}, [], []
     for arm in config.arms:
         env = None
         if arm in LLAMA_ARMS:
@@ -231,16 +231,30 @@ def run_compare(config: CompareConfig) -> dict:
             shutil.rmtree(config.logs / f"ckpt-{arm}", ignore_errors=True)  # every learning arm starts fresh
             command = osd_command(arm, config)
         print(f"[serve-vs] {arm}: {' '.join(command)}", flush=True)
-        with running(command, url, config.logs / f"{arm}.log", env) as process:
-            arm_records, texts[arm], arm_prefill = asyncio.run(
-                measure_server(arm, arm == "osd-learning", url, process.pid, config))
+        log = config.logs / f"{arm}.log"
+        try:
+            with running(command, url, log, env) as process:
+                arm_records, texts[arm], arm_prefill = asyncio.run(
+                    measure_server(arm, arm == "osd-learning", url, process.pid, config))
+        except ServerStartError as e:  # this arm did not run; the others still do, and the report says why
+            failed.append({"server": arm, "command": " ".join(command), "error": str(e), "log": str(log),
+                           "log_tail": log_tail(log)})
+            print(f"[serve-vs] {arm} did not start: {e}; its log: {log}", flush=True)
+            continue
         build = {"llama_build": LLAMA_ARMS[arm], "llama_features": build_features(binary)} if arm in LLAMA_ARMS else {}
         for r in arm_records:
             r["server"], r["command"] = arm, " ".join(command)
             r.update(build)
         records += arm_records
         prefill += [arm_prefill] if arm_prefill else []
-    return {"records": records, "prefill": prefill, "identity": identity(texts, config.levels)}
+    return {"records": records, "prefill": prefill, "identity": identity(texts, config.levels), "failed_arms": failed}
+
+
+def log_tail(path: Path, lines: int = 5) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
 
 
 def identity(texts: dict, levels) -> dict:

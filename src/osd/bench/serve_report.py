@@ -149,6 +149,12 @@ def build_lines(result: dict) -> list[str]:
     return [f"- `{server}` ({build} build): {info}" for server, (build, info) in builds.items()]
 
 
+def failed_lines(result: dict) -> list[str]:
+    """The arms whose server did not start (the run went on without them), with the end of each one's log."""
+    return [f"- `{f['server']}` did not run: {f['error']}; last log line: {(f.get('log_tail') or ['-'])[-1]!r}"
+            for f in result.get("failed_arms", [])]
+
+
 def identity_lines(result: dict) -> list[str]:
     lines = []
     for arm, by_level in result.get("identity", {}).items():
@@ -187,5 +193,6 @@ def report_vs(result: dict, out: str, markdown: str) -> None:
                 f"`{redacted_command(sys.argv[1:])}` on {m['cpu']} ({m['cores']} cores; flags {m['cpu_flags']}); "
                 f"{cfg['per_level']} streaming greedy chat requests per level, {cfg['max_tokens']} tokens, "
                 f"{cfg['threads']} threads, each server alone",
-                [vs_table(result), "\n".join(identity_lines(result) + prefill_lines(result) + build_lines(result))],
+                [vs_table(result), "\n".join(failed_lines(result) + identity_lines(result) + prefill_lines(result)
+                                              + build_lines(result))],
                 path, markdown, plot)
