@@ -9,6 +9,18 @@ import osd.bench.serve_compare as serve_compare
 from osd.bench.serve_report import build_lines, prefill_lines, vs_rows, vs_table
 
 
+class FakeRunning:
+    """A server that is healthy at once (pid 1); measure_server is faked beside it."""
+    def __init__(self, command, url, log_path, env):
+        pass
+
+    def __enter__(self):
+        return type("FakeProcess", (), {"pid": 1})()
+
+    def __exit__(self, *exc):
+        return False
+
+
 def test_a_native_build_is_cached_per_cpu_feature_set_and_the_portable_one_where_it_always_was(monkeypatch):
     monkeypatch.setattr(llama_server, "llama_cpp_version", lambda: "0.3.36")
     monkeypatch.setattr("osd.bench.record.all_cpu_flags", lambda: "avx2 avx512f fma")
@@ -55,19 +67,6 @@ def test_each_llama_arm_runs_its_own_build_and_records_it(monkeypatch, tmp_path)
         asked.append(build)
         return tmp_path / build / "llama-server"
 
-    class FakeProcess:
-        pid = 1
-
-    class FakeRunning:
-        def __init__(self, command, url, log_path, env):
-            pass
-
-        def __enter__(self):
-            return FakeProcess()
-
-        def __exit__(self, *exc):
-            return False
-
     async def fake_measure(server, learning, url, pid, config):
         return [{"concurrency": 1, "aggregate_tokens_per_s": 10.0}], {1: ["a"]}, None
 
@@ -99,22 +98,9 @@ def test_an_arm_whose_server_does_not_start_is_recorded_and_the_others_still_run
     crashing.write_text("#!/bin/sh\necho 'llama threadpool init, n_threads = 2'\nkill -ILL $$\n")
     os.chmod(crashing, 0o755)
 
-    class FakeProcess:
-        pid = 1
-
-    class Healthy:
-        def __init__(self, command, url, log_path, env):
-            pass
-
-        def __enter__(self):
-            return FakeProcess()
-
-        def __exit__(self, *exc):
-            return False
-
     def either(command, url, log_path, env):  # the real start-up for the crashing binary, a healthy stand-in else
         return llama_server.running(command, url, log_path, env) if command[0] == str(crashing) else \
-            Healthy(command, url, log_path, env)
+            FakeRunning(command, url, log_path, env)
 
     async def fake_measure(server, learning, url, pid, config):
         return [{"concurrency": 1, "aggregate_tokens_per_s": 10.0}], {1: ["a"]}, None
