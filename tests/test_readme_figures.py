@@ -695,3 +695,24 @@ def test_the_intel_speed_run_on_the_interleaved_kernel_is_that_of_its_json():
     tps = speed["decode_tokens_per_second"]["llama_cpp_target"]
     assert (f"(llama.cpp alone {tps:.1f} tokens/s against 16.2-16.6, osd's Q4 target one token "
             f"{cal['t_target'][0] * 1e3:.0f} ms)") in flat
+
+
+def test_the_intel_learned_code_run_is_that_of_its_replay_and_speed_jsons():
+    replay, speed = result("replay-v3-code300-intel.json"), result("bench-speed-intel-learned-code.json")
+    flat = " ".join(README.split())
+    alpha, z = replay["end_of_stream_alpha_on_heldout"]["code"], replay["heldout_vs_control"]["code"]
+    gap = replay["heldout_online_vs_offline_100pct"]["code"]
+    steps = replay["learner"]["optimizer_steps"]
+    assert (f"held-out alpha {alpha['original']:.3f} for the never-trained draft, {alpha['online']:.3f} online, z "
+            f"{z['online']['z']:.1f}; {alpha['offline_100pct']:.3f} for an offline draft given the same") in flat
+    assert f"online {alpha['offline_100pct'] - alpha['online']:.3f} behind it, z {gap['z']:.2f})" in flat
+    assert f"the same {steps} optimizer steps" in flat
+    dec, e2e = speed["decode_speedup_vs_baseline"], speed["end_to_end_speedup_vs_baseline"]
+    fresh, learned = speed["osd_q4_spec_stats"], speed["osd_q4_learned"]["spec_stats"]
+    assert speed["config"]["offset"] >= replay["config"]["per_segment"] + replay["config"]["heldout"]  # never seen
+    assert all(n == 0 for arm, n in speed["outputs_differing_from_osd_target"].items() if arm.startswith("osd_q4"))
+    assert (f"**{dec['osd_q4_learned']:.2f}x llama.cpp ({e2e['osd_q4_learned']:.2f}x end to end)**, against "
+            f"{dec['osd_q4']:.2f}x for the never-trained draft in the same run and {dec['osd_q4_target']:.2f}x for osd's "
+            f"Q4 target alone (`bench-speed-intel-learned-code.json`: alpha {fresh['alpha']:.3f} -> "
+            f"{learned['alpha']:.3f}, tokens per step {fresh['tokens_per_step']:.2f} -> "
+            f"{learned['tokens_per_step']:.2f};") in flat
