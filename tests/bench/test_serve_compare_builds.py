@@ -87,8 +87,8 @@ def test_each_llama_arm_runs_its_own_build_and_records_it(monkeypatch, tmp_path)
 
 
 def test_an_arm_whose_server_does_not_start_is_recorded_and_the_others_still_run(monkeypatch, tmp_path):
-    """The native build dies of SIGILL on a CPU whose OS does not run what it was built for (seen on an Intel Xeon
-    with AMX): the run records why and goes on with the other arms instead of losing them all."""
+    """The native build died of SIGILL in its AMX code on an Intel Xeon: the run records why and goes on with the
+    other arms instead of losing them all."""
     import os
 
     from osd.bench.serve_report import failed_lines
@@ -124,7 +124,7 @@ def test_an_arm_whose_server_does_not_start_is_recorded_and_the_others_still_run
 def test_exit_reasons_name_the_signal():
     assert llama_server.exit_reason(1) == "code 1"
     assert llama_server.exit_reason(-9) == "SIGKILL"
-    assert llama_server.exit_reason(-4).startswith("SIGILL (an instruction this CPU does not run")
+    assert llama_server.exit_reason(-4).startswith("SIGILL (illegal instruction")
 
 
 def record(server, c, tps, **extra):

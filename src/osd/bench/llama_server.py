@@ -118,15 +118,15 @@ class ServerStartError(RuntimeError):
 
 
 def exit_reason(code: int) -> str:
-    """'code 1', or the signal a negative Popen code names (SIGILL: built for instructions this CPU does not run)."""
+    """'code 1', or the signal a negative Popen code names."""
     if code >= 0:
         return f"code {code}"
     try:
         name = signal.Signals(-code).name
     except ValueError:
         return f"signal {-code}"
-    hint = " (an instruction this CPU does not run: a build for another CPU, or a feature the OS has not enabled)" \
-        if name == "SIGILL" else ""
+    hint = " (illegal instruction: a build for another CPU, a CPU feature the OS does not enable, or a bad code path " \
+        "of the build; run it under gdb to see which)" if name == "SIGILL" else ""
     return f"{name}{hint}"
 
 
