@@ -716,3 +716,38 @@ def test_the_intel_learned_code_run_is_that_of_its_replay_and_speed_jsons():
             f"Q4 target alone (`bench-speed-intel-learned-code.json`: alpha {fresh['alpha']:.3f} -> "
             f"{learned['alpha']:.3f}, tokens per step {fresh['tokens_per_step']:.2f} -> "
             f"{learned['tokens_per_step']:.2f};") in flat
+
+
+def test_the_intel_serve_vs_run_is_that_of_bench_serve_vs_intel():
+    r = result("bench-serve-vs-intel.json")
+    flat = " ".join(README.split())
+    by = {(x["server"], x["concurrency"]): x for x in r["records"]}
+    tok = lambda s, c: by[(s, c)]["aggregate_tokens_per_s"]  # noqa: E731
+    levels, portable = r["config"]["levels"], "llama-server"
+    ratios = lambda a: " / ".join(f"{tok(a, c) / tok(portable, c):.2f}x" for c in levels)  # noqa: E731
+    p95 = lambda s: " / ".join(f"{by[(s, c)]['ttft_p95_s']:.2f}" for c in levels)  # noqa: E731
+    cost = {c: (1 - tok("osd-learning", c) / tok("osd", c)) * 100 for c in levels}
+    goal = {1: 1.3, 2: 1.3, 4: 2.0, 8: 2.0, 16: 2.0}
+    assert "Intel" in result("bench-speed-intel-x16.json")["machine"]["cpu"] and levels == [1, 2, 4, 8, 16]
+    assert f"(AVX-512 VNNI, AMX; rev {r['git_revision']}, `bench-serve-vs-intel.json`" in flat
+    assert (f"osd {ratios('osd')} the portable llama-server at 1 / 2 / 4 / 8 / 16 clients; target-only "
+            f"{ratios('osd-target-only')}; with learning {ratios('osd-learning')}. Every serving target met") in flat
+    assert all(tok("osd", c) / tok(portable, c) >= goal[c] for c in levels)
+    assert (f"learning's cost at 8 clients {cost[8]:.0f}% (target 10%: missed; "
+            + " / ".join(f"{cost[c]:.0f}%" for c in levels) + " at 1 / 2 / 4 / 8 / 16 clients, with "
+            f"{sum(by[('osd-learning', c)]['learner_optimizer_steps'] or 0 for c in levels)} optimizer step") in flat
+    assert cost[8] > 10
+    prefill = {p["server"]: p["prompt_tokens_per_s"] for p in r["prefill"]}
+    amd = {p["server"]: p["prompt_tokens_per_s"] for p in result("bench-serve-vs-x16.json")["prefill"]}
+    assert (f"prefilled at {prefill['osd-learning']:.0f} prompt tokens/s against {prefill['osd']:.0f}, where on AMD the "
+            f"two were level, {amd['osd-learning']:.0f} and {amd['osd']:.0f}") in flat
+    assert all(by[("osd", c)]["ttft_p95_s"] <= by[(portable, c)]["ttft_p95_s"] for c in levels)
+    assert f"TTFT p95 {p95('osd')} s against {p95(portable)}." in flat
+    assert f"1,063-token prompt {prefill['osd']:.0f} prompt tokens/s against {prefill[portable]:.0f}." in flat
+    same = [v for arm in r["identity"].values() for v in arm.values()]
+    assert all(v["same"] == v["of"] for v in same) and sum(v["of"] for v in same) == 160
+    assert (f"Peak RSS at 16 clients {by[('osd', 16)]['peak_rss_bytes'] / 1e9:.2f} GB, learning on "
+            f"{by[('osd-learning', 16)]['peak_rss_bytes'] / 1e9:.2f} GB.") in flat
+    (failed,) = r["failed_arms"]
+    assert failed["server"] == "llama-server-native" and "SIGILL" in failed["error"]
+    assert not any(x["server"] == "llama-server-native" for x in r["records"])
