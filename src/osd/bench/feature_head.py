@@ -224,8 +224,8 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
         "heldout_positions": int(len(heldout[2])), "heldout_positions_in_map": int((heldout[2] >= 0).sum()),
         "head_parameters": sum(p.numel() for p in head.parameters()),
         "loss_by_epoch": losses,
-        "first_proposal_agreement": {"feature_head_untrained": before, "feature_head": sum(head_hit) / len(head_hit),
-                                     "cheap_draft": sum(draft_hit) / len(draft_hit)},
+        "first_proposal_agreement": {"feature_head_untrained": before, "feature_head": sum(head_hit) / max(len(head_hit), 1),
+                                     "cheap_draft": sum(draft_hit) / max(len(draft_hit), 1)},
         "head_vs_draft": paired_difference(draft_hit, head_hit),  # same positions: a sign test on the flips
         "seconds_per_token_fp32": {"feature_head": head_s, "cheap_draft_torch": draft_s, "target_q4": target_s},
         "data_seconds": data_seconds, "train_seconds": train_seconds,
