@@ -751,3 +751,11 @@ def test_the_intel_serve_vs_run_is_that_of_bench_serve_vs_intel():
     (failed,) = r["failed_arms"]
     assert failed["server"] == "llama-server-native" and "SIGILL" in failed["error"]
     assert not any(x["server"] == "llama-server-native" for x in r["records"])
+
+
+def test_the_multilingual_feature_head_figures_are_those_of_its_run():
+    r = result("feature-head-multilingual.json")
+    a, z = r["first_proposal_agreement"], r["head_vs_draft"]["z"]
+    assert all(name.startswith("multilingual_qa@") for name, *_ in r["config"]["train_slices"] + r["config"]["heldout_slices"])
+    assert (f"the head agrees {a['feature_head']:.3f} of the time against the never-trained widened draft's "
+            f"{a['cheap_draft']:.3f} (z {z:.2f})") in " ".join(README.split())
