@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from osd.bench.feature_head import FeatureHead, draft_agreement, draft_hits, examples, head_agreement, train_head
+from osd.bench.feature_head import FeatureHead, agreement, draft_hits, examples, head_agreement, train_head
 
 H = 8
 
@@ -58,7 +58,8 @@ def test_the_draft_is_scored_at_the_same_positions():
             return type("O", (), {"logits": logits})
 
     seq = [1, 2, 3, 4, 5]
-    assert draft_agreement(Oracle(seq), [([1, 2], [3, 4, 5])], torch.arange(H)) == 0.5  # 4 right, 5 wrong
+    assert agreement(draft_hits(Oracle(seq), [([1, 2], [3, 4, 5])], torch.arange(H))) == 0.5  # 4 right, 5 wrong
+    assert agreement([]) == 0.0  # no held-out position: 0, not a division by zero
     # per position, in the order `examples` makes them (a sample with no position adds none), so the head's and
     # the draft's hits pair up for the sign test
     samples = [([1, 2], [3, 4, 5]), ([1], [2])]

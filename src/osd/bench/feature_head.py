@@ -108,9 +108,13 @@ def head_hits(head: FeatureHead, data) -> list[bool]:
     return (head(feats, embs).argmax(-1) == labels).tolist()
 
 
-def head_agreement(head: FeatureHead, data) -> float:
-    hits = head_hits(head, data)
+def agreement(hits: list[bool]) -> float:
+    """The share of positions hit (0 where there are none)."""
     return sum(hits) / max(len(hits), 1)
+
+
+def head_agreement(head: FeatureHead, data) -> float:
+    return agreement(head_hits(head, data))
 
 
 @torch.no_grad()
@@ -127,11 +131,6 @@ def draft_hits(draft, samples, index: torch.Tensor) -> list[bool]:
         guess = logits[[t + 1 for t in ts]].argmax(-1)
         hits += (guess == index[torch.tensor([seq[t + 2] for t in ts])]).tolist()
     return hits
-
-
-def draft_agreement(draft, samples, index: torch.Tensor) -> float:
-    hits = draft_hits(draft, samples, index)
-    return sum(hits) / max(len(hits), 1)
 
 
 def source_slices(entries, split: str, per_domain: int) -> list[tuple[str, str, int, int]]:
@@ -224,8 +223,8 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
         "heldout_positions": int(len(heldout[2])), "heldout_positions_in_map": int((heldout[2] >= 0).sum()),
         "head_parameters": sum(p.numel() for p in head.parameters()),
         "loss_by_epoch": losses,
-        "first_proposal_agreement": {"feature_head_untrained": before, "feature_head": sum(head_hit) / max(len(head_hit), 1),
-                                     "cheap_draft": sum(draft_hit) / max(len(draft_hit), 1)},
+        "first_proposal_agreement": {"feature_head_untrained": before, "feature_head": agreement(head_hit),
+                                     "cheap_draft": agreement(draft_hit)},
         "head_vs_draft": paired_difference(draft_hit, head_hit),  # same positions: a sign test on the flips
         "seconds_per_token_fp32": {"feature_head": head_s, "cheap_draft_torch": draft_s, "target_q4": target_s},
         "data_seconds": data_seconds, "train_seconds": train_seconds,
