@@ -741,6 +741,12 @@ def test_the_intel_serve_vs_run_is_that_of_bench_serve_vs_intel():
     amd = {p["server"]: p["prompt_tokens_per_s"] for p in result("bench-serve-vs-x16.json")["prefill"]}
     assert (f"prefilled at {prefill['osd-learning']:.0f} prompt tokens/s against {prefill['osd']:.0f}, where on AMD the "
             f"two were level, {amd['osd-learning']:.0f} and {amd['osd']:.0f}") in flat
+    paired = result("bench-serve-learning-paired-intel.json")
+    ratio, (low, high) = paired["tokens_per_second_ratio"]["ratio"], paired["tokens_per_second_ratio"]["ci95"]
+    assert "Intel" in paired["machine"]["cpu"] and paired["config"]["concurrency"] == 8 and paired["config"]["rounds"] == 6
+    assert (f"(`bench-serve-learning-paired-intel.json`, 8 clients, 6 round pairs): {(1 - ratio) * 100:.1f}% (tokens/s "
+            f"ratio {ratio:.3f}, 95% interval {low:.3f}-{high:.3f}), inside the target") in flat
+    assert 1 - ratio <= 0.10
     assert all(by[("osd", c)]["ttft_p95_s"] <= by[(portable, c)]["ttft_p95_s"] for c in levels)
     assert f"TTFT p95 {p95('osd')} s against {p95(portable)}." in flat
     assert f"1,063-token prompt {prefill['osd']:.0f} prompt tokens/s against {prefill[portable]:.0f}." in flat
