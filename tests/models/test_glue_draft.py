@@ -9,7 +9,7 @@ import torch
 from osd.config import SamplingConfig
 from osd.drafts import DraftRegistry
 from osd.errors import ContextTooLong
-from osd.models import glue_draft
+from osd.models import glue_draft, kernels
 from osd.models.cached import CachedModel
 from osd.models.glue_draft import GlueDraftRunner, glue_draft_runner, qualifies
 from osd.models.serving_draft import make_serving_draft
@@ -19,21 +19,25 @@ from tests.conftest import tiny_qwen2
 VOCAB = 48
 
 
-def _serving(seed: int = 3, tied: bool = False, hidden: int = 64, **kw):
+def _serving(seed: int = 3, tied: bool = False, hidden: int = 64, quantize: str = "int8", **kw):
     master = tiny_qwen2(seed, hidden=hidden, vocab=VOCAB, tied=tied, **kw)
-    serving, _ = make_serving_draft(master, "int8")
+    serving, _ = make_serving_draft(master, quantize)
     return serving
 
 
-@pytest.fixture
-def serving(compiled):
+@pytest.fixture(params=["int8", "int8_vnni"])
+def serving(compiled, request):
+    """The int8 serving copy, and the int8_vnni one (activations int8 too) where the CPU has AVX-512 VNNI."""
     require_glue()
-    return _serving()
+    if request.param == "int8_vnni" and not kernels.vnni_available():
+        pytest.skip("int8_vnni needs a CPU with AVX-512 VNNI")
+    return _serving(quantize=request.param)
 
 
 def test_logits_match_the_transformers_runner_and_greedy_is_identical(serving):
     glue_runner, reference = glue_draft_runner(serving), CachedModel(serving)
     assert isinstance(glue_runner, GlueDraftRunner)
+    assert glue_runner.vnni == serving.lm_head.vnni  # the glue multiplies as the serving copy's own linears do
     tokens = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     a, b = glue_runner.feed(tokens[:20], n_logits=3), reference.feed(tokens[:20], n_logits=3)
     assert a.shape == b.shape == (3, VOCAB)
@@ -86,6 +90,9 @@ def test_models_that_do_not_qualify_say_why_and_keep_the_transformers_runner(com
     float_model = tiny_qwen2(3, hidden=64, vocab=VOCAB)
     assert qualifies(float_model) == "not an int8 serving copy"
     assert glue_draft_runner(float_model) is None
+    mixed = _serving()
+    mixed.model.layers[0].mlp.down_proj.vnni = True  # one linear on the other path: refused, not silently mixed
+    assert qualifies(mixed) == "int8 and int8_vnni linears mixed"
     narrow = _serving(hidden=32)  # head dim 8: the glue's RoPE needs half a head to be a multiple of 8
     assert "multiples" in qualifies(narrow)
     registry = DraftRegistry()

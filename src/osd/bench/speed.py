@@ -18,6 +18,9 @@ of them alike. Arms (same GGUF files, same prompts, same token counts, greedy):
                     the same base draft), so never-trained and learned draft run side by side; give --domains and
                     --offset so the prompts are requests the learner never saw. `--learned-draft derived:<dir>`
                     runs another derived draft there instead (e.g. a longer heal beside the shipped one)
+  osd_q4_vnni       osd_q4 with the same draft's int8_vnni serving copy (activations int8 too, AVX-512 VNNI:
+                    models/serving_draft.py), chains, so the two serving copies stand side by side; built only when
+                    --arms names it, refused on a CPU without VNNI
 Decode tokens/s leaves out the prompt (time to the first token for llama.cpp's loop, the prefill for osd's);
 end-to-end tokens/s includes it. Outputs of every arm are compared token by token with their reference: osd_q4*
 with osd_q4_target (greedy identity on that backend), every other arm with osd_target.
@@ -40,7 +43,9 @@ from osd.errors import InvalidArgument
 
 DOMAINS = ("code", "gsm8k", "spider", "chat")
 REFERENCE = {"osd_q4": "osd_q4_target", "osd_q4_target": "osd_q4_target",  # arm -> the arm its outputs must equal
-             "osd_q4_learned": "osd_q4_target", "osd_q4_tree": "osd_q4_target", "osd_q4_recycle": "osd_q4_target"}
+             "osd_q4_learned": "osd_q4_target", "osd_q4_tree": "osd_q4_target", "osd_q4_recycle": "osd_q4_target",
+             "osd_q4_vnni": "osd_q4_target"}
+SPECULATIVE_Q4 = ("osd_q4", "osd_q4_learned", "osd_q4_vnni", "osd_q4_tree", "osd_q4_recycle")
 
 
 def bench_prompts(per_domain: int, split: str = "test", domains=DOMAINS, offset: int = 0) -> list[dict]:
@@ -136,9 +141,29 @@ def _learned_arm(system, q4_target, spec: SpeculationConfig, checkpoint: str, ma
     return run
 
 
+def _vnni_arm(system, q4_target, spec: SpeculationConfig, max_new: int):
+    """osd_q4 with the configured draft's int8_vnni serving copy in place of its int8 one (same master weights)."""
+    from osd.build import special_ids, speculative_engine
+    from osd.models import kernels
+    from osd.models.serving_draft import make_serving_draft
+
+    if not kernels.vnni_available():
+        raise InvalidArgument("--arms osd_q4_vnni needs a CPU with AVX-512 VNNI (and the rows kernels built)")
+    if system.models.draft_quantize == "int8_vnni":
+        raise InvalidArgument("--arms osd_q4_vnni compares against an int8 draft: leave --draft-quantize at int8")
+    serving, vocab_ids = make_serving_draft(system.draft_master, "int8_vnni", system.models.draft_vocab,
+                                            special_ids(system.tokenizer))
+    system.registry.publish("vnni", serving, vocab_ids)
+    engine = speculative_engine(system, q4_target, replace(spec, tree=0), draft="vnni")  # chains, as osd_q4
+    run = _engine_arm(engine, max_new)
+    run.calibration = engine.calibrate()
+    return run
+
+
 def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama_cpp: bool, hf: bool, spec_k: int,
-               osd_q4: bool = True, learned_draft: str = ""):
-    """name -> (run(prompt_ids) -> Timed), plus the osd system and what each arm added to peak RSS."""
+               osd_q4: bool = True, learned_draft: str = "", vnni: bool = False):
+    """name -> (run(prompt_ids) -> Timed), plus the osd system and what each arm added to peak RSS. vnni: build the
+    osd_q4_vnni arm too."""
     from osd.models.loading import gguf_file
 
     arms, rss, start = {}, {}, rss_gib()
@@ -176,6 +201,8 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
         rss["osd Q4 kernel target"] = rss_gib() - before
         if learned_draft:
             arms["osd_q4_learned"] = _learned_arm(system, q4_target, spec, learned_draft, max_new)
+        if vnni:
+            arms["osd_q4_vnni"] = _vnni_arm(system, q4_target, spec, max_new)
     if learned_draft and "osd_q4_learned" not in arms:
         raise InvalidArgument("--learned-draft runs on osd's own Q4 kernel: it needs a GGUF target (not --no-osd-q4)")
     if llama_cpp and target_gguf is not None:
@@ -208,7 +235,8 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
     records = bench_prompts(per_domain, domains=domains, offset=offset)  # (checked before anything loads)
     if models.target_backend == "auto" and target_backend(models) == "osd":
         models = replace(models, target_backend="llama.cpp")  # osd_target / osd on llama.cpp, osd_q4* on the Q4 kernel
-    arms, system, rss = build_arms(models, spec, max_new_tokens, llama_cpp, hf_baseline, spec_k, osd_q4, learned_draft)
+    arms, system, rss = build_arms(models, spec, max_new_tokens, llama_cpp, hf_baseline, spec_k, osd_q4, learned_draft,
+                                   vnni="osd_q4_vnni" in only)
     if only:
         unknown = set(only) - set(arms)
         if unknown:
@@ -226,7 +254,7 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
     per_prompt, mismatches = [], {name: 0 for name in arms}
     engine.metrics.reset()
     q4_engine = arms["osd_q4"].engine if "osd_q4" in arms else None
-    for name in ("osd_q4", "osd_q4_learned", "osd_q4_tree", "osd_q4_recycle"):
+    for name in SPECULATIVE_Q4:
         if name in arms:
             arms[name].engine.metrics.reset()
             arms[name].engine.scheduler.stats.tree_shapes.clear()
@@ -276,6 +304,8 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
         "osd_q4_learned": {"draft_version": arms["osd_q4_learned"].version,
                            "spec_stats": arms["osd_q4_learned"].engine.metrics.total().summary(),
                            "calibration": arms["osd_q4_learned"].calibration} if "osd_q4_learned" in arms else None,
+        "osd_q4_vnni": {"spec_stats": arms["osd_q4_vnni"].engine.metrics.total().summary(),
+                        "calibration": arms["osd_q4_vnni"].calibration} if "osd_q4_vnni" in arms else None,
         "peak_rss_gib": {"after_all_arms": rss_gib(), **{f"added by {k}": v for k, v in rss.items()}},
         "warmup_excluded": True,
         "per_prompt": per_prompt,

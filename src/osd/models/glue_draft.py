@@ -15,8 +15,8 @@ whatever the number of rows fed with it. The floats are not those of the transfo
 attention, exp and RMSNorm order; ~1e-6), which changes at most a proposal at an exact near-tie, never an output:
 the target verifies every token.
 
-`glue_draft_runner(model)` gives the runner when the model qualifies (Qwen2, every linear an int8 weight-only
-Int8Linear, an int8 embedding, widths multiples of 8, plain RoPE, no sliding window, the kernels built), else None
+`glue_draft_runner(model)` gives the runner when the model qualifies (Qwen2, every linear an Int8Linear, all
+weight-only int8 or all int8_vnni (activations int8 too: the linears' own kernel path), an int8 embedding, widths multiples of 8, plain RoPE, no sliding window, the kernels built), else None
 and the caller keeps the transformers runner (models/cached.py).
 """
 from __future__ import annotations
@@ -63,11 +63,14 @@ def qualifies(model) -> str | None:
     inner = model.model
     if not isinstance(inner.embed_tokens, Int8Embedding) or not isinstance(model.lm_head, Int8Linear):
         return "not an int8 serving copy"
+    vnni = model.lm_head.vnni
     for layer in inner.layers:
         a, f = layer.self_attn, layer.mlp
         linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.gate_proj, f.up_proj, f.down_proj)
-        if not all(isinstance(x, Int8Linear) and not x.vnni for x in linears):
-            return "a linear is not an int8 weight-only Int8Linear"
+        if not all(isinstance(x, Int8Linear) for x in linears):
+            return "a linear is not an int8 Int8Linear"
+        if any(x.vnni != vnni for x in linears):
+            return "int8 and int8_vnni linears mixed"
         if a.o_proj.bias is not None or any(x.bias is not None for x in linears[4:]):
             return "biases outside q/k/v"
     return None
@@ -122,7 +125,7 @@ class GlueDraftRunner(PositionCache):
         self.context_window = min(x for x in (context_window, limit) if x) if (context_window or limit) else 0
         inner = model.model
         self._embed, self._norm, self._head = inner.embed_tokens, inner.norm.weight.detach().float().contiguous(), model.lm_head
-        self._kernel = model.lm_head.kernel
+        self._kernel, self.vnni = model.lm_head.kernel, bool(model.lm_head.vnni)  # int8_vnni: activations int8 too
         self.layers = []
         for layer in inner.layers:
             a, f = layer.self_attn, layer.mlp
@@ -193,19 +196,19 @@ def _forward(runners: list[GlueDraftRunner], token_lists: list[list[int]]) -> to
     for runner, end in zip(runners, ends):
         runner._grow(end)
     first = runners[0]
-    g, linear, eps = first._glue, first._kernel, first.eps
+    g, linear, eps, vnni = first._glue, first._kernel, first.eps, first.vnni
     x = first._embed(torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)).contiguous()
     starts = [0, *accumulate(len(t) for t in token_lists)]
     spans = [(a, b, torch.arange(r.length, end)) for r, a, b, end in zip(runners, starts, starts[1:], ends)]
     for i, layer in enumerate(first.layers):
-        qkv = linear(g.rms_norm(x, layer.attn_norm, eps), *layer.qkv, None, False)  # (M, (H + 2G) D)
+        qkv = linear(g.rms_norm(x, layer.attn_norm, eps), *layer.qkv, None, vnni)  # (M, (H + 2G) D)
         attended = []
         for runner, (a, b, pos) in zip(runners, spans):
             k_cache, v_cache = runner._kv[i]
             q = g.qkv_rope(qkv[a:b], layer.qkv_bias, runner.cos, runner.sin, pos, k_cache, v_cache, first.heads)
             attended.append(g.attention(q, k_cache, v_cache, pos))
         x = x + layer.o(attended[0] if len(attended) == 1 else torch.cat(attended))
-        gate_up = linear(g.rms_norm(x, layer.ffn_norm, eps), *layer.gate_up, None, False)  # (M, 2 I)
+        gate_up = linear(g.rms_norm(x, layer.ffn_norm, eps), *layer.gate_up, None, vnni)  # (M, 2 I)
         x = x + layer.down(g.silu_mul(gate_up))
     for runner, end in zip(runners, ends):
         runner.length = end
