@@ -16,8 +16,9 @@ attention, exp and RMSNorm order; ~1e-6), which changes at most a proposal at an
 the target verifies every token.
 
 `glue_draft_runner(model)` gives the runner when the model qualifies (Qwen2, every linear an Int8Linear, all
-weight-only int8 or all int8_vnni (activations int8 too: the linears' own kernel path), an int8 embedding, widths multiples of 8, plain RoPE, no sliding window, the kernels built), else None
-and the caller keeps the transformers runner (models/cached.py).
+weight-only int8 or all int8_vnni (activations int8 too: the linears' own kernel path), an int8 embedding, widths
+multiples of 8, plain RoPE, no sliding window, the kernels built), else None and the caller keeps the transformers
+runner (models/cached.py).
 """
 from __future__ import annotations
 
