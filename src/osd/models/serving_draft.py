@@ -11,8 +11,9 @@
   verifies every token).
 - int8_vnni: int8 activations too (per row, blocks of 32), multiplied by AVX-512 VNNI: 1.1-1.8x faster
   linears than int8 (1 thread, 1-9 rows, 896x4864 / 4864x896), still row-invariant; next-token agreement
-  with the fp32 draft 97.4% vs 98.1% for int8 (bundled 0.5B, 700 teacher-forced positions). Opt-in until
-  an end-to-end acceptance and speed run says otherwise; refused on CPUs without VNNI.
+  with the fp32 draft 97.4% vs 98.1% for int8 (bundled 0.5B, 700 teacher-forced positions). Opt-in: end to
+  end, on the glue runner, it decoded level with int8 (Intel, 2.20x vs 2.24x llama.cpp, `osd bench speed --arms
+  osd_q4,osd_q4_vnni`, BENCHMARKS.md); refused on CPUs without VNNI.
 - draft_vocab=N: the LM head keeps only token ids < N plus the special tokens (a derived draft, models/derived.py,
   brings its own vocabulary map instead). Qwen2.5's BPE ids
   are roughly in merge (frequency) order, so low ids cover nearly all text; the LM head over the
