@@ -718,6 +718,19 @@ def test_the_intel_multilingual_and_vnni_speed_sentences_are_those_of_their_runs
     assert v["osd_q4_vnni"] <= v["osd_q4"] * 1.05  # "level": not a gain that would make it the default
 
 
+def test_the_multilingual_online_learning_figures_are_those_of_its_replay():
+    r = result("replay-v3wide-multilingual-intel.json")
+    flat = " ".join(README.split())
+    langs = ("de", "ru", "zh", "ar")
+    alpha = [r["end_of_stream_alpha_on_heldout"][f"multilingual_qa@{lang}"] for lang in langs]
+    z = [r["heldout_vs_control"][f"multilingual_qa@{lang}"]["online"]["z"] for lang in langs]
+    assert "Intel" in r["machine"]["cpu"] and r["config"]["per_segment"] == 75
+    assert (" / ".join(f"{a['online']:.3f}" for a in alpha) + " (German / Russian / Chinese / Arabic) from "
+            + " / ".join(f"{a['original']:.3f}" for a in alpha) + " never trained (z "
+            + " / ".join(f"{v:.2f}" for v in z) + "): significant, and below 0.4 in every language") in flat
+    assert all(v > 1.96 for v in z) and all(a["online"] < 0.4 for a in alpha)
+
+
 def test_the_intel_learned_code_run_is_that_of_its_replay_and_speed_jsons():
     replay, speed = result("replay-v3-code300-intel.json"), result("bench-speed-intel-learned-code.json")
     flat = " ".join(README.split())
