@@ -5,8 +5,9 @@ Each server runs alone on the machine, one after the other, on the same GGUF wit
 `llama-server` arm with the wheel's portable AVX2 flags, `llama-server-native` built for this CPU as llama.cpp builds by
 default, AVX-512 included where the CPU has it) and `osd serve` in the arms asked (speculative without learning, with
 learning, target-only k = 0: the greedy reference every osd answer must equal). Every arm gets the same prompts in
-the same order: level c takes its own slice of the prompt list (no prompt is repeated across levels, so the n-gram lookup cannot replay an earlier level's answer), after
-one warm-up request that is not counted. Streaming chat completions, greedy, a fixed max_tokens.
+the same order: level c takes its own slice of the prompt list (no prompt is repeated across levels, so the n-gram
+lookup cannot replay an earlier level's answer), after one warm-up request that is not counted. Streaming chat
+completions, greedy, a fixed max_tokens.
 Per server and level: aggregate output tokens/s over the level's wall time, per-request decode tokens/s (after the
 first token), TTFT and end-to-end p50/p95, errors, the server's peak RSS (VmHWM from /proc) and, for osd, the mean k,
 acceptance and tokens per step from the responses' `osd` fields and the server's scheduler counters.

@@ -82,6 +82,18 @@ def _engine_arm(engine: SpeculativeEngine, max_new: int):
     return run
 
 
+def _calibrated_arm(engine: SpeculativeEngine, max_new: int):
+    """An osd arm whose engine measured its costs first (`calibration`: c and the verify costs, reported per arm)."""
+    run = _engine_arm(engine, max_new)
+    run.calibration = engine.calibrate()
+    return run
+
+
+def _arm_stats(run) -> dict:
+    """What a speculative arm did overall, for the result: its counters and its calibration."""
+    return {"spec_stats": run.engine.metrics.total().summary(), "calibration": run.calibration}
+
+
 def llama_cpp_target_arm(gguf, threads: int, n_ctx: int, max_new: int, eos: set[int]):
     from llama_cpp import Llama
 
@@ -136,8 +148,8 @@ def _learned_arm(system, q4_target, spec: SpeculationConfig, checkpoint: str, ma
         raise InvalidArgument(f"no draft checkpoint in {checkpoint!r}")
     system.publish_draft(learned, name="learned", version=state["version"])
     engine = speculative_engine(system, q4_target, replace(spec, tree=0), draft="learned")  # chains, as osd_q4
-    run = _engine_arm(engine, max_new)
-    run.calibration, run.version = engine.calibrate(), state["version"]
+    run = _calibrated_arm(engine, max_new)
+    run.version = state["version"]
     return run
 
 
@@ -155,9 +167,7 @@ def _vnni_arm(system, q4_target, spec: SpeculationConfig, max_new: int):
                                             special_ids(system.tokenizer))
     system.registry.publish("vnni", serving, vocab_ids)
     engine = speculative_engine(system, q4_target, replace(spec, tree=0), draft="vnni")  # chains, as osd_q4
-    run = _engine_arm(engine, max_new)
-    run.calibration = engine.calibrate()
-    return run
+    return _calibrated_arm(engine, max_new)
 
 
 def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama_cpp: bool, hf: bool, spec_k: int,
@@ -188,16 +198,11 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
         q4_target = Q4Runner(target_gguf, models.n_ctx)
         arms["osd_q4_target"] = _engine_arm(SpeculativeEngine(q4_target, system.tokenizer, None,
                                                               SpeculationConfig(k=0, adaptive=False)), max_new)
-        q4_engine = speculative_engine(system, q4_target, replace(spec, tree=0))
-        arms["osd_q4"] = _engine_arm(q4_engine, max_new)
-        arms["osd_q4"].calibration = q4_engine.calibrate()
+        arms["osd_q4"] = _calibrated_arm(speculative_engine(system, q4_target, replace(spec, tree=0)), max_new)
         if spec.tree:
-            tree_engine = speculative_engine(system, q4_target, spec)
-            arms["osd_q4_tree"] = _engine_arm(tree_engine, max_new)
-            arms["osd_q4_tree"].calibration = tree_engine.calibrate()
+            arms["osd_q4_tree"] = _calibrated_arm(speculative_engine(system, q4_target, spec), max_new)
             recycle = SpeculativeEngine(q4_target, system.tokenizer, None, SpeculationConfig(k=0, tree=spec.tree))
-            arms["osd_q4_recycle"] = _engine_arm(recycle, max_new)
-            arms["osd_q4_recycle"].calibration = recycle.calibrate()
+            arms["osd_q4_recycle"] = _calibrated_arm(recycle, max_new)
         rss["osd Q4 kernel target"] = rss_gib() - before
         if learned_draft:
             arms["osd_q4_learned"] = _learned_arm(system, q4_target, spec, learned_draft, max_new)
@@ -301,11 +306,9 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
         "osd_q4_spec_stats": q4_engine.metrics.total().summary() if q4_engine is not None else None,
         "osd_q4_calibration": arms["osd_q4"].calibration if q4_engine is not None else None,
         "trees": {name: tree_report(arms[name]) for name in ("osd_q4_tree", "osd_q4_recycle") if name in arms},
-        "osd_q4_learned": {"draft_version": arms["osd_q4_learned"].version,
-                           "spec_stats": arms["osd_q4_learned"].engine.metrics.total().summary(),
-                           "calibration": arms["osd_q4_learned"].calibration} if "osd_q4_learned" in arms else None,
-        "osd_q4_vnni": {"spec_stats": arms["osd_q4_vnni"].engine.metrics.total().summary(),
-                        "calibration": arms["osd_q4_vnni"].calibration} if "osd_q4_vnni" in arms else None,
+        "osd_q4_learned": {"draft_version": arms["osd_q4_learned"].version, **_arm_stats(arms["osd_q4_learned"])}
+        if "osd_q4_learned" in arms else None,
+        "osd_q4_vnni": _arm_stats(arms["osd_q4_vnni"]) if "osd_q4_vnni" in arms else None,
         "peak_rss_gib": {"after_all_arms": rss_gib(), **{f"added by {k}": v for k, v in rss.items()}},
         "warmup_excluded": True,
         "per_prompt": per_prompt,

@@ -126,7 +126,8 @@ class GlueDraftRunner(PositionCache):
         self.context_window = min(x for x in (context_window, limit) if x) if (context_window or limit) else 0
         inner = model.model
         self._embed, self._norm, self._head = inner.embed_tokens, inner.norm.weight.detach().float().contiguous(), model.lm_head
-        self._kernel, self.vnni = model.lm_head.kernel, bool(model.lm_head.vnni)  # int8_vnni: activations int8 too
+        self._kernel = model.lm_head.kernel
+        self.vnni = bool(model.lm_head.vnni)  # int8_vnni: every linear's activations int8 too
         self.layers = []
         for layer in inner.layers:
             a, f = layer.self_attn, layer.mlp
