@@ -28,9 +28,10 @@ class FakeRunner:
 
 def test_examples_take_the_feature_at_t_the_embedding_at_t_plus_1_and_the_label_at_t_plus_2():
     index = torch.arange(H)
-    feats, embs, labels = examples(FakeRunner(), [([1, 2], [3, 4, 5])], index)
+    feats, embs, labels, nexts = examples(FakeRunner(), [([1, 2], [3, 4, 5])], index)
     # prompt [1, 2], answer [3, 4, 5]: t = 1, 2 (the prompt's last position, then the first answer position)
     assert feats.argmax(-1).tolist() == [2, 3] and embs.argmax(-1).tolist() == [3, 4] and labels.tolist() == [4, 5]
+    assert nexts.argmax(-1).tolist() == [3, 4]  # the target's feature at t + 1: what a predicted feature is fitted to
     index[5] = -1  # outside the map
     assert examples(FakeRunner(), [([1, 2], [3, 4, 5])], index)[2].tolist() == [4, -1]
 
@@ -38,7 +39,8 @@ def test_examples_take_the_feature_at_t_the_embedding_at_t_plus_1_and_the_label_
 def test_the_head_learns_a_rule_of_feature_and_embedding():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randint(0, H, (512,), generator=g), torch.randint(0, H, (512,), generator=g)
-    data = (torch.nn.functional.one_hot(a, H).float(), torch.nn.functional.one_hot(b, H).float(), (a + b) % H)
+    data = (torch.nn.functional.one_hot(a, H).float(), torch.nn.functional.one_hot(b, H).float(), (a + b) % H,
+            torch.zeros(512, H))
     torch.manual_seed(0)
     head = FeatureHead(H, 64, torch.randn(H, H))
     before = head_agreement(head, data)
@@ -82,3 +84,81 @@ def test_sources_name_their_split_and_slice_and_a_held_out_slice_may_not_meet_a_
         check_disjoint(train, source_slices(["multilingual_qa@de:test[99:105]"], "test", 6))
     with pytest.raises(InvalidArgument, match="overlaps"):
         check_disjoint(train, source_slices(["code:train[39:45]"], "test", 6))
+
+
+def test_the_feature_fit_pulls_the_predicted_feature_to_the_targets_next_one():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, H, (256,), generator=g)
+    nexts = torch.nn.functional.one_hot((a + 3) % H, H).float() * H ** 0.5  # RMS 1, as a normed feature
+    data = (torch.nn.functional.one_hot(a, H).float(), torch.zeros(256, H), a, nexts)
+
+    def feature_error(weight):
+        torch.manual_seed(0)
+        head = FeatureHead(H, 64, torch.randn(H, H))
+        train_head(head, data, epochs=40, lr=3e-3, batch=64, feature_weight=weight)
+        with torch.no_grad():
+            return float((head.step(data[0], data[1])[1] - nexts).abs().mean())
+
+    assert feature_error(10.0) < 0.5 * feature_error(0.0) and feature_error(1.0) < 0.7 * feature_error(0.0)
+
+
+class StubHead:
+    """Proposes (the fed token + the fed feature's argmax) % H and predicts the feature one-hot of the proposal, so a
+    chain's later proposals show what it was fed."""
+
+    def step(self, feature, embedding):
+        guess = (embedding.argmax(-1) + feature.argmax(-1)) % H
+        return torch.nn.functional.one_hot(guess, H).float(), torch.nn.functional.one_hot(guess, H).float()
+
+
+def test_the_head_chain_reads_its_own_predicted_feature_and_proposed_token():
+    from osd.bench.feature_head import head_chains, sample_features
+
+    # start t = 0 (prompt [1]): proposal 0 = (token 2 + feature of 1) = 3, then (3 + 3) = 6, then (6 + 6) % 8 = 4
+    samples = [([1], [2, 3, 6, 4])]
+    index = torch.arange(H)
+    hits = head_chains(StubHead(), FakeRunner(), samples, sample_features(FakeRunner(), samples), index, index, 3)
+    assert hits[0].tolist() == [True, True, True]
+    # starts t = 1 and 2 run off the answer's end: proposals past it miss
+    assert hits[1].tolist()[2] is False and hits[2].tolist()[1:] == [False, False]
+    # a chain fed the target's token instead of its own would propose (3 + 3) only by luck: break the answer at 6
+    samples = [([1], [2, 3, 5, 4])]
+    hits = head_chains(StubHead(), FakeRunner(), samples, sample_features(FakeRunner(), samples), index, index, 3)
+    assert hits[0].tolist() == [True, False, True]  # proposal 2 reads its own 6, not the target's 5: (6 + 6) % 8 = 4
+    # the map: a proposal is map row r, i.e. target token vocab_ids[r]; its embedding is that token's
+    vocab_ids = (torch.arange(H) + 1) % H
+    index = torch.empty(H, dtype=torch.long)
+    index[vocab_ids] = torch.arange(H)
+    samples = [([1], [2, 4, 0])]
+    hits = head_chains(StubHead(), FakeRunner(), samples, sample_features(FakeRunner(), samples), index, vocab_ids, 2)
+    # proposal 0: row (token 2 + feature 1) = 3, i.e. token 4 (a hit); proposal 1 reads the embedding of token 4 (not
+    # of row 3) and its predicted feature, one-hot of row 3: row (4 + 3) = 7, i.e. token 0 (a hit)
+    assert hits[0].tolist() == [True, True]
+
+
+def test_draft_chains_count_teacher_forced_hits_from_each_start_and_agree_with_draft_hits():
+    import pytest
+
+    from osd.bench.feature_head import accepted_by_depth, draft_chains, leading_hits, paired_mean_difference
+
+    class Oracle(torch.nn.Module):  # predicts seq[i + 1] exactly except token 5
+        def __init__(self, seq):
+            super().__init__()
+            self.seq = seq
+
+        def forward(self, ids):
+            nxt = torch.tensor(self.seq[1 : ids.shape[1] + 1])
+            return type("O", (), {"logits": torch.nn.functional.one_hot(torch.where(nxt == 5, 0, nxt), H).float()[None]})
+
+    seq = [1, 2, 3, 4, 5, 6]
+    samples = [([1, 2], [3, 4, 5, 6])]
+    chains = draft_chains(Oracle(seq), samples, torch.arange(H), 3)
+    # starts t = 1, 2, 3 propose seq[3..], seq[4..], seq[5..]: 4 hit, 5 missed, 6 hit, past the end missed
+    assert chains.tolist() == [[True, False, True], [False, True, False], [True, False, False]]
+    assert chains[:, 0].tolist() == draft_hits(Oracle(seq), samples, torch.arange(H))
+    assert leading_hits(chains).tolist() == [1, 0, 1]
+    assert accepted_by_depth(chains) == pytest.approx([2 / 3, 2 / 3, 2 / 3])
+    assert accepted_by_depth(torch.tensor([[True, True], [True, False]])) == [1.0, 1.5]
+    d = paired_mean_difference(torch.tensor([1, 0, 1, 2]), torch.tensor([2, 1, 1, 3]))
+    assert d["mean_difference"] == 0.75 and d["z"] > 0 and d["n"] == 4
+    assert paired_mean_difference(torch.tensor([1, 1]), torch.tensor([2, 2]))["z"] == 0.0  # no spread: no z
