@@ -799,3 +799,29 @@ def test_the_multilingual_feature_head_figures_are_those_of_its_run():
     assert all(name.startswith("multilingual_qa@") for name, *_ in r["config"]["train_slices"] + r["config"]["heldout_slices"])
     assert (f"the head agrees {a['feature_head']:.3f} of the time against the never-trained widened draft's "
             f"{a['cheap_draft']:.3f} (z {z:.2f})") in " ".join(README.split())
+
+
+def test_the_feature_head_chain_figures_are_those_of_its_run():
+    r = result("feature-head-chains.json")
+    a, acc, vs = r["first_proposal_agreement"], r["accepted_by_depth"], r["accepted_head_vs_draft"]
+    assert r["config"]["depth"] == 4 and r["config"]["feature_weight"] > 0  # the chain reads predicted features
+    flat = " ".join(README.split())
+    assert (f"it is ahead on the first proposal, {a['feature_head']:.3f} against the draft's {a['cheap_draft']:.3f} "
+            f"(z {r['head_vs_draft']['z']:.2f}), but a chain of 4 accepts {acc['feature_head'][3]:.3f} proposals per "
+            f"step against the draft's {acc['cheap_draft'][3]:.3f} (paired by start, z {vs['z']:.2f})") in flat
+    assert acc["feature_head"][3] < acc["cheap_draft"][3] and vs["z"] < -1.96  # "loses" is significant
+
+
+def test_the_multilingual_depth_figures_are_those_of_their_runs():
+    speed = result("bench-speed-intel-multilingual-depth.json")
+    config = speed["config"]
+    assert config["models"]["draft"] == "bundled:qwen2.5-coder-0.5b" and config["learned_draft"] == "derived:cheap-0.5b-v3"
+    x = speed["decode_speedup_vs_baseline"]
+    flat = " ".join(README.split())
+    assert (f"it decodes at {x['osd_q4']:.2f}x llama.cpp, below the Q4 target alone ({x['osd_q4_target']:.2f}x), "
+            f"while the cheap draft gives {x['osd_q4_learned']:.2f}x") in flat
+    alphas = {name: [result(f"eval-multilingual-depth-{lang}.json")["drafts"][name]["alpha_greedy"]
+                     for lang in ("de", "ru", "zh", "ar")] for name in ("bundled:qwen2.5-coder-0.5b", "derived:cheap-0.5b-v3")}
+    deep, cheap = alphas["bundled:qwen2.5-coder-0.5b"], alphas["derived:cheap-0.5b-v3"]
+    assert (f"teacher-forced alpha {min(deep):.2f}-{max(deep):.2f} in each language against the cheap draft's "
+            f"{min(cheap):.2f}-{max(cheap):.2f}") in flat
