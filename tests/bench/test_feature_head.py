@@ -157,6 +157,12 @@ def test_draft_chains_count_teacher_forced_hits_from_each_start_and_agree_with_d
     assert chains.tolist() == [[True, False, True], [False, True, False], [True, False, False]]
     assert chains[:, 0].tolist() == draft_hits(Oracle(seq), samples, torch.arange(H))
     assert leading_hits(chains).tolist() == [1, 0, 1]
+    from osd.bench.feature_head import head_then_draft
+
+    head = torch.tensor([[False, True, True], [True, False, False], [True, True, True]])
+    mixed = head_then_draft(head, chains)  # the head's first column, the draft's others
+    assert mixed.tolist() == [[False, False, True], [True, True, False], [True, False, False]]
+    assert leading_hits(mixed).tolist() == [0, 2, 1]
     assert accepted_by_depth(chains) == pytest.approx([2 / 3, 2 / 3, 2 / 3])
     assert accepted_by_depth(torch.tensor([[True, True], [True, False]])) == [1.0, 1.5]
     d = paired_mean_difference(torch.tensor([1, 0, 1, 2]), torch.tensor([2, 1, 1, 3]))

@@ -11,7 +11,8 @@ prompts is the first proposal's acceptance; the cheap draft is scored on the sam
 serving copies would be int8). Deeper proposals: from every held-out start both propose a chain of --depth tokens,
 the draft greedily (teacher-forced: a chain reaches proposal d only on the target's prefix), the head reading at
 proposal d > 0 the feature it predicted at d - 1 and the token it proposed there (EAGLE), and the mean accepted
-length per step is compared, paired by start.
+length per step is compared, paired by start; so is a chain whose first proposal is the head's and the rest the
+draft's (the draft fed the head's token).
 
 Head (`FeatureHead`): Linear(2H -> H) over [feature; embedding], one SiLU-gated MLP block with a residual, RMSNorm
 (its output is the predicted feature at t + 1), and an LM head over the map initialised from the target's own output
@@ -170,6 +171,12 @@ def accepted_by_depth(hits: torch.Tensor) -> list[float]:
     return [float(lengths.clamp(max=d).float().mean()) if len(lengths) else 0.0 for d in range(1, hits.shape[1] + 1)]
 
 
+def head_then_draft(head_chain: torch.Tensor, draft_chain: torch.Tensor) -> torch.Tensor:
+    """(N, D) hits of a chain whose first proposal is the head's and the rest the draft's: after the head's hit the
+    prefix is the target's, where the draft's teacher-forced proposals are exactly its chain's."""
+    return torch.cat([head_chain[:, :1], draft_chain[:, 1:]], dim=1)
+
+
 def paired_mean_difference(base: torch.Tensor, other: torch.Tensor) -> dict:
     """Per-start accepted lengths, paired: mean of other - base and its z (mean over standard error; 0 when every
     difference is the same)."""
@@ -294,6 +301,7 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
     head_chain = head_chains(head.eval(), runner, heldout_samples, heldout_features, index, vocab_ids, depth)
     draft_chain = draft_chains(draft_model, heldout_samples, index, depth)
     head_hit, draft_hit = head_chain[:, 0].tolist(), draft_chain[:, 0].tolist()
+    hybrid = head_then_draft(head_chain, draft_chain)
     f1, e1 = heldout[0][:1], heldout[1][:1]
     one = torch.tensor([[heldout_samples[0][0][-1]]])
     with torch.no_grad():
@@ -314,8 +322,10 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
                                      "cheap_draft": agreement(draft_hit)},
         "head_vs_draft": paired_difference(draft_hit, head_hit),  # same positions: a sign test on the flips
         # a chain of d proposals from every held-out start: mean accepted (the head reads its own predicted features)
-        "accepted_by_depth": {"feature_head": accepted_by_depth(head_chain), "cheap_draft": accepted_by_depth(draft_chain)},
+        "accepted_by_depth": {"feature_head": accepted_by_depth(head_chain), "cheap_draft": accepted_by_depth(draft_chain),
+                              "head_then_draft": accepted_by_depth(hybrid)},
         "accepted_head_vs_draft": paired_mean_difference(leading_hits(draft_chain), leading_hits(head_chain)),
+        "accepted_head_then_draft_vs_draft": paired_mean_difference(leading_hits(draft_chain), leading_hits(hybrid)),
         "seconds_per_token_fp32": {"feature_head": head_s, "cheap_draft_torch": draft_s, "target_q4": target_s},
         "data_seconds": data_seconds, "train_seconds": train_seconds,
     }
@@ -364,8 +374,9 @@ def _cmd(args) -> None:
     a, s, acc = result["first_proposal_agreement"], result["seconds_per_token_fp32"], result["accepted_by_depth"]
     rows = [["feature head (trained)", a["feature_head"], *acc["feature_head"], s["feature_head"] * 1e3],
             ["feature head (untrained)", a["feature_head_untrained"], *[None] * args.depth, None],
-            [f"cheap draft ({args.draft})", a["cheap_draft"], *acc["cheap_draft"], s["cheap_draft_torch"] * 1e3]]
-    vs = result["accepted_head_vs_draft"]
+            [f"cheap draft ({args.draft})", a["cheap_draft"], *acc["cheap_draft"], s["cheap_draft_torch"] * 1e3],
+            ["head's first proposal, then the draft's", a["feature_head"], *acc["head_then_draft"], None]]
+    vs, mixed = result["accepted_head_vs_draft"], result["accepted_head_then_draft_vs_draft"]
     notes = (f"{result['train_positions']} training positions ({result['train_positions_in_map']} in the map), "
              f"{result['heldout_positions']} held-out ({result['heldout_positions_in_map']} in the map); head "
              f"{result['head_parameters'] / 1e6:.1f}M parameters; loss by epoch "
@@ -373,7 +384,8 @@ def _cmd(args) -> None:
              + f"; head vs draft on the same positions: {result['head_vs_draft']['gained']} gained, "
              f"{result['head_vs_draft']['lost']} lost, z {result['head_vs_draft']['z']:.2f}"
              + f"; accepted per step at depth {args.depth}, head minus draft: {vs['mean_difference']:+.3f} "
-             f"(z {vs['z']:.2f}, {vs['n']} starts)"
+             f"(z {vs['z']:.2f}, {vs['n']} starts); head's first proposal then the draft's, minus the draft: "
+             f"{mixed['mean_difference']:+.3f} (z {mixed['z']:.2f})"
              + f"; target one token on the Q4 kernel {s['target_q4'] * 1e3:.1f} ms; data {result['data_seconds']:.0f} s, "
              f"training {result['train_seconds']:.0f} s")
     emit_report("A draft that reads the target's features (`osd bench feature-head`)",
