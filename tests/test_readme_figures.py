@@ -825,3 +825,13 @@ def test_the_multilingual_depth_figures_are_those_of_their_runs():
     deep, cheap = alphas["bundled:qwen2.5-coder-0.5b"], alphas["derived:cheap-0.5b-v3"]
     assert (f"teacher-forced alpha {min(deep):.2f}-{max(deep):.2f} in each language against the cheap draft's "
             f"{min(cheap):.2f}-{max(cheap):.2f}") in flat
+
+
+def test_the_mixed_chain_figures_are_those_of_its_run():
+    r = result("feature-head-chains-mixed.json")
+    acc, mixed, s = r["accepted_by_depth"], r["accepted_head_then_draft_vs_draft"], r["seconds_per_token_fp32"]
+    assert (f"it adds {mixed['mean_difference']:.3f} accepted proposals per step ({acc['head_then_draft'][3]:.3f} against "
+            f"{acc['cheap_draft'][3]:.3f}, z {mixed['z']:.2f}") in " ".join(README.split())
+    assert f"for a forward that costs {s['feature_head'] / s['target_q4']:.2f} of a target token in fp32" in README
+    # the repeat reproduces the chain run it extends (same answers, same seeded training)
+    assert acc["feature_head"] == result("feature-head-chains.json")["accepted_by_depth"]["feature_head"]
