@@ -144,22 +144,6 @@ def head_agreement(head: FeatureHead, data) -> float:
     return agreement(head_hits(head, data))
 
 
-@torch.no_grad()
-def draft_hits(draft, samples, index: torch.Tensor) -> list[bool]:
-    """The draft's teacher-forced top-1 at the positions `examples` makes, in its order: its argmax after
-    seq[:t + 2] vs seq[t + 2]."""
-    hits = []
-    for prompt, answer in samples:
-        seq = prompt + answer
-        ts = list(range(len(prompt) - 1, len(seq) - 2))
-        if not ts:
-            continue
-        logits = draft(torch.tensor([seq[:-1]])).logits[0]  # row i predicts seq[i + 1] (over the map)
-        guess = logits[[t + 1 for t in ts]].argmax(-1)
-        hits += (guess == index[torch.tensor([seq[t + 2] for t in ts])]).tolist()
-    return hits
-
-
 def leading_hits(hits: torch.Tensor) -> torch.Tensor:
     """(N, D) bool -> (N,) the hits before each row's first miss: a chain's accepted length."""
     return hits.long().cumprod(dim=1).sum(dim=1)
