@@ -29,7 +29,15 @@ def best_k(alpha: float, t_draft: float, t_target: list[float], k_max: int) -> i
 
 
 class TargetCosts:
-    """EMAs of measured target-forward seconds by rows fed (t[n] = verifying n = k+1 rows), shared by the policies."""
+    """EMAs of measured target-forward seconds by rows fed (t[n] = verifying n = k+1 rows), shared by the policies.
+
+    Noise only ever slows a forward, so a timing faster than the estimate is taken at once and a slower one through
+    the EMA (as the draft's cost is), and a row count's estimate is read no higher than that of any larger row count
+    measured (`by_rows`): more rows never cost less, so the bound from more rows holds for fewer. Together they undo
+    a calibration a busy spell of the machine inflated at the first live step: seen on Intel, a one-row time of
+    0.207 s against ~0.05 s (a test run beside the calibration) made the whole 0.5B draft look cheap (c 0.34 instead
+    of 1.22), and with the EMA alone the policy went on speculating with it for the whole run, decoding below the
+    target alone (tests/test_policy_simulated.py)."""
 
     def __init__(self, k_max: int):
         self.k_max = k_max
@@ -41,16 +49,29 @@ class TargetCosts:
     def observe(self, k: int, seconds: float) -> None:
         if math.isfinite(seconds) and k <= self.k_max:
             old = self.seconds[k]
-            self.seconds[k] = seconds if old is None else 0.8 * old + 0.2 * seconds
+            self.seconds[k] = seconds if old is None or seconds < old else 0.8 * old + 0.2 * seconds
 
     def by_rows(self) -> list[float] | None:
-        """t[k] for k = 0..k_max; unmeasured k extrapolated linearly from the measured ones; None if none is."""
-        known = [(n, t) for n, t in enumerate(self.seconds) if t is not None]
+        """t[k] for k = 0..k_max: each measured k bounded by the larger ones (`bounded_by_larger`), unmeasured k
+        extrapolated linearly from the measured ones; None if none is."""
+        known = bounded_by_larger([(n, t) for n, t in enumerate(self.seconds) if t is not None])
         if not known:
             return None
         n0, t0 = known[0]
         slope = (known[-1][1] - t0) / (known[-1][0] - n0) if len(known) > 1 else 0.25 * t0
-        return [t if t is not None else t0 + slope * (n - n0) for n, t in enumerate(self.seconds)]
+        measured = dict(known)
+        return [measured[n] if n in measured else t0 + slope * (n - n0) for n in range(self.k_max + 1)]
+
+
+def bounded_by_larger(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """(rows, seconds) sorted by rows -> each seconds lowered to the least seconds measured at as many rows or more.
+    Timing noise is one-sided (a forward is only ever slowed), so the least-squares fit would keep half of a stale
+    high value; the bound from a larger row count is a measurement."""
+    bounded, least = [], math.inf
+    for n, t in reversed(points):
+        least = min(least, t)
+        bounded.append((n, least))
+    return bounded[::-1]
 
 
 class KPolicy:
