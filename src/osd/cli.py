@@ -47,7 +47,7 @@ def cmd_bench_speed(args) -> None:
                        args.max_new_tokens, llama_cpp=not args.no_llama_cpp, hf_baseline=args.hf_baseline,
                        spec_k=args.llama_cpp_spec_k, osd_q4=not args.no_osd_q4, learned_draft=args.learned_draft,
                        domains=tuple(d for d in args.domains.split(",") if d), offset=args.offset,
-                       only=tuple(a for a in args.arms.split(",") if a))
+                       only=tuple(a for a in args.arms.split(",") if a), busy_calibration=args.busy_calibration)
     report_speed(result, args.out, args.markdown)
 
 
@@ -280,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offset", type=int, default=0, help="first record of each dataset's test split (skip the "
                    "requests a --learned-draft trained on)")
     p.add_argument("--arms", default="", help="comma list: time only these arms (and the baseline and references)")
+    p.add_argument("--busy-calibration", type=int, default=0, metavar="N", help="N processes spin on the CPU while "
+                   "each osd_q4* arm calibrates (none while anything decodes): does the k policy recover from costs "
+                   "measured on a busy machine?")
     p.add_argument("--out", default="benchmarks/bench-speed.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
     for cls in (ModelConfig, SpeculationConfig):

@@ -82,10 +82,14 @@ def _engine_arm(engine: SpeculativeEngine, max_new: int):
     return run
 
 
-def _calibrated_arm(engine: SpeculativeEngine, max_new: int):
-    """An osd arm whose engine measured its costs first (`calibration`: c and the verify costs, reported per arm)."""
+def _calibrated_arm(engine: SpeculativeEngine, max_new: int, busy: int = 0):
+    """An osd arm whose engine measured its costs first (`calibration`: c and the verify costs, reported per arm);
+    busy: that many processes spin beside the calibration (bench/neighbours.py), none beside the decoding."""
+    from osd.bench.neighbours import busy_neighbours
+
     run = _engine_arm(engine, max_new)
-    run.calibration = engine.calibrate()
+    with busy_neighbours(busy):
+        run.calibration = engine.calibrate()
     return run
 
 
@@ -132,7 +136,7 @@ def _hf_arm(dense_target, max_new: int, eos: set[int]):
     return run
 
 
-def _learned_arm(system, q4_target, spec: SpeculationConfig, checkpoint: str, max_new: int):
+def _learned_arm(system, q4_target, spec: SpeculationConfig, checkpoint: str, max_new: int, busy: int = 0):
     """osd_q4 with the draft's learned weights (a learner's checkpoint directory, on the same base draft), or with
     another derived draft (`derived:<dir or shipped name>`, e.g. one healed longer), beside the configured one."""
     from osd.build import speculative_engine
@@ -148,12 +152,12 @@ def _learned_arm(system, q4_target, spec: SpeculationConfig, checkpoint: str, ma
         raise InvalidArgument(f"no draft checkpoint in {checkpoint!r}")
     system.publish_draft(learned, name="learned", version=state["version"])
     engine = speculative_engine(system, q4_target, replace(spec, tree=0), draft="learned")  # chains, as osd_q4
-    run = _calibrated_arm(engine, max_new)
+    run = _calibrated_arm(engine, max_new, busy)
     run.version = state["version"]
     return run
 
 
-def _vnni_arm(system, q4_target, spec: SpeculationConfig, max_new: int):
+def _vnni_arm(system, q4_target, spec: SpeculationConfig, max_new: int, busy: int = 0):
     """osd_q4 with the configured draft's int8_vnni serving copy in place of its int8 one (same master weights)."""
     from osd.build import special_ids, speculative_engine
     from osd.models import kernels
@@ -167,13 +171,14 @@ def _vnni_arm(system, q4_target, spec: SpeculationConfig, max_new: int):
                                             special_ids(system.tokenizer))
     system.registry.publish("vnni", serving, vocab_ids)
     engine = speculative_engine(system, q4_target, replace(spec, tree=0), draft="vnni")  # chains, as osd_q4
-    return _calibrated_arm(engine, max_new)
+    return _calibrated_arm(engine, max_new, busy)
 
 
 def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama_cpp: bool, hf: bool, spec_k: int,
-               osd_q4: bool = True, learned_draft: str = "", vnni: bool = False):
+               osd_q4: bool = True, learned_draft: str = "", vnni: bool = False, busy_calibration: int = 0):
     """name -> (run(prompt_ids) -> Timed), plus the osd system and what each arm added to peak RSS. vnni: build the
-    osd_q4_vnni arm too."""
+    osd_q4_vnni arm too; busy_calibration: processes spinning beside each osd_q4* arm's calibration."""
+    busy = busy_calibration
     from osd.models.loading import gguf_file
 
     arms, rss, start = {}, {}, rss_gib()
@@ -198,16 +203,16 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
         q4_target = Q4Runner(target_gguf, models.n_ctx)
         arms["osd_q4_target"] = _engine_arm(SpeculativeEngine(q4_target, system.tokenizer, None,
                                                               SpeculationConfig(k=0, adaptive=False)), max_new)
-        arms["osd_q4"] = _calibrated_arm(speculative_engine(system, q4_target, replace(spec, tree=0)), max_new)
+        arms["osd_q4"] = _calibrated_arm(speculative_engine(system, q4_target, replace(spec, tree=0)), max_new, busy)
         if spec.tree:
-            arms["osd_q4_tree"] = _calibrated_arm(speculative_engine(system, q4_target, spec), max_new)
+            arms["osd_q4_tree"] = _calibrated_arm(speculative_engine(system, q4_target, spec), max_new, busy)
             recycle = SpeculativeEngine(q4_target, system.tokenizer, None, SpeculationConfig(k=0, tree=spec.tree))
-            arms["osd_q4_recycle"] = _calibrated_arm(recycle, max_new)
+            arms["osd_q4_recycle"] = _calibrated_arm(recycle, max_new, busy)
         rss["osd Q4 kernel target"] = rss_gib() - before
         if learned_draft:
-            arms["osd_q4_learned"] = _learned_arm(system, q4_target, spec, learned_draft, max_new)
+            arms["osd_q4_learned"] = _learned_arm(system, q4_target, spec, learned_draft, max_new, busy)
         if vnni:
-            arms["osd_q4_vnni"] = _vnni_arm(system, q4_target, spec, max_new)
+            arms["osd_q4_vnni"] = _vnni_arm(system, q4_target, spec, max_new, busy)
     if learned_draft and "osd_q4_learned" not in arms:
         raise InvalidArgument("--learned-draft runs on osd's own Q4 kernel: it needs a GGUF target (not --no-osd-q4)")
     if llama_cpp and target_gguf is not None:
@@ -235,13 +240,16 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
 
 def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2, max_new_tokens: int = 64,
               llama_cpp: bool = True, hf_baseline: bool = False, spec_k: int = 4, osd_q4: bool = True,
-              learned_draft: str = "", domains=DOMAINS, offset: int = 0, only: tuple[str, ...] = ()) -> dict:
-    """only: run just these arms (the others are built but not timed); the baseline arm is always kept."""
+              learned_draft: str = "", domains=DOMAINS, offset: int = 0, only: tuple[str, ...] = (),
+              busy_calibration: int = 0) -> dict:
+    """only: run just these arms (the others are built but not timed); the baseline arm is always kept.
+    busy_calibration: processes spinning beside each osd_q4* arm's calibration (none beside any decoding), to see
+    whether the k policy recovers from costs measured on a busy machine."""
     records = bench_prompts(per_domain, domains=domains, offset=offset)  # (checked before anything loads)
     if models.target_backend == "auto" and target_backend(models) == "osd":
         models = replace(models, target_backend="llama.cpp")  # osd_target / osd on llama.cpp, osd_q4* on the Q4 kernel
     arms, system, rss = build_arms(models, spec, max_new_tokens, llama_cpp, hf_baseline, spec_k, osd_q4, learned_draft,
-                                   vnni="osd_q4_vnni" in only)
+                                   vnni="osd_q4_vnni" in only, busy_calibration=busy_calibration)
     if only:
         unknown = set(only) - set(arms)
         if unknown:
@@ -290,7 +298,7 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
     return {
         "config": {"models": vars(models), "spec": vars(spec), "per_domain": per_domain, "max_new_tokens": max_new_tokens,
                    "llama_cpp_spec_k": spec_k, "prompts": [r["id"] for r in records], "domains": list(domains),
-                   "offset": offset, "learned_draft": learned_draft or None},
+                   "offset": offset, "learned_draft": learned_draft or None, "busy_calibration": busy_calibration},
         "target_backend": type(engine.target).__name__,
         "target_max_rows": getattr(engine.target, "max_rows", None),
         "llama_cpp_build": _llama_cpp_build() if llama_cpp or "LlamaCpp" in type(engine.target).__name__ else None,
@@ -305,6 +313,7 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
         "osd_spec_stats": engine.metrics.total().summary(),
         "osd_q4_spec_stats": q4_engine.metrics.total().summary() if q4_engine is not None else None,
         "osd_q4_calibration": arms["osd_q4"].calibration if q4_engine is not None else None,
+        "osd_q4_target_seconds_after_run": q4_engine.target_costs.by_rows() if q4_engine is not None else None,
         "trees": {name: tree_report(arms[name]) for name in ("osd_q4_tree", "osd_q4_recycle") if name in arms},
         "osd_q4_learned": {"draft_version": arms["osd_q4_learned"].version, **_arm_stats(arms["osd_q4_learned"])}
         if "osd_q4_learned" in arms else None,
