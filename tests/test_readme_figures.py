@@ -840,3 +840,17 @@ def test_the_mixed_chain_figures_are_those_of_its_run():
     assert f"for a forward that costs {s['feature_head'] / s['target_q4']:.2f} of a target token in fp32" in README
     # the repeat reproduces the chain run it extends (same answers, same seeded training)
     assert acc["feature_head"] == result("feature-head-chains.json")["accepted_by_depth"]["feature_head"]
+
+
+def test_the_busy_calibration_figures_are_those_of_their_runs():
+    flat = " ".join(README.split())
+    ratio = lambda name: (lambda d: d["osd_q4"] / d["osd_q4_target"])(result(name)["decode_speedup_vs_baseline"])
+    before6, after6 = ratio("bench-speed-intel-busy6-calibration-before.json"), ratio("bench-speed-intel-busy6-calibration.json")
+    quiet = ratio("bench-speed-intel-multilingual-depth-repeat.json")
+    before2, after2 = ratio("bench-speed-intel-busy-calibration-before.json"), ratio("bench-speed-intel-busy-calibration.json")
+    assert f"decoded at {before6:.2f}x the Q4 target alone" in flat
+    assert f"this one at {after6:.2f}x" in flat and f"{quiet:.2f}x with a quiet calibration" in flat
+    assert f"stopped speculating altogether ({before2:.2f}x) and this one reached {after2:.2f}x" in flat
+    for name in ("bench-speed-intel-busy6-calibration-before.json", "bench-speed-intel-busy6-calibration.json"):
+        assert result(name)["config"]["busy_calibration"] == 6
+    assert result("bench-speed-intel-busy-calibration-before.json")["osd_q4_spec_stats"]["proposed"] <= 2
