@@ -37,7 +37,8 @@ class TargetCosts:
     a calibration a busy spell of the machine inflated at the first live step: seen on Intel, a one-row time of
     0.207 s against ~0.05 s (a test run beside the calibration) made the whole 0.5B draft look cheap (c 0.34 instead
     of 1.22), and with the EMA alone the policy went on speculating with it for the whole run, decoding below the
-    target alone (tests/test_policy_simulated.py)."""
+    target alone (tests/test_policy_simulated.py; live, `osd bench speed --busy-calibration 6`: 0.70x the Q4 target
+    alone before, 1.11x after, benchmarks/bench-speed-intel-busy6-calibration*.json)."""
 
     def __init__(self, k_max: int):
         self.k_max = k_max

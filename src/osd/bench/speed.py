@@ -21,6 +21,8 @@ of them alike. Arms (same GGUF files, same prompts, same token counts, greedy):
   osd_q4_vnni       osd_q4 with the same draft's int8_vnni serving copy (activations int8 too, AVX-512 VNNI:
                     models/serving_draft.py), chains, so the two serving copies stand side by side; built only when
                     --arms names it, refused on a CPU without VNNI
+`--busy-calibration N`: N processes spin on the CPU while each osd_q4* arm calibrates (none while anything decodes),
+the case of a server started beside other work: does the k policy recover from the costs it measured then?
 Decode tokens/s leaves out the prompt (time to the first token for llama.cpp's loop, the prefill for osd's);
 end-to-end tokens/s includes it. Outputs of every arm are compared token by token with their reference: osd_q4*
 with osd_q4_target (greedy identity on that backend), every other arm with osd_target.
@@ -178,8 +180,9 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
                osd_q4: bool = True, learned_draft: str = "", vnni: bool = False, busy_calibration: int = 0):
     """name -> (run(prompt_ids) -> Timed), plus the osd system and what each arm added to peak RSS. vnni: build the
     osd_q4_vnni arm too; busy_calibration: processes spinning beside each osd_q4* arm's calibration."""
-    busy = busy_calibration
     from osd.models.loading import gguf_file
+
+    busy = busy_calibration
 
     arms, rss, start = {}, {}, rss_gib()
     system = build_system(models, spec)
