@@ -1,6 +1,7 @@
 """The n-gram lookup proposer, and the k policy's refusal to speculate when drafting costs too much."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from osd.config import SamplingConfig, SpeculationConfig
@@ -205,3 +206,46 @@ def test_the_engine_tells_each_policy_the_draft_version(target_model, tokenizer)
     registry.publish("draft", tiny_qwen2(seed=4, layers=1))
     engine.generate([5, 6, 7], SamplingConfig(max_new_tokens=4))
     assert seen == [0, 1]
+
+
+def _declining_policy(alpha_prior: float) -> KPolicy:
+    """k = 0 at the prior; the draft (1/6 of a target token) would pay if every proposal were accepted."""
+    policy = KPolicy(k_max=4, adaptive=True, alpha_prior=alpha_prior, probe_every=8, max_probe_every=512)
+    policy.calibrate(t_draft=0.005, t_target=[0.030, 0.033, 0.036, 0.04, 0.044])
+    return policy
+
+
+def test_a_probe_whose_catch_up_is_dear_waits_until_it_is_a_small_share_of_the_time():
+    """alpha 0.05, outside the noise band: a probe that must first feed 0.3 s of missed tokens waits until the k = 0
+    steps since the last probe cost 0.3 / 0.02 s (500 steps of 30 ms), not the base 8."""
+    free = _declining_policy(0.05)
+    assert [i for i, k in enumerate(free.choose_k(64) for _ in range(8)) if k] == [7]
+    dear = _declining_policy(0.05)
+    assert [i for i, k in enumerate(dear.choose_k(64, catch_up_seconds=0.3) for _ in range(600)) if k] == [499]
+
+
+def test_near_break_even_or_for_a_new_version_a_dear_catch_up_does_not_delay_the_probe():
+    near = _declining_policy(0.25)  # k = 0 at 0.25, k = 1 pays at the upper bound: the draft may pay
+    assert near._best(4) == 0 and near._best(4, alpha=near.alpha_upper) > 0
+    assert [i for i, k in enumerate(near.choose_k(64, catch_up_seconds=0.3) for _ in range(8)) if k] == [7]
+    fresh = _declining_policy(0.05)
+    fresh.on_draft_version(0)
+    fresh.on_draft_version(1)  # the learner published: probed at the next k = 0 step, catch-up or not
+    assert fresh.choose_k(64, catch_up_seconds=0.3) > 0
+    assert [i for i, k in enumerate(fresh.choose_k(64, catch_up_seconds=0.3) for _ in range(600)) if k] == [499]
+
+
+def test_the_engine_gives_the_policy_the_catch_up_of_the_draft_it_would_ask():
+    target = tiny_qwen2(0)
+    prompt = [5, 6, 7, 8, 9, 10] * 3
+    want = SpeculativeEngine(target, ToyTokenizer(), None, SpeculationConfig(k=0)).generate(prompt, GREEDY).token_ids
+    draft = SlowRightDraft(want)
+    draft.lag = lambda tokens: len(tokens) - 1  # it never fed a token: it lags by all of them
+    engine = _engine_with_costs(target, draft, [5.0])
+    engine.policies[0].t_catch_up = 0.002
+    seen, choose = [], engine.policies[0].choose_k
+    engine.policies[0].choose_k = lambda remaining, catch_up_seconds=0.0: seen.append(catch_up_seconds) or choose(
+        remaining, catch_up_seconds)
+    engine.generate(prompt, GREEDY)
+    assert seen and seen[0] == pytest.approx(0.002 * (len(prompt) - 1))
+    assert seen == sorted(seen)  # the lag grows with every token committed without the draft

@@ -109,13 +109,20 @@ class KPolicy:
     The same stale cost can make k = 0 look best: so every second probe is k = 1 (re-timing a 2-row verification),
     except where speculation never pays (there the probes re-time the draft, which needs k = 2). refresh_every = 0
     turns both off.
+    A probe of a draft whose cache lags first feeds what it missed (`catch_up_seconds`, from the lag and the
+    calibrated seconds per token): for the whole 0.5B drafting on the Q4 target that was ~0.6 s a probe, ~4% of a
+    24-question run spent on a draft that never paid (bench-speed-intel-multilingual-depth-repeat.json). Outside the
+    noise band the interval is therefore at least what keeps a probe's catch-up within `probe_share` of the time spent
+    at k = 0 since the last probe (k = 0 steps at the one-row cost). Within the noise band it is not stretched: there
+    the draft may pay, and its catch-up is paid once, not per probe; nor is the probe of a new draft version.
     """
 
     def __init__(self, k_max: int, adaptive: bool = True, alpha_prior: float = 0.7, ema: float = 0.98, probe_every: int = 16,
                  costs: TargetCosts | None = None, max_probe_every: int = 512, upper_z: float = 1.0,
-                 refresh_every: int = 16):
+                 refresh_every: int = 16, probe_share: float = 0.02):
         self.k_max, self.adaptive, self.ema, self.upper_z = k_max, adaptive, ema, upper_z
         self.refresh_every, self._speculating_steps = refresh_every, 0
+        self.probe_share, self._new_version = probe_share, False
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.accepted, self.rejected = alpha_prior * 10, (1 - alpha_prior) * 10  # prior worth ~10 tokens
         self.t_draft: float | None = None
@@ -154,9 +161,11 @@ class KPolicy:
         """The source's draft version at the start of a request (None: a source without versions)."""
         if version != self.draft_version and self.draft_version is not None:
             self._interval, self._zero_steps = self.probe_every, self.probe_every - 1  # probe at the next k = 0 step
+            self._new_version = True  # ... whatever its catch-up costs
         self.draft_version = version
 
-    def choose_k(self, remaining: int) -> int:
+    def choose_k(self, remaining: int, catch_up_seconds: float = 0.0) -> int:
+        """k for the next step; catch_up_seconds: what a proposal from this source would feed first (its lag)."""
         cap = max(0, min(self.k_max, remaining - 1))
         if not self.adaptive or cap == 0:
             return cap
@@ -170,8 +179,10 @@ class KPolicy:
         within_noise = not never_pays and self._best(cap, alpha=self.alpha_upper) > 0
         self._zero_steps += 1
         interval = self.max_probe_every if never_pays else self.probe_every if within_noise else self._interval
+        if catch_up_seconds > 0 and not within_noise and not self._new_version:
+            interval = max(interval, math.ceil(catch_up_seconds / (self.probe_share * self.costs.by_rows()[0])))
         if self._zero_steps >= interval:
-            self._zero_steps = 0
+            self._zero_steps, self._new_version = 0, False
             if not never_pays and not within_noise:
                 self._interval = min(2 * self._interval, self.max_probe_every)
             self.probes += 1

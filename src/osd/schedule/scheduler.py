@@ -279,7 +279,7 @@ class Scheduler:
         single-request rule, policies and all), grown into a token tree where trees are on."""
         e = self.engine
         for j, (source, policy) in enumerate(zip(seq.sources, e.policies)):
-            k = policy.choose_k(seq.remaining)
+            k = policy.choose_k(seq.remaining, source.lag(seq.tokens) * policy.t_catch_up if hasattr(source, "lag") else 0.0)
             if k:
                 t0 = e.clock()
                 proposal = source.propose(seq.tokens, k, seq.sampling, seq.generator)
