@@ -190,5 +190,6 @@ class SpeculativeEngine:
             policy.calibrate(t_draft, t_catch_up=t_catch_up)
         t_drafts = [t for t, _ in drafts]
         t_draft = max(t_drafts, default=0.0)
-        return {"t_draft": t_draft, "t_draft_by_source": t_drafts, "t_target": t_target, "c": t_draft / t_target[0],
+        return {"t_draft": t_draft, "t_draft_by_source": t_drafts, "t_catch_up_by_source": [t for _, t in drafts],
+                "t_target": t_target, "c": t_draft / t_target[0],
                 "verify_cost": [t / t_target[0] for t in t_target]}
