@@ -854,3 +854,12 @@ def test_the_busy_calibration_figures_are_those_of_their_runs():
     for name in ("bench-speed-intel-busy6-calibration-before.json", "bench-speed-intel-busy6-calibration.json"):
         assert result(name)["config"]["busy_calibration"] == 6
     assert result("bench-speed-intel-busy-calibration-before.json")["osd_q4_spec_stats"]["proposed"] <= 2
+
+
+def test_the_probe_catch_up_figures_are_those_of_their_runs():
+    flat = " ".join(README.split())
+    b, a = result("bench-speed-intel-probe-catch-up-before.json"), result("bench-speed-intel-probe-catch-up.json")
+    ratio = lambda r: r["decode_speedup_vs_baseline"]["osd_q4"] / r["decode_speedup_vs_baseline"]["osd_q4_target"]
+    seconds = lambda r: r["osd_q4_spec_stats"]["draft_seconds"]
+    assert f"forwards took {seconds(b):.2f} s of a 24-question run before and {seconds(a):.3f} s after" in flat
+    assert f"({ratio(b):.2f}x and {ratio(a):.2f}x the Q4 target alone" in flat
