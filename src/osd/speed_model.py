@@ -110,8 +110,9 @@ class KPolicy:
     except where speculation never pays (there the probes re-time the draft, which needs k = 2). refresh_every = 0
     turns both off.
     A probe of a draft whose cache lags first feeds what it missed (`catch_up_seconds`, from the lag and the
-    calibrated seconds per token): for the whole 0.5B drafting on the Q4 target that was ~0.6 s a probe, ~4% of a
-    24-question run spent on a draft that never paid (bench-speed-intel-multilingual-depth-repeat.json). Outside the
+    calibrated seconds per token): with the whole 0.5B drafting on the Q4 target, a draft that never paid, its forwards
+    took 0.98-3.4 s of a 24-question run, almost all catch-up (bench-speed-intel-multilingual-depth-repeat.json,
+    bench-speed-intel-probe-catch-up-before.json; 0.007 s with this rule, the speed within noise). Outside the
     noise band the interval is therefore at least what keeps a probe's catch-up within `probe_share` of the time spent
     at k = 0 since the last probe (k = 0 steps at the one-row cost). Within the noise band it is not stretched: there
     the draft may pay, and its catch-up is paid once, not per probe; nor is the probe of a new draft version.
