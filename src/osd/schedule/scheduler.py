@@ -55,6 +55,12 @@ PROBE_EVERY = 16  # with company, the batch probes about once in this many steps
 FREE_SECONDS = 1e-4  # a source whose proposal costs less than this per token is asked before the allocation
 
 
+def catch_up_seconds(source, policy, tokens: list[int]) -> float:
+    """What a proposal from `source` would first feed: the tokens its draft cache lags by, at the policy's calibrated
+    seconds per token (0 for a source without a cache, the lookup)."""
+    return source.lag(tokens) * policy.t_catch_up if hasattr(source, "lag") else 0.0
+
+
 class Ask(NamedTuple):
     """What the allocation knows of one decoding sequence's next proposal (`_ask_free_sources`)."""
     source: int | None  # index of the source that will propose (None: no source can)
@@ -279,7 +285,7 @@ class Scheduler:
         single-request rule, policies and all), grown into a token tree where trees are on."""
         e = self.engine
         for j, (source, policy) in enumerate(zip(seq.sources, e.policies)):
-            k = policy.choose_k(seq.remaining, source.lag(seq.tokens) * policy.t_catch_up if hasattr(source, "lag") else 0.0)
+            k = policy.choose_k(seq.remaining, catch_up_seconds(source, policy, seq.tokens))
             if k:
                 t0 = e.clock()
                 proposal = source.propose(seq.tokens, k, seq.sampling, seq.generator)
@@ -325,8 +331,7 @@ class Scheduler:
                 if proposal.k:
                     return Ask(j, proposal, alpha, 0.0, 0.0, proposal.k)
                 continue
-            lag = source.lag(seq.tokens) if hasattr(source, "lag") else 0
-            return Ask(j, None, alpha, t_draft, lag * policy.t_catch_up, cap)
+            return Ask(j, None, alpha, t_draft, catch_up_seconds(source, policy, seq.tokens), cap)
         return Ask(None, None, 0.0, 0.0, 0.0, 0)
 
     def _probe(self, seq: Sequence, k: int, source: int | None, decoding: int) -> int:
