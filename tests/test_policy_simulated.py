@@ -18,12 +18,12 @@ T_DRAFT = 0.0018
 
 
 def realised(alpha: float, steps: int = 20000, seed: int = 0, calibrated=T_TARGET, timed: bool = False,
-             t_draft: float = T_DRAFT, calibrated_draft: float | None = None, **policy) -> float:
+             t_draft: float = T_DRAFT, **policy) -> float:
     """Tokens per second of the policy over `steps` steps, as a multiple of target-only decoding.
     calibrated: the target costs the policy starts from; timed: each step's true cost reaches the policy (as the
-    engine's timings do); t_draft: a draft token's true cost (calibrated_draft: what the calibration measured)."""
+    engine's timings do); t_draft: a draft token's true cost, which the calibration measures too."""
     rng, p = random.Random(seed), KPolicy(k_max=6, adaptive=True, **policy)
-    p.calibrate(t_draft if calibrated_draft is None else calibrated_draft, list(calibrated))
+    p.calibrate(t_draft, list(calibrated))
     tokens = seconds = 0.0
     for _ in range(steps):
         k = p.choose_k(64)

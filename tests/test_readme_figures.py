@@ -842,12 +842,17 @@ def test_the_mixed_chain_figures_are_those_of_its_run():
     assert acc["feature_head"] == result("feature-head-chains.json")["accepted_by_depth"]["feature_head"]
 
 
+def over_q4_target(name: str) -> float:
+    """osd_q4's decode speed as a multiple of the Q4 target alone's, in the same `osd bench speed` run."""
+    speedup = result(name)["decode_speedup_vs_baseline"]
+    return speedup["osd_q4"] / speedup["osd_q4_target"]
+
+
 def test_the_busy_calibration_figures_are_those_of_their_runs():
     flat = " ".join(README.split())
-    ratio = lambda name: (lambda d: d["osd_q4"] / d["osd_q4_target"])(result(name)["decode_speedup_vs_baseline"])
-    before6, after6 = ratio("bench-speed-intel-busy6-calibration-before.json"), ratio("bench-speed-intel-busy6-calibration.json")
-    quiet = ratio("bench-speed-intel-multilingual-depth-repeat.json")
-    before2, after2 = ratio("bench-speed-intel-busy-calibration-before.json"), ratio("bench-speed-intel-busy-calibration.json")
+    before6, after6 = (over_q4_target(f"bench-speed-intel-busy6-calibration{tail}.json") for tail in ("-before", ""))
+    before2, after2 = (over_q4_target(f"bench-speed-intel-busy-calibration{tail}.json") for tail in ("-before", ""))
+    quiet = over_q4_target("bench-speed-intel-multilingual-depth-repeat.json")
     assert f"decoded at {before6:.2f}x the Q4 target alone" in flat
     assert f"this one at {after6:.2f}x" in flat and f"{quiet:.2f}x with a quiet calibration" in flat
     assert f"stopped speculating altogether ({before2:.2f}x) and this one reached {after2:.2f}x" in flat
@@ -858,8 +863,7 @@ def test_the_busy_calibration_figures_are_those_of_their_runs():
 
 def test_the_probe_catch_up_figures_are_those_of_their_runs():
     flat = " ".join(README.split())
-    b, a = result("bench-speed-intel-probe-catch-up-before.json"), result("bench-speed-intel-probe-catch-up.json")
-    ratio = lambda r: r["decode_speedup_vs_baseline"]["osd_q4"] / r["decode_speedup_vs_baseline"]["osd_q4_target"]
-    seconds = lambda r: r["osd_q4_spec_stats"]["draft_seconds"]
-    assert f"forwards took {seconds(b):.2f} s of a 24-question run before and {seconds(a):.3f} s after" in flat
-    assert f"({ratio(b):.2f}x and {ratio(a):.2f}x the Q4 target alone" in flat
+    before, after = "bench-speed-intel-probe-catch-up-before.json", "bench-speed-intel-probe-catch-up.json"
+    seconds = lambda name: result(name)["osd_q4_spec_stats"]["draft_seconds"]
+    assert f"forwards took {seconds(before):.2f} s of a 24-question run before and {seconds(after):.3f} s after" in flat
+    assert f"({over_q4_target(before):.2f}x and {over_q4_target(after):.2f}x the Q4 target alone" in flat

@@ -38,10 +38,10 @@ def report_speed(result: dict, out: str, markdown: str) -> None:
         notes += (f"\nosd_q4 (own Q4_K kernel): alpha {q['alpha']:.3f}, tokens/step {q['tokens_per_step']:.2f}, "
                   f"measured c = {qc['c']:.3f}, verify cost = " + ", ".join(f"{v:.2f}" for v in qc["verify_cost"]))
         if result["config"].get("busy_calibration"):
-            after = result.get("osd_q4_target_seconds_after_run") or []
+            after = result["osd_q4_target_seconds_after_run"]  # written beside osd_q4_calibration (bench/speed.py)
             notes += (f"; calibrated beside {result['config']['busy_calibration']} spinning processes (none while "
                       f"decoding): one-row target {qc['t_target'][0]:.3f} s calibrated, {after[0]:.3f} s estimated "
-                      f"after the run" if after else "")
+                      f"after the run")
     if result.get("osd_q4_learned"):
         learned = result["osd_q4_learned"]
         q, qc = learned["spec_stats"], learned["calibration"]
