@@ -75,6 +75,7 @@ class SpeculationConfig:
 
 
 TARGET_BACKENDS = ("auto", "torch", "llama.cpp", "osd")  # osd: models/q4_runner.py (own Q4_K/Q6_K kernel)
+DRAFT_QUANTIZE = ("none", "int8", "int8_vnni", "q4")  # the draft's serving copy (models/serving_draft.py, q4_draft.py)
 TARGET_QUANTIZE = ("none", "int8")  # weight-only quantisation of a torch target at load (models/quantized_target.py)
 
 
@@ -86,7 +87,10 @@ class ModelConfig:
     draft: str = "derived:cheap-0.5b-v3"
     dtype: str = "float32"  # target dtype (the baseline uses the same)
     draft_dtype: str = "float32"  # dtype of the draft's master weights
-    draft_quantize: str = "int8"  # "none" | "int8" | "int8_vnni": serving copy of the draft (int8 linears, models/serving_draft.py)
+    draft_quantize: str = field(default="int8", metadata={"choices": DRAFT_QUANTIZE, "help": (
+        "the draft's serving copy, rebuilt at each publish from the master weights the learner trains: int8 linears "
+        "(models/serving_draft.py; int8_vnni: activations int8 too), or q4 = 4-bit on the target's Q4 kernel "
+        "(models/q4_draft.py: for a deep draft such as the whole 0.5B, whose int8 copy costs more than a target token)")})
     draft_vocab: int = 0  # 0 = full; N = draft proposes only among token ids < N (+ special tokens)
     target_backend: str = "auto"  # "torch" | "llama.cpp" | "osd" (own Q4_K kernel, Qwen2 GGUFs) | "auto" (a GGUF: osd where its kernel runs the file, else llama.cpp; torch otherwise)
     n_ctx: int = 4096  # llama.cpp / osd target: context (KV cache) length
@@ -104,8 +108,8 @@ class ModelConfig:
             raise InvalidArgument(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")
         if self.draft_dtype not in ("float32", "bfloat16", "float16"):
             raise InvalidArgument(f"draft_dtype must be float32, bfloat16 or float16, got {self.draft_dtype}")
-        if self.draft_quantize not in ("none", "int8", "int8_vnni"):
-            raise InvalidArgument(f"draft_quantize must be none, int8 or int8_vnni, got {self.draft_quantize}")
+        if self.draft_quantize not in DRAFT_QUANTIZE:
+            raise InvalidArgument(f"draft_quantize must be one of {', '.join(DRAFT_QUANTIZE)}, got {self.draft_quantize}")
         if self.target_backend not in TARGET_BACKENDS:
             raise InvalidArgument(f"target_backend must be one of {', '.join(TARGET_BACKENDS)}, got {self.target_backend}")
         if self.target_quantize not in TARGET_QUANTIZE:

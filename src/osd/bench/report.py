@@ -47,10 +47,11 @@ def report_speed(result: dict, out: str, markdown: str) -> None:
         q, qc = learned["spec_stats"], learned["calibration"]
         notes += (f"\nosd_q4_learned (draft version {learned['draft_version']} from {result['config']['learned_draft']}): "
                   f"alpha {q['alpha']:.3f}, tokens/step {q['tokens_per_step']:.2f}, measured c = {qc['c']:.3f}")
-    if result.get("osd_q4_vnni"):
-        q, qc = result["osd_q4_vnni"]["spec_stats"], result["osd_q4_vnni"]["calibration"]
-        notes += (f"\nosd_q4_vnni (the draft's int8_vnni serving copy): alpha {q['alpha']:.3f}, tokens/step "
-                  f"{q['tokens_per_step']:.2f}, measured c = {qc['c']:.3f}")
+    for arm, copy in (("osd_q4_vnni", "int8_vnni"), ("osd_q4_q4draft", "Q4")):
+        if result.get(arm):
+            q, qc = result[arm]["spec_stats"], result[arm]["calibration"]
+            notes += (f"\n{arm} (the draft's {copy} serving copy): alpha {q['alpha']:.3f}, tokens/step "
+                      f"{q['tokens_per_step']:.2f}, measured c = {qc['c']:.3f}")
     for name, tree in (result.get("trees") or {}).items():
         q, hits = tree["spec_stats"], (tree["recycled"] or {}).get("hit_rate_by_rank", [])
         notes += (f"\n{name} (trees of <= {tree['tree_nodes']} nodes): tokens/step {q['tokens_per_step']:.2f}, rows/step "

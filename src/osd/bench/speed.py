@@ -21,6 +21,8 @@ of them alike. Arms (same GGUF files, same prompts, same token counts, greedy):
   osd_q4_vnni       osd_q4 with the same draft's int8_vnni serving copy (activations int8 too, AVX-512 VNNI:
                     models/serving_draft.py), chains, so the two serving copies stand side by side; built only when
                     --arms names it, refused on a CPU without VNNI
+  osd_q4_q4draft    osd_q4 with the same draft's Q4 serving copy (4-bit on the target's kernel, models/q4_draft.py),
+                    chains; built only when --arms names it
 `--busy-calibration N`: N processes spin on the CPU while each osd_q4* arm calibrates (none while anything decodes),
 the case of a server started beside other work: does the k policy recover from the costs it measured then?
 Decode tokens/s leaves out the prompt (time to the first token for llama.cpp's loop, the prefill for osd's);
@@ -46,8 +48,8 @@ from osd.errors import InvalidArgument
 DOMAINS = ("code", "gsm8k", "spider", "chat")
 REFERENCE = {"osd_q4": "osd_q4_target", "osd_q4_target": "osd_q4_target",  # arm -> the arm its outputs must equal
              "osd_q4_learned": "osd_q4_target", "osd_q4_tree": "osd_q4_target", "osd_q4_recycle": "osd_q4_target",
-             "osd_q4_vnni": "osd_q4_target"}
-SPECULATIVE_Q4 = ("osd_q4", "osd_q4_learned", "osd_q4_vnni", "osd_q4_tree", "osd_q4_recycle")
+             "osd_q4_vnni": "osd_q4_target", "osd_q4_q4draft": "osd_q4_target"}
+SPECULATIVE_Q4 = ("osd_q4", "osd_q4_learned", "osd_q4_vnni", "osd_q4_q4draft", "osd_q4_tree", "osd_q4_recycle")
 
 
 def bench_prompts(per_domain: int, split: str = "test", domains=DOMAINS, offset: int = 0) -> list[dict]:
@@ -159,27 +161,34 @@ def _learned_arm(system, q4_target, spec: SpeculationConfig, checkpoint: str, ma
     return run
 
 
-def _vnni_arm(system, q4_target, spec: SpeculationConfig, max_new: int, busy: int = 0):
-    """osd_q4 with the configured draft's int8_vnni serving copy in place of its int8 one (same master weights)."""
+COPY_ARMS = {"osd_q4_vnni": "int8_vnni", "osd_q4_q4draft": "q4"}  # arm -> the draft serving copy it runs
+
+
+def _copy_arm(system, q4_target, spec: SpeculationConfig, max_new: int, arm: str, busy: int = 0):
+    """osd_q4 with another serving copy of the configured draft (COPY_ARMS: int8_vnni, q4) in place of its own (same
+    master weights), chains as osd_q4, so the two copies stand side by side."""
     from osd.build import special_ids, speculative_engine
     from osd.models import kernels
     from osd.models.serving_draft import make_serving_draft
 
-    if not kernels.vnni_available():
+    quantize = COPY_ARMS[arm]
+    if quantize == "int8_vnni" and not kernels.vnni_available():
         raise InvalidArgument("--arms osd_q4_vnni needs a CPU with AVX-512 VNNI (and the rows kernels built)")
-    if system.models.draft_quantize == "int8_vnni":
-        raise InvalidArgument("--arms osd_q4_vnni compares against an int8 draft: leave --draft-quantize at int8")
-    serving, vocab_ids = make_serving_draft(system.draft_master, "int8_vnni", system.models.draft_vocab,
+    if system.models.draft_quantize == quantize:
+        raise InvalidArgument(f"--arms {arm} compares the draft's {quantize} copy against its configured one: leave "
+                              "--draft-quantize at int8")
+    serving, vocab_ids = make_serving_draft(system.draft_master, quantize, system.models.draft_vocab,
                                             special_ids(system.tokenizer))
-    system.registry.publish("vnni", serving, vocab_ids)
-    engine = speculative_engine(system, q4_target, replace(spec, tree=0), draft="vnni")  # chains, as osd_q4
+    system.registry.publish(quantize, serving, vocab_ids)
+    engine = speculative_engine(system, q4_target, replace(spec, tree=0), draft=quantize)  # chains, as osd_q4
     return _calibrated_arm(engine, max_new, busy)
 
 
 def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama_cpp: bool, hf: bool, spec_k: int,
-               osd_q4: bool = True, learned_draft: str = "", vnni: bool = False, busy_calibration: int = 0):
-    """name -> (run(prompt_ids) -> Timed), plus the osd system and what each arm added to peak RSS. vnni: build the
-    osd_q4_vnni arm too; busy_calibration: processes spinning beside each osd_q4* arm's calibration."""
+               osd_q4: bool = True, learned_draft: str = "", copies: tuple[str, ...] = (), busy_calibration: int = 0):
+    """name -> (run(prompt_ids) -> Timed), plus the osd system and what each arm added to peak RSS. copies: the
+    COPY_ARMS to build too (osd_q4_vnni, osd_q4_q4draft); busy_calibration: processes spinning beside each osd_q4*
+    arm's calibration."""
     from osd.models.loading import gguf_file
 
     busy = busy_calibration
@@ -214,8 +223,8 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
         rss["osd Q4 kernel target"] = rss_gib() - before
         if learned_draft:
             arms["osd_q4_learned"] = _learned_arm(system, q4_target, spec, learned_draft, max_new, busy)
-        if vnni:
-            arms["osd_q4_vnni"] = _vnni_arm(system, q4_target, spec, max_new, busy)
+        for arm in copies:
+            arms[arm] = _copy_arm(system, q4_target, spec, max_new, arm, busy)
     if learned_draft and "osd_q4_learned" not in arms:
         raise InvalidArgument("--learned-draft runs on osd's own Q4 kernel: it needs a GGUF target (not --no-osd-q4)")
     if llama_cpp and target_gguf is not None:
@@ -252,7 +261,7 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
     if models.target_backend == "auto" and target_backend(models) == "osd":
         models = replace(models, target_backend="llama.cpp")  # osd_target / osd on llama.cpp, osd_q4* on the Q4 kernel
     arms, system, rss = build_arms(models, spec, max_new_tokens, llama_cpp, hf_baseline, spec_k, osd_q4, learned_draft,
-                                   vnni="osd_q4_vnni" in only, busy_calibration=busy_calibration)
+                                   copies=tuple(a for a in COPY_ARMS if a in only), busy_calibration=busy_calibration)
     if only:
         unknown = set(only) - set(arms)
         if unknown:
@@ -320,7 +329,7 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
         "trees": {name: tree_report(arms[name]) for name in ("osd_q4_tree", "osd_q4_recycle") if name in arms},
         "osd_q4_learned": {"draft_version": arms["osd_q4_learned"].version, **_arm_stats(arms["osd_q4_learned"])}
         if "osd_q4_learned" in arms else None,
-        "osd_q4_vnni": _arm_stats(arms["osd_q4_vnni"]) if "osd_q4_vnni" in arms else None,
+        **{arm: _arm_stats(arms[arm]) if arm in arms else None for arm in COPY_ARMS},
         "peak_rss_gib": {"after_all_arms": rss_gib(), **{f"added by {k}": v for k, v in rss.items()}},
         "warmup_excluded": True,
         "per_prompt": per_prompt,

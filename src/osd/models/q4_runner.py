@@ -352,9 +352,20 @@ class Q4Runner(PositionCache):
         path = Path(gguf_path)
         if not path.is_file():
             raise ModelNotFound(f"GGUF file not found: {path}")
-        self.path, self.chunk_rows = path, int(chunk_rows)
-        self._glue, self._quantize = glue(), q4.kernel().quantize_q8k
-        w = load_weights(path, cache, cache_dir, mmap)
+        self.path = path
+        self._setup(load_weights(path, cache, cache_dir, mmap), n_ctx, chunk_rows)
+
+    @classmethod
+    def from_weights(cls, weights: Q4Weights, n_ctx: int = 4096, chunk_rows: int = 64) -> "Q4Runner":
+        """A runner over weights built in memory (a draft's Q4 serving copy, models/q4_draft.py), not read from a file."""
+        runner = cls.__new__(cls)
+        runner.path = None
+        runner._setup(weights, n_ctx, chunk_rows)
+        return runner
+
+    def _setup(self, w: Q4Weights, n_ctx: int, chunk_rows: int) -> None:
+        self.chunk_rows = int(chunk_rows)
+        self._glue, self._quantize = glue(), padded(q4.kernel().quantize_q8k)
         self.shape = s = w.shape
         v, m = w.vectors, w.matrices
         self.layers = [Layer(v[f"blk.{i}.attn_norm"], FusedLinear(m[f"blk.{i}.qkv"]), v[f"blk.{i}.qkv_bias"],
@@ -463,6 +474,16 @@ class Q4Runner(PositionCache):
         shape = (s.layers, s.kv_heads, min(n_ctx or self.context_window, self.context_window), s.head_dim)
         k, v = torch.empty(shape), torch.empty(shape)
         return [(k[i], v[i]) for i in range(s.layers)]
+
+
+def padded(quantize):
+    """Q8_K quantization of rows of any width: rows whose width is not a multiple of a block (256) get zero columns
+    first, as the matrices that read them got zero columns at quantization (models/q4_quantize.py `pad_columns`: the
+    Qwen2.5 0.5B's width 896). A GGUF's widths are whole blocks already: nothing is padded there."""
+    def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+        pad = -x.shape[1] % q4.QK
+        return quantize(torch.nn.functional.pad(x, (0, pad)) if pad else x)
+    return quantize_rows
 
 
 def _vector(tensors: dict, name: str, zeros_if_missing: int | None = None) -> torch.Tensor:

@@ -142,6 +142,10 @@ def make_serving_draft(master, quantize: str = "none", draft_vocab: int = 0, kee
             raise InvalidArgument("this draft's LM head already covers a vocabulary map (a derived draft): "
                                   "leave draft_vocab at 0")
         vocab_ids = truncate_lm_head(model, draft_vocab, list(keep_ids))
+    if quantize == "q4":  # new tensors from every master tensor (read as float32): nothing of the master is kept
+        from osd.models.q4_draft import q4_serving_copy
+
+        return q4_serving_copy(model), vocab_ids
     if quantize in ("int8", "int8_vnni"):
         model = quantize_int8(model, allow_kernel_fallback, vnni=quantize == "int8_vnni")
     _unshare(model, shared)

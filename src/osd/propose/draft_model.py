@@ -44,7 +44,7 @@ class DraftModelProposer:
     def begin(self, prompt_ids: list[int], prefill: bool = True) -> None:
         snap = self.registry.get(self.name)
         if self.runner is None or snap.version != self.version or self.runner.model is not snap.model:
-            self.runner = glue_draft_runner(snap.model) or self._transformers_runner(snap.model)
+            self.runner = serving_runner(snap.model) or self._transformers_runner(snap.model)
             self.version, self.vocab_ids = snap.version, snap.vocab_ids
             self._increasing = self.vocab_ids is None or bool((self.vocab_ids[1:] > self.vocab_ids[:-1]).all())
         self.runner.reset()
@@ -107,6 +107,14 @@ class DraftModelProposer:
         """Tokens of `tokens` the next proposal must feed before its first forward of one token: the prompt a lazy
         `begin` left unfed, the tokens committed while this source did not propose."""
         return max(0, len(tokens) - 1 - (self.runner.length if self.runner is not None else 0))
+
+
+def serving_runner(model):
+    """The fast runner over a published serving copy: a Q4 copy's own runner (models/q4_draft.py), the glue runner
+    over an int8 copy, else None (the transformers runner serves)."""
+    from osd.models.q4_draft import Q4Draft
+
+    return model.runner() if isinstance(model, Q4Draft) else glue_draft_runner(model)
 
 
 class _Drafting:
