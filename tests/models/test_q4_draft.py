@@ -14,7 +14,7 @@ from osd.errors import InvalidArgument
 from osd.models import q4
 from osd.models.q4_draft import Q4Draft, q4_serving_copy
 from osd.models.q4_quantize import pad_columns, quantize_q4k, quantize_q6k
-from osd.models.q4_runner import Q4Runner
+from osd.models.q4_runner import Q4Runner, feed_together
 from osd.models.serving_draft import make_serving_draft
 from tests.models.tiny_gguf import assert_rows_match_one_at_a_time, logits_one_at_a_time
 
@@ -127,6 +127,20 @@ def test_rows_fed_together_are_bitwise_those_fed_alone(draft):
     runner = q4_serving_copy(draft).runner()
     tokens = [4, 17, 9, 33, 2, 8, 15, 21, 6, 12, 19, 25, 3, 30]
     assert_rows_match_one_at_a_time(runner, tokens, 5, logits_one_at_a_time(runner, tokens, 5))
+
+
+def test_runners_fed_together_get_the_bits_of_their_own_feeds(draft):
+    """Three sequences' draft forwards in one (q4_runner.feed_together, the scheduler's batched drafting): prompts of
+    different lengths, then single tokens beside a catch-up; each row and each cache length as its runner alone."""
+    copy = q4_serving_copy(draft)
+    together, alone = [copy.runner() for _ in range(3)], [copy.runner() for _ in range(3)]
+    for feeds in ([[1, 2, 3, 4, 5], [9, 8], [30, 31, 32, 33, 34, 35, 36]], [[7], [10, 11, 12], [40]], [[2], [3], [4]]):
+        want = torch.cat([r.feed(f) for r, f in zip(alone, feeds)])
+        got = feed_together(together, feeds)
+        assert got.shape == (3, copy.vocab_size) and torch.equal(got, want)
+        assert [r.length for r in together] == [r.length for r in alone]
+    with pytest.raises(ValueError, match="same weights"):  # one pass over one copy's weights
+        feed_together([together[0], q4_serving_copy(draft).runner()], [[1], [2]])
 
 
 def test_a_publish_requantizes_the_master_and_leaves_the_published_copy_alone(draft):

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from conftest import EOS, require_glue, require_module, skip_or_fail, tiny_qwen2
+from conftest import EOS, require_glue, require_module, require_q4, skip_or_fail, tiny_qwen2
 
 from osd.config import SamplingConfig, SpeculationConfig
 from osd.drafts import DraftRegistry, weights_fingerprint
@@ -525,25 +525,35 @@ def test_target_only_k0_has_no_proposer_and_never_runs_the_draft(tmp_path):
             assert calls  # the same hook sees the draft's forwards when it serves
 
 
-def _glue_serving_draft():
-    """An int8 serving copy of a tiny Qwen2 draft that runs on the compiled glue runner (head dim 16)."""
+def _glue_serving_draft(copy: str = "int8"):
+    """A serving copy of a tiny Qwen2 draft (head dim 16) on a compiled runner: int8 on the glue runner, or q4 on the
+    Q4 kernel (models/q4_draft.py)."""
     from osd.models.glue_draft import qualifies
     from osd.models.serving_draft import make_serving_draft
 
     require_glue()
-    serving, _ = make_serving_draft(tiny_qwen2(seed=1, hidden=64), "int8")
-    assert qualifies(serving) is None
+    if copy == "q4":
+        require_q4()
+    serving, _ = make_serving_draft(tiny_qwen2(seed=1, hidden=64), copy)
+    assert copy == "q4" or qualifies(serving) is None
     return serving
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("temperature, copy", [(0.0, "int8"), (0.8, "int8"), (0.0, "q4"), (0.8, "q4")])
 def test_several_sequences_draft_in_one_forward_and_each_answer_is_the_one_it_gets_alone(target, compiled, monkeypatch,
-                                                                                         temperature):
-    """A draft on the compiled glue runner: the scheduler runs the draft forwards of every sequence that proposes as
-    one (`propose_together`), and every answer, greedy or sampled with its own seed, is the one it gets alone."""
+                                                                                         temperature, copy):
+    """A draft on a compiled runner (the int8 copy's glue runner, the Q4 copy's Q4 runner): the scheduler runs the
+    draft forwards of every sequence that proposes as one (`propose_together`), and every answer, greedy or sampled
+    with its own seed, is the one it gets alone."""
+    from osd.models import q4_runner
+    from osd.propose import draft_model
     from osd.schedule import scheduler as scheduler_module
 
-    serving = _glue_serving_draft()
+    serving = _glue_serving_draft(copy)
+    rows = []  # rows of each joint draft forward
+    module, name = (q4_runner, "feed_together") if copy == "q4" else (draft_model, "feed_together")
+    real_feed = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda runners, feeds: rows.append(len(runners)) or real_feed(runners, feeds))
     sampling = [SamplingConfig(max_new_tokens=n, temperature=temperature, seed=i) for i, n in enumerate(NEW_TOKENS)]
     fresh, _ = engine_over(target, serving, k=3, max_batch=1)
     want = [r.token_ids for r in alone(fresh, PROMPTS, sampling)]
@@ -554,7 +564,7 @@ def test_several_sequences_draft_in_one_forward_and_each_answer_is_the_one_it_ge
                         lambda proposers, *a: joint.append(len(proposers)) or real(proposers, *a))
     got, most = run_batched(engine, PROMPTS, sampling)
     assert [got[i].token_ids for i in range(len(PROMPTS))] == want
-    assert most >= 3 and max(joint) >= 3  # several sequences' drafts did run as one
+    assert most >= 3 and max(joint) >= 3 and max(rows) >= 3  # several sequences' drafts did run as one forward
 
 
 def test_a_failed_joint_draft_forward_leaves_every_sequence_drafting_alone_with_its_cache_as_before(target, compiled,

@@ -476,6 +476,31 @@ class Q4Runner(PositionCache):
         return [(k[i], v[i]) for i in range(s.layers)]
 
 
+@torch.inference_mode()
+def feed_together(runners: list[Q4Runner], token_lists: list[list[int]]) -> torch.Tensor:
+    """Several sequences' forwards in one, each runner (its own cache, all over the same weights: a Q4 draft copy's
+    runners, models/q4_draft.py) appending its tokens -> (len(runners), V) float32 logits of each one's last position.
+    The matrices read every row at once (one pass over the weights); attention stays per sequence on its own cache;
+    each row's bits are those of its runner's own `feed` (forward_rows computes a row alone)."""
+    first = runners[0]
+    if len({id(getattr(r, "model", r)) for r in runners}) != 1:
+        raise ValueError("feed_together: every runner must serve the same weights")
+    for runner, tokens in zip(runners, token_lists):  # every check before any cache changes
+        if not tokens:
+            raise ValueError("feed: no tokens")
+        if runner.length + len(tokens) > runner.context_window:
+            raise ContextTooLong(f"{runner.length + len(tokens)} tokens exceed the context of {runner.context_window}")
+    groups, ids = [], []
+    for runner, tokens in zip(runners, token_lists):
+        groups.append(Rows(len(ids), len(ids) + len(tokens), torch.arange(runner.length, runner.length + len(tokens)),
+                           runner._kv))
+        ids += tokens
+    x = first.forward_rows(first.embed(ids), groups)
+    for runner, tokens in zip(runners, token_lists):
+        runner.length += len(tokens)
+    return first.logits(x[[rows.stop - 1 for rows in groups]])
+
+
 def padded(quantize):
     """Q8_K quantization of rows of any width: rows whose width is not a multiple of a block (256) get zero columns
     first, as the matrices that read them got zero columns at quantization (models/q4_quantize.py `pad_columns`: the

@@ -154,17 +154,18 @@ def propose_together(proposers: list[DraftModelProposer], tokens: list[list[int]
     proposals as each proposer's `propose` alone: each row's logits are bitwise those of its own forward, and each
     sequence picks from them with its own sampling and generator, in the same order. Proposers whose runners are not
     glue runners over one serving copy propose one after another. A sequence's per-token seconds are its share of the
-    forwards it was in (timed where every row fed was a single token, as `propose` times)."""
+    forwards it was in (timed where every row fed was a single token, as `propose` times). Q4 runners over one Q4
+    copy (models/q4_draft.py) batch the same way (q4_runner.feed_together)."""
     runners = [p.runner for p in proposers]
-    if len(proposers) < 2 or not all(isinstance(r, GlueDraftRunner) for r in runners) or len(
-            {id(r.model) for r in runners}) != 1:
+    together = _feed_together(runners)
+    if together is None:
         return [p.propose(t, k, s, g) for p, t, k, s, g in zip(proposers, tokens, ks, samplings, generators)]
     drafting = [_Drafting(p, s, g) for p, s, g in zip(proposers, samplings, generators)]
     pending = [t[r.length :] for t, r in zip(tokens, runners)]
     for depth in range(max(ks, default=0)):
         active = [i for i, k in enumerate(ks) if k > depth]
         t0 = time.perf_counter()
-        logits = feed_together([runners[i] for i in active], [pending[i] for i in active])  # (len(active), V')
+        logits = together([runners[i] for i in active], [pending[i] for i in active])  # (len(active), V')
         share = (time.perf_counter() - t0) / len(active)
         single = all(len(pending[i]) == 1 for i in active)
         for row, i in enumerate(active):
@@ -172,6 +173,20 @@ def propose_together(proposers: list[DraftModelProposer], tokens: list[list[int]
                 drafting[i].timings.append(share)
             pending[i] = [drafting[i].pick(logits[row])]
     return [d.proposal() for d in drafting]
+
+
+def _feed_together(runners: list):
+    """The batched feed of these runners (glue runners over one int8 copy, or Q4 runners over one Q4 copy), or None
+    where they must feed one after another."""
+    from osd.models.q4_runner import Q4Runner, feed_together as q4_feed_together
+
+    if len(runners) < 2 or len({id(getattr(r, "model", None)) for r in runners}) != 1:
+        return None
+    if all(isinstance(r, GlueDraftRunner) for r in runners):
+        return feed_together
+    if all(isinstance(r, Q4Runner) for r in runners) and getattr(runners[0], "model", None) is not None:
+        return q4_feed_together
+    return None
 
 
 class RunnerProposer(DraftModelProposer):
