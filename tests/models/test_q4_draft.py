@@ -185,3 +185,33 @@ def test_speculation_with_a_q4_draft_keeps_greedy_identity(tmp_path):
         assert result.token_ids == target_only.generate(ids, SamplingConfig(max_new_tokens=20)).token_ids
     stats = system.engine.metrics.total().summary()
     assert stats["proposed"] > 0 and 0 < stats["accepted"] < stats["proposed"]  # rejections were exercised too
+
+
+def test_online_learning_publishes_q4_copies_and_output_stays_the_targets(tmp_path):
+    """The learner trains the float master; each publish builds a new Q4 copy from it (build.System.publish_draft),
+    the next request drafts with it, and no update changes an output."""
+    require_q4()
+    from osd.build import attach_learner
+    from osd.learn.online import LearnConfig
+
+    for name in ("target", "draft"):
+        tiny_qwen2(seed=0 if name == "target" else 1, hidden=64).save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+    system = build_system(ModelConfig(target=str(tmp_path / "target"), draft=str(tmp_path / "draft"),
+                                      target_backend="torch", draft_quantize="q4"), SpeculationConfig(k=3, adaptive=False))
+    learner = attach_learner(system, LearnConfig(mode="all", every_requests=2, trainable="all", train_layers=0,
+                                                 guard=False, drift_guard=False, lr=1e-2, steps_per_update=4,
+                                                 batch_size=4, average=0.0))
+    target_only = build_system(system.models, SpeculationConfig(k=0, adaptive=False), with_draft=False).engine
+    try:
+        for text in ("abc abc", "the cat", "a bad cab", "dead beef", "ace of cab", "bead"):
+            ids = system.tokenizer.encode(text)
+            got = system.engine.generate(ids, SamplingConfig(max_new_tokens=16)).token_ids
+            assert got == target_only.generate(ids, SamplingConfig(max_new_tokens=16)).token_ids
+    finally:
+        learner.stop()
+    snap = system.registry.get("default")
+    assert learner.counters["updates_published"] >= 2 and snap.version >= 2
+    assert isinstance(snap.model, Q4Draft)
+    served = {key.split("@v")[1] for key in system.engine.metrics.snapshot()}
+    assert len(served) >= 2  # requests drafted with more than one published version

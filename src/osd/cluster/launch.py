@@ -49,6 +49,10 @@ def start_cluster(models, spec, learn, replicas: int, address: str | None = None
     """N replicas (each `models.threads` threads, or 1) and, with `learn`, one learner; waits until all answer."""
     if replicas < 1:
         raise InvalidArgument(f"replicas must be >= 1, got {replicas}")
+    if learn is not None and models.draft_quantize == "q4":  # before Ray starts
+        raise InvalidArgument("--draft-quantize q4 with --replicas and a learner is not supported yet: replicas receive "
+                              "the changed tensors of an int8 or float copy (cluster/weights.py), a Q4 copy is "
+                              "requantized whole; use --draft-quantize int8 there")
     connect(address)
     threads = models.threads or 1  # each replica asks Ray for a CPU per thread
     have = ray.cluster_resources().get("CPU", 0)
