@@ -867,3 +867,34 @@ def test_the_probe_catch_up_figures_are_those_of_their_runs():
     seconds = lambda name: result(name)["osd_q4_spec_stats"]["draft_seconds"]
     assert f"forwards took {seconds(before):.2f} s of a 24-question run before and {seconds(after):.3f} s after" in flat
     assert f"({over_q4_target(before):.2f}x and {over_q4_target(after):.2f}x the Q4 target alone" in flat
+
+
+def test_the_q4_draft_figures_are_those_of_their_runs():
+    from osd.bench.speed import decode_speedup_by_domain
+
+    flat = " ".join(README.split())
+    runs = result("bench-speed-intel-q4draft.json"), result("bench-speed-intel-multilingual-q4draft.json")
+    for r in runs:
+        assert "Intel" in r["machine"]["cpu"] and len(r["config"]["prompts"]) == 24
+        assert r["config"]["models"]["draft"] == "bundled:qwen2.5-coder-0.5b"
+        assert r["config"]["learned_draft"] == "derived:cheap-0.5b-v3"
+        assert all(n == 0 for arm, n in r["outputs_differing_from_osd_target"].items() if arm.startswith("osd_q4"))
+    r, ml = runs
+    dec, e2e, q = r["decode_speedup_vs_baseline"], r["end_to_end_speedup_vs_baseline"], r["osd_q4_q4draft"]
+    assert (f"costs c = {q['calibration']['c']:.3f} of a target token against {r['osd_q4_calibration']['c']:.3f} for "
+            f"its int8 copy") in flat
+    assert (f"It decodes at **{dec['osd_q4_q4draft']:.2f}x llama.cpp ({e2e['osd_q4_q4draft']:.2f}x end to end)**, "
+            f"against {dec['osd_q4_learned']:.2f}x for the shipped cheap draft never trained (`derived:cheap-0.5b-v3`) "
+            f"and {dec['osd_q4']:.2f}x for the same 0.5B's int8 copy") in flat
+    by_domain = decode_speedup_by_domain(r)
+    assert all(x["osd_q4_q4draft"] > x["osd_q4_learned"] for x in by_domain.values())  # "ahead ... in every domain"
+    assert ", ".join(f"{d} {x['osd_q4_q4draft']:.2f}x against {x['osd_q4_learned']:.2f}x"
+                     for d, x in by_domain.items()) in flat
+    s = q["spec_stats"]
+    assert f"alpha {s['alpha']:.3f}, {s['tokens_per_step']:.2f} tokens per step, output identical" in flat
+    m, mdec = ml["osd_q4_q4draft"]["spec_stats"], ml["decode_speedup_vs_baseline"]
+    assert (f"it drafts at alpha {m['alpha']:.3f} and {m['tokens_per_step']:.2f} tokens per step, yet decodes level with "
+            f"the lookup alone ({mdec['osd_q4_q4draft']:.2f}x against {mdec['osd_q4']:.2f}x)") in flat
+    assert abs(mdec["osd_q4_q4draft"] / mdec["osd_q4"] - 1) < 0.03  # "level"
+    mc = ml["osd_q4_q4draft"]["calibration"]["c"]
+    assert f"costs {mc:.2f} of a target token and drafts there at live alpha {m['alpha']:.2f}, level with" in flat
