@@ -898,3 +898,16 @@ def test_the_q4_draft_figures_are_those_of_their_runs():
     assert abs(mdec["osd_q4_q4draft"] / mdec["osd_q4"] - 1) < 0.03  # "level"
     mc = ml["osd_q4_q4draft"]["calibration"]["c"]
     assert f"costs {mc:.2f} of a target token and drafts there at live alpha {m['alpha']:.2f}, level with" in flat
+
+
+def test_the_whole_draft_multilingual_replay_figures_are_those_of_its_run():
+    r = result("replay-05b-multilingual-intel.json")
+    assert "Intel" in r["machine"]["cpu"] and r["config"]["models"]["draft"] == "bundled:qwen2.5-coder-0.5b"
+    flat = " ".join(README.split())
+    langs = [f"multilingual_qa@{lang}" for lang in ("de", "ru", "zh", "ar")]
+    alpha, vs = r["end_of_stream_alpha_on_heldout"], r["heldout_vs_control"]
+    never = " / ".join(f"{alpha[d]['original']:.3f}" for d in langs)
+    online = " / ".join(f"{alpha[d]['online']:.3f}" for d in langs)
+    z = " / ".join(f"{vs[d]['online']['z']:.2f}" for d in langs)
+    assert f"{never} never trained, {online} online (z {z}), within noise or slightly below" in flat
+    assert all(abs(vs[d]["online"]["z"]) < 1.96 for d in langs)  # "within noise"
