@@ -48,13 +48,12 @@ def qualifies(model) -> str | None:
     """None when the glue runner can serve `model`, else why not (one line)."""
     from osd.models.serving_draft import Int8Embedding, Int8Linear
 
+    from osd.models.q4_runner import architecture_problem
+
     config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) != "qwen2":
-        return "not a Qwen2 model"
-    if getattr(config, "use_sliding_window", False) or getattr(config, "rope_scaling", None):
-        return "sliding-window attention or scaled RoPE"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r}"
+    why = architecture_problem(config)
+    if why:
+        return why
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     if head_dim * heads != config.hidden_size or heads % kv_heads:

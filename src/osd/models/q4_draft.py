@@ -26,7 +26,7 @@ from osd.errors import BackendUnavailable, InvalidArgument
 from osd.models import q4
 from osd.models.eos import eos_ids_of
 from osd.models.q4_quantize import pad_columns, quantize_q4k, quantize_q6k
-from osd.models.q4_runner import Q4Runner, Q4Weights, Qwen2Shape
+from osd.models.q4_runner import Q4Runner, Q4Weights, Qwen2Shape, architecture_problem
 
 EMBEDDING_TYPE = "Q8_0"  # the token table: one row dequantized per token fed (gguf's reference), 8.5 bits a weight
 MAX_CONTEXT = 32768  # positions a runner's cache may hold (reserved, touched only as it fills)
@@ -35,12 +35,9 @@ MAX_CONTEXT = 32768  # positions a runner's cache may hold (reserved, touched on
 def qualifies(model) -> str | None:
     """None when `model` can be served on the Q4 kernel, else why not (one line)."""
     config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) != "qwen2":
-        return "not a Qwen2 model"
-    if getattr(config, "use_sliding_window", False) or getattr(config, "rope_scaling", None):
-        return "sliding-window attention or scaled RoPE"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r}"
+    why = architecture_problem(config)
+    if why:
+        return why
     s = shape_of(config)
     if s.head_dim % 16 or s.heads % s.kv_heads:
         return f"head dim {s.head_dim} (the glue needs a multiple of 16) or {s.heads} heads over {s.kv_heads} KV heads"

@@ -111,6 +111,18 @@ def read_shape(reader) -> Qwen2Shape:
         context_length=int(_field(reader, f"{arch}.context_length", 0)))
 
 
+def architecture_problem(config) -> str | None:
+    """None when a Hugging Face config describes the architecture the glue's Qwen2 forward runs (full attention, plain
+    RoPE, SiLU MLP), else why not (one line); the Q4 and int8 draft runners check their own widths after this."""
+    if getattr(config, "model_type", None) != "qwen2":
+        return "not a Qwen2 model"
+    if getattr(config, "use_sliding_window", False) or getattr(config, "rope_scaling", None):
+        return "sliding-window attention or scaled RoPE"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    return None
+
+
 def rope_tables(positions: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin (positions, head_dim / 2) float32 of NEOX RoPE, computed as transformers' Qwen2 does."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # (D/2,)
