@@ -14,6 +14,8 @@
   with the fp32 draft 97.4% vs 98.1% for int8 (bundled 0.5B, 700 teacher-forced positions). Opt-in: end to
   end, on the glue runner, it decoded level with int8 (Intel, 2.20x vs 2.24x llama.cpp, `osd bench speed --arms
   osd_q4,osd_q4_vnni`, BENCHMARKS.md); refused on CPUs without VNNI.
+- q4: 4-bit (Q4_K matrices, a Q6_K LM head) on the target's own Q4 kernel, for a deep draft whose int8 copy moves more
+  bytes a token than the Q4 target: models/q4_draft.py (the whole bundled 0.5B: c 0.39 against 1.16 for int8).
 - draft_vocab=N: the LM head keeps only token ids < N plus the special tokens (a derived draft, models/derived.py,
   brings its own vocabulary map instead). Qwen2.5's BPE ids
   are roughly in merge (frequency) order, so low ids cover nearly all text; the LM head over the
