@@ -9,6 +9,7 @@ acceptances, the seconds in propose, the target pass (feed) and commit. Run it a
 and a BENCHMARKS.md block.
 
     python scripts/bench_scheduler.py --levels 1 2 4 8 --arms spec target-only
+    python scripts/bench_scheduler.py --levels 1 8 --arms spec spec-q4 target-only   # + the whole 0.5B's Q4 copy
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.data import prompt_ids
 from osd.models.loading import load_tokenizer
 
-ARMS = {"spec": 6, "target-only": 0}  # k
+ARMS = {"spec": (6, {}), "target-only": (0, {}),  # k, and what the arm's ModelConfig sets beside the target
+        "spec-q4": (6, {"draft": "bundled:qwen2.5-coder-0.5b", "draft_quantize": "q4"})}  # the whole 0.5B, 4-bit
 
 
 def timed(totals: collections.Counter, name: str, f):
@@ -59,8 +61,9 @@ class Arm:
     """One engine (its own target runner, slots, proposer and policies) and the timers on its scheduler."""
 
     def __init__(self, name: str, args):
-        system = build_system(ModelConfig(target=args.target, threads=args.threads),
-                              SpeculationConfig(k=ARMS[name], lookup=True, max_batch=args.max_batch))
+        k, models = ARMS[name]
+        system = build_system(ModelConfig(target=args.target, threads=args.threads, **models),
+                              SpeculationConfig(k=k, lookup=True, max_batch=args.max_batch))
         self.name, self.engine, self.totals = name, system.engine, collections.Counter()
         self.engine.calibrate()
         sched = self.engine.scheduler
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="bundled:qwen2.5-coder-1.5b")
     p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--arms", nargs="+", default=["spec", "target-only"], choices=list(ARMS))
     p.add_argument("--per-level", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=8)
