@@ -911,3 +911,12 @@ def test_the_whole_draft_multilingual_replay_figures_are_those_of_its_run():
     z = " / ".join(f"{vs[d]['online']['z']:.2f}" for d in langs)
     assert f"{never} never trained, {online} online (z {z}), within noise or slightly below" in flat
     assert all(abs(vs[d]["online"]["z"]) < 1.96 for d in langs)  # "within noise"
+
+
+def test_the_closed_loop_q4_draft_figures_are_those_of_bench_scheduler():
+    r = result("bench-scheduler-q4draft-intel.json")
+    by = {(x["arm"], x["concurrency"]): x["tokens_per_s"] for x in r["records"]}
+    q4, cheap = by[("spec-q4", 1)] / by[("target-only", 1)], by[("spec", 1)] / by[("target-only", 1)]
+    assert q4 < cheap  # "its lead is a decode lead"
+    flat = " ".join(README.split())
+    assert f"it served {q4:.2f}x target-only against the cheap draft's {cheap:.2f}x" in flat
