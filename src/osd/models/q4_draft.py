@@ -10,7 +10,7 @@ same kernel as the target (models/q4.py), and runs on the target's runner (model
 `q4_serving_copy(model, ...)` builds it from a Hugging Face Qwen2 (the master the learner trains; a derived draft
 with its restricted LM head too): each matrix quantized by models/q4_quantize.py (input widths padded with zero
 columns to whole 256-blocks: the 0.5B's 896), the embedding as Q8_0 rows (looked up one row per token), norms and
-biases float32. A publish builds a new copy from the updated master (~10 s for the 0.5B on 2 cores), so online
+biases float32. A publish builds a new copy from the updated master (seconds for the 0.5B on 2 cores), so online
 learning works as with the int8 copy. Rows are bitwise independent of how many are fed together (the kernel's
 property), as every draft runner's are.
 
