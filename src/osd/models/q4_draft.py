@@ -14,8 +14,10 @@ biases float32. A publish builds a new copy from the updated master (seconds for
 learning works as with the int8 copy. Rows are bitwise independent of how many are fed together (the kernel's
 property), as every draft runner's are.
 
-Limitations: Qwen2 only (the runner's architecture); the Q4 kernel must build here (AVX2); the copy's precision
-costs acceptance (measured, BENCHMARKS.md), never an output.
+Limitations: Qwen2 only (the runner's architecture); the Q4 kernel must build here (AVX2); 4-bit weights can cost
+acceptance, never an output (the 0.5B's copy drafted at live alpha 0.80 on 24 prompts, BENCHMARKS.md); like every
+draft it feeds each prompt whole (no prefix reuse), which for a 24-layer draft costs most of its decode lead on whole
+requests (`scripts/bench_scheduler.py`, BENCHMARKS.md).
 """
 from __future__ import annotations
 
