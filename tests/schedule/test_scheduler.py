@@ -545,15 +545,14 @@ def test_several_sequences_draft_in_one_forward_and_each_answer_is_the_one_it_ge
     """A draft on a compiled runner (the int8 copy's glue runner, the Q4 copy's Q4 runner): the scheduler runs the
     draft forwards of every sequence that proposes as one (`propose_together`), and every answer, greedy or sampled
     with its own seed, is the one it gets alone."""
-    from osd.models import q4_runner
     from osd.propose import draft_model
     from osd.schedule import scheduler as scheduler_module
 
     serving = _glue_serving_draft(copy)
     rows = []  # rows of each joint draft forward
-    module, name = (q4_runner, "feed_together") if copy == "q4" else (draft_model, "feed_together")
-    real_feed = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda runners, feeds: rows.append(len(runners)) or real_feed(runners, feeds))
+    name = "q4_feed_together" if copy == "q4" else "feed_together"  # the joint forward propose_together calls
+    real_feed = getattr(draft_model, name)
+    monkeypatch.setattr(draft_model, name, lambda runners, feeds: rows.append(len(runners)) or real_feed(runners, feeds))
     sampling = [SamplingConfig(max_new_tokens=n, temperature=temperature, seed=i) for i, n in enumerate(NEW_TOKENS)]
     fresh, _ = engine_over(target, serving, k=3, max_batch=1)
     want = [r.token_ids for r in alone(fresh, PROMPTS, sampling)]

@@ -16,7 +16,7 @@ def table(rows: list[list], header: list[str]) -> str:
 
 
 def report_speed(result: dict, out: str, markdown: str) -> None:
-    from osd.bench.speed import decode_speedup_by_domain, work_by_domain
+    from osd.bench.speed import COPY_ARMS, decode_speedup_by_domain, work_by_domain
 
     path = write_result(result, out)
     decode, e2e = result["decode_tokens_per_second"], result["end_to_end_tokens_per_second"]
@@ -47,7 +47,7 @@ def report_speed(result: dict, out: str, markdown: str) -> None:
         q, qc = learned["spec_stats"], learned["calibration"]
         notes += (f"\nosd_q4_learned (draft version {learned['draft_version']} from {result['config']['learned_draft']}): "
                   f"alpha {q['alpha']:.3f}, tokens/step {q['tokens_per_step']:.2f}, measured c = {qc['c']:.3f}")
-    for arm, copy in (("osd_q4_vnni", "int8_vnni"), ("osd_q4_q4draft", "Q4")):
+    for arm, copy in COPY_ARMS.items():
         if result.get(arm):
             q, qc = result[arm]["spec_stats"], result[arm]["calibration"]
             notes += (f"\n{arm} (the draft's {copy} serving copy): alpha {q['alpha']:.3f}, tokens/step "

@@ -377,8 +377,10 @@ class Q4Runner(PositionCache):
 
     def _setup(self, w: Q4Weights, n_ctx: int, chunk_rows: int) -> None:
         self.chunk_rows = int(chunk_rows)
-        self._glue, self._quantize = glue(), padded(q4.kernel().quantize_q8k)
         self.shape = s = w.shape
+        self._glue, self._quantize = glue(), q4.kernel().quantize_q8k
+        if any(width % q4.QK for width in (s.hidden, s.heads * s.head_dim, s.intermediate)):
+            self._quantize = padded(self._quantize)  # a draft's copy of ragged widths (a GGUF's are whole blocks)
         v, m = w.vectors, w.matrices
         self.layers = [Layer(v[f"blk.{i}.attn_norm"], FusedLinear(m[f"blk.{i}.qkv"]), v[f"blk.{i}.qkv_bias"],
                              FusedLinear(m[f"blk.{i}.attn_output"]), v[f"blk.{i}.ffn_norm"],
@@ -516,7 +518,7 @@ def feed_together(runners: list[Q4Runner], token_lists: list[list[int]]) -> torc
 def padded(quantize):
     """Q8_K quantization of rows of any width: rows whose width is not a multiple of a block (256) get zero columns
     first, as the matrices that read them got zero columns at quantization (models/q4_quantize.py `pad_columns`: the
-    Qwen2.5 0.5B's width 896). A GGUF's widths are whole blocks already: nothing is padded there."""
+    Qwen2.5 0.5B's width 896). A GGUF's widths are whole blocks already: its runner does not use this."""
     def quantize_rows(x: torch.Tensor) -> torch.Tensor:
         pad = -x.shape[1] % q4.QK
         return quantize(torch.nn.functional.pad(x, (0, pad)) if pad else x)

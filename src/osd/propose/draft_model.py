@@ -9,6 +9,8 @@ from osd.config import SamplingConfig
 from osd.drafts import DraftRegistry, weights_fingerprint
 from osd.models.cached import CachedModel
 from osd.models.glue_draft import GlueDraftRunner, feed_together, glue_draft_runner, qualifies
+from osd.models.q4_draft import Q4Draft
+from osd.models.q4_runner import Q4Runner, feed_together as q4_feed_together
 from osd.notice import say
 from osd.propose.base import Proposal
 from osd.verify.sampling import sample_from, warp_probs
@@ -112,8 +114,6 @@ class DraftModelProposer:
 def serving_runner(model):
     """The fast runner over a published serving copy: a Q4 copy's own runner (models/q4_draft.py), the glue runner
     over an int8 copy, else None (the transformers runner serves)."""
-    from osd.models.q4_draft import Q4Draft
-
     return model.runner() if isinstance(model, Q4Draft) else glue_draft_runner(model)
 
 
@@ -178,8 +178,6 @@ def propose_together(proposers: list[DraftModelProposer], tokens: list[list[int]
 def _feed_together(runners: list):
     """The batched feed of these runners (glue runners over one int8 copy, or Q4 runners over one Q4 copy), or None
     where they must feed one after another."""
-    from osd.models.q4_runner import Q4Runner, feed_together as q4_feed_together
-
     if len(runners) < 2 or len({id(getattr(r, "model", None)) for r in runners}) != 1:
         return None
     if all(isinstance(r, GlueDraftRunner) for r in runners):
