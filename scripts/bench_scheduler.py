@@ -10,6 +10,7 @@ and a BENCHMARKS.md block.
 
     python scripts/bench_scheduler.py --levels 1 2 4 8 --arms spec target-only
     python scripts/bench_scheduler.py --levels 1 8 --arms spec spec-q4 target-only   # + the whole 0.5B's Q4 copy
+    python scripts/bench_scheduler.py --levels 1 4 --arms spec spec-q4 spec-q4-fresh target-only  # draft prefix reuse
 """
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.data import prompt_ids
 from osd.models.loading import load_tokenizer
 
+Q4_DRAFT = {"draft": "bundled:qwen2.5-coder-0.5b", "draft_quantize": "q4"}  # the whole 0.5B, 4-bit
 ARMS = {"spec": (6, {}), "target-only": (0, {}),  # k, and what the arm's ModelConfig sets beside the target
-        "spec-q4": (6, {"draft": "bundled:qwen2.5-coder-0.5b", "draft_quantize": "q4"})}  # the whole 0.5B, 4-bit
+        "spec-q4": (6, Q4_DRAFT),
+        "spec-q4-fresh": (6, Q4_DRAFT)}  # the same, its draft feeding every prompt whole (no draft prefix reuse)
 
 
 def timed(totals: collections.Counter, name: str, f):
@@ -53,6 +56,14 @@ def closed_loop(engine, prompts: list[list[int]], concurrency: int, max_new_toke
     return tokens
 
 
+def without_draft_reuse(proposer):
+    """The proposer, its draft starting every prompt from an empty cache (the arm as before draft prefix reuse)."""
+    for source in getattr(proposer, "sources", [proposer]):
+        if hasattr(source, "_start_from"):
+            source._start_from = lambda head, s=source: (s.runner.reset(), setattr(s, "held", []))
+    return proposer
+
+
 # per level, from the scheduler's counters; sequence_steps / steps is how many sequences a step advanced on average
 COUNTED = ("steps", "rows", "decode_rows", "prefill_rows", "proposed", "accepted", "reused_rows", "sequence_steps")
 
@@ -68,17 +79,27 @@ class Arm:
         self.engine.calibrate()
         sched = self.engine.scheduler
         sched._propose = timed(self.totals, "propose_s", sched._propose)
+        sched._admit = timed(self.totals, "admit_s", sched._admit)  # the draft's prompt prefill, where it runs
+        if name.endswith("-fresh"):  # slot 0 holds the engine's proposer, the others forks made on first use
+            proposer_of, sched._proposers[0] = sched._proposer, without_draft_reuse(sched._proposers[0])
+            sched._proposer = lambda slot: without_draft_reuse(proposer_of(slot))
         sched._commit = timed(self.totals, "commit_s", sched._commit)
         sched.slots.feed = timed(self.totals, "target_pass_s", sched.slots.feed)
+
+    def draft_reused_rows(self) -> int:
+        """Prompt positions the drafts of every slot took from a cache instead of feeding (DraftModelProposer)."""
+        proposers = [p for p in self.engine.scheduler._proposers.values() if p is not None]
+        return sum(getattr(s, "reused_rows", 0) for p in proposers for s in getattr(p, "sources", [p]))
 
     def level(self, prompts: list[list[int]], concurrency: int, max_new_tokens: int) -> dict:
         stats = self.engine.scheduler.stats
         self.totals.clear()
-        before = dict(vars(stats))
+        before, reused = dict(vars(stats)), self.draft_reused_rows()
         t0 = time.perf_counter()
         tokens = closed_loop(self.engine, prompts, concurrency, max_new_tokens)
         wall = time.perf_counter() - t0
         delta = {key: vars(stats)[key] - before[key] for key in COUNTED}
+        delta["draft_reused_rows"] = self.draft_reused_rows() - reused
         print(f"  {self.name:12s} c={concurrency:<3d} {tokens / wall:6.1f} tok/s  steps {delta['steps']}  rows "
               f"{delta['rows']} (prompt {delta['prefill_rows']})  proposed {delta['proposed']} accepted "
               f"{delta['accepted']}", flush=True)
@@ -124,10 +145,12 @@ def main(argv=None) -> int:
         reference = by.get(("target-only", r["concurrency"]))
         rows.append([r["arm"], r["concurrency"], f"{r['tokens_per_s']:.2f}",
                      f"{r['tokens_per_s'] / reference['tokens_per_s']:.3f}" if reference else "-",
-                     r["steps"], r["rows"], r["prefill_rows"], r["reused_rows"], r["proposed"], r["accepted"],
-                     f"{r.get('propose_s', 0):.2f}", f"{r.get('target_pass_s', 0):.2f}", f"{r.get('commit_s', 0):.2f}"])
+                     r["steps"], r["rows"], r["prefill_rows"], r["reused_rows"], r.get("draft_reused_rows", 0),
+                     r["proposed"], r["accepted"], f"{r.get('admit_s', 0):.2f}", f"{r.get('propose_s', 0):.2f}",
+                     f"{r.get('target_pass_s', 0):.2f}", f"{r.get('commit_s', 0):.2f}"])
     blocks = [table(rows, ["arm", "c", "tokens/s", "x target-only", "steps", "rows", "prompt rows", "reused prompt rows",
-                           "proposed", "accepted", "propose s", "target pass s", "commit s"])]
+                           "draft reused rows", "proposed", "accepted", "admit s", "propose s", "target pass s",
+                           "commit s"])]
     m = machine()
     description = (f"`python scripts/bench_scheduler.py --levels {' '.join(map(str, args.levels))} --arms "
                    f"{' '.join(args.arms)} --per-level {args.per_level} --out {args.out}`, max_new_tokens "

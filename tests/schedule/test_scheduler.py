@@ -126,9 +126,10 @@ def test_a_request_admitted_beside_others_feeds_the_draft_its_prompt_only_when_f
     """Alone, the draft's prompt prefill is part of the request's prefill; beside others (under load often k = 0) it
     waits for the first proposal, which feeds whatever the draft's cache lacks: a request never asked to propose
     (k = 0 here) never runs the draft, and answers stay those of each request alone."""
-    engine, _ = engine_over(target, draft, k=k, max_batch=3)
     order = [1, 3, 4]
-    want = alone(engine, [PROMPTS[i] for i in order], [GREEDY[i] for i in order])
+    want = alone(engine_over(target, draft, k=k, max_batch=3)[0], [PROMPTS[i] for i in order],
+                 [GREEDY[i] for i in order])  # another engine: none of this one's draft caches holds these prompts
+    engine, _ = engine_over(target, draft, k=k, max_batch=3)
     sched = engine.scheduler
     first = sched.add(PROMPTS[1], GREEDY[1])
     assert first.proposer.runner.length == len(PROMPTS[1]) - 1  # alone: prefilled at admission

@@ -140,6 +140,11 @@ class GlueDraftRunner(PositionCache):
         self.length, self._capacity = 0, 0
         self._grow(min(INITIAL_CONTEXT, self.context_window or INITIAL_CONTEXT))
 
+    def _reserve(self, n: int) -> None:
+        if self.context_window and n > self.context_window:
+            super()._reserve(n)  # raises
+        self._grow(n)
+
     def _grow(self, needed: int) -> None:
         """Room for `needed` positions: the cache and RoPE tables reallocated (doubling), cached rows kept."""
         from osd.models.q4_runner import rope_tables

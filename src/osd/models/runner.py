@@ -49,6 +49,25 @@ class PositionCache:
             raise InvalidArgument(f"rollback length must be >= 0, got {length}")
         self.length = min(self.length, length)
 
+    def _reserve(self, n: int) -> None:
+        """Room for n cached positions (a runner whose cache grows overrides it)."""
+        if n > self.context_window:
+            raise InvalidArgument(f"{n} positions exceed the runner's context of {self.context_window}")
+
+    @torch.inference_mode()
+    def copy_prefix_from(self, source: "PositionCache", n: int) -> None:
+        """Hold the keys/values of `source`'s first n positions (another runner over the same weights; it is left
+        untouched): bitwise what feeding those n tokens would write, since each row is computed alone. A draft's
+        prompt prefix shared with what another sequence's draft cached, copied in ~ms instead of fed again."""
+        kv = getattr(source, "_kv", None)
+        if source is self or kv is None or len(kv) != len(self._kv) or not 0 <= n <= source.length:
+            raise InvalidArgument(f"cannot copy {n} cached positions from this runner")
+        self._reserve(n)
+        for (k_from, v_from), (k_to, v_to) in zip(kv, self._kv):
+            k_to[:, :n] = k_from[:, :n]
+            v_to[:, :n] = v_from[:, :n]
+        self.length = n
+
 
 def as_runner(target) -> Runner:
     """A runner as given, or a torch causal LM wrapped in the torch runner."""

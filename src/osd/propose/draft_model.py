@@ -13,6 +13,7 @@ from osd.models.q4_draft import Q4Draft
 from osd.models.q4_runner import Q4Runner, feed_together as q4_feed_together
 from osd.notice import say
 from osd.propose.base import Proposal
+from osd.schedule.prefix import common_prefix
 from osd.verify.sampling import sample_from, warp_probs
 
 
@@ -27,6 +28,13 @@ class DraftModelProposer:
     feeds everything the cache lacks instead, and a request that never proposes never runs the draft.
     Every proposal names the weights its forwards ran with (`Proposal.weights`: the snapshot's version and a
     checksum of the serving copy taken at that propose call), so a swap inside a request would show per step.
+
+    Prefix reuse, as the target's slots do it (schedule/prefix.py): `held` lists the tokens whose keys/values the
+    runner holds, and `begin` starts a prompt from the longest prefix of it that this proposer or one of its forks
+    (the drafts of the other sequences: `family`) holds under the same snapshot, in place or copied
+    (`copy_prefix_from`), so only the rest is fed. The keys/values are bitwise those feeding would write (rows are
+    computed alone on the draft runners), so the proposals are those without reuse; a shared system prompt, a
+    schema, a conversation's earlier turns cost the draft nothing again. `reused_rows` counts the positions reused.
     """
 
     runners_up = 0  # proposals also name the draft's next-best tokens at each depth (token trees: the engine sets it)
@@ -36,11 +44,16 @@ class DraftModelProposer:
         self.version = -1
         self.runner = None  # the glue runner over the snapshot's serving copy where it qualifies, else CachedModel
         self.vocab_ids: torch.Tensor | None = None
+        self.held: list[int] = []  # the tokens at the runner's cached positions 0.. (at most runner.length of them)
+        self.family = [self]  # this proposer and its forks: whose cached prefixes a new prompt may start from
+        self.reused_rows = 0  # prompt positions begin took from a cache instead of feeding them
 
     def fork(self) -> "DraftModelProposer":
         """A proposer for another sequence: the same draft (its latest snapshot at each begin), its own cache."""
         fork = DraftModelProposer(self.registry, self.name, self.vocab_size)
         fork.runners_up = self.runners_up
+        fork.family = self.family
+        self.family.append(fork)
         return fork
 
     def begin(self, prompt_ids: list[int], prefill: bool = True) -> None:
@@ -49,9 +62,32 @@ class DraftModelProposer:
             self.runner = serving_runner(snap.model) or self._transformers_runner(snap.model)
             self.version, self.vocab_ids = snap.version, snap.vocab_ids
             self._increasing = self.vocab_ids is None or bool((self.vocab_ids[1:] > self.vocab_ids[:-1]).all())
-        self.runner.reset()
-        if prefill and len(prompt_ids) > 1:  # the prompt's prefill, inside the engine's prefill as llama.cpp's does
-            self.runner.feed(list(prompt_ids[:-1]))  # (without: the first proposal feeds it, see propose)
+            self.held = []
+        self._prefill(prompt_ids, prefill)
+
+    def _prefill(self, prompt_ids: list[int], prefill: bool) -> None:
+        """The prompt but its last token, from the longest prefix cached (`_start_from`) on: fed now where `prefill`,
+        inside the engine's prefill as llama.cpp's speculative example does (else the first proposal feeds it)."""
+        head = list(prompt_ids[:-1])
+        self._start_from(head)
+        if prefill and len(head) > self.runner.length:
+            self.runner.feed(head[self.runner.length :])
+            self.held = head
+
+    def _start_from(self, head: list[int]) -> None:
+        """Hold the longest prefix of `head` that this proposer or a fork on the same serving copy has cached."""
+        def shares(p) -> bool:
+            return p is self or (p.runner is not None and p.runner.model is self.runner.model and p.version == self.version
+                                 and hasattr(self.runner, "copy_prefix_from"))
+        donor, n = max(((p, common_prefix(p.held[: p.runner.length], head)) for p in self.family if shares(p)),
+                       key=lambda pair: (pair[1], pair[0] is self))
+        if n == 0:
+            self.runner.reset()
+        elif donor is self:
+            self.runner.rollback(n)
+        else:
+            self.runner.copy_prefix_from(donor.runner, n)
+        self.held, self.reused_rows = head[:n], self.reused_rows + n
 
     def _transformers_runner(self, model) -> CachedModel:
         """The fallback draft runner, said once: the glue runner costs ~1.6x less per draft token."""
@@ -94,7 +130,12 @@ class DraftModelProposer:
             if len(pending) == 1:  # catch-up forwards (several pending tokens) would skew the cost model
                 drafting.timings.append(time.perf_counter() - t0)
             pending = [drafting.pick(logits)]
+        self._note(tokens, drafting.tokens)
         return drafting.proposal()
+
+    def _note(self, tokens: list[int], proposed: list[int]) -> None:
+        """After a proposal: the runner holds the sequence and the proposals it fed (all but the last)."""
+        self.held = (list(tokens) + proposed)[: self.runner.length]
 
     def fingerprint(self, runner) -> str:
         """'<name>@v<version>:<checksum of the weights `runner` holds now>' (no checksum for a non-torch runner)."""
@@ -104,6 +145,7 @@ class DraftModelProposer:
 
     def rollback(self, length: int) -> None:
         self.runner.rollback(length)
+        del self.held[self.runner.length :]
 
     def lag(self, tokens: list[int]) -> int:
         """Tokens of `tokens` the next proposal must feed before its first forward of one token: the prompt a lazy
@@ -172,6 +214,8 @@ def propose_together(proposers: list[DraftModelProposer], tokens: list[list[int]
             if single:
                 drafting[i].timings.append(share)
             pending[i] = [drafting[i].pick(logits[row])]
+    for p, t, d in zip(proposers, tokens, drafting):
+        p._note(t, d.tokens)
     return [d.proposal() for d in drafting]
 
 
@@ -199,8 +243,7 @@ class RunnerProposer(DraftModelProposer):
     def __init__(self, runner, name: str, vocab_size: int):
         self.runner, self.name, self.vocab_size = runner, name, vocab_size
         self.version, self.vocab_ids = 0, None
+        self.held, self.family, self.reused_rows = [], [self], 0
 
     def begin(self, prompt_ids: list[int], prefill: bool = True) -> None:
-        self.runner.reset()
-        if prefill and len(prompt_ids) > 1:  # the prompt's prefill, as DraftModelProposer.begin
-            self.runner.feed(list(prompt_ids[:-1]))
+        self._prefill(prompt_ids, prefill)  # as DraftModelProposer.begin: from the prefix its cache holds
