@@ -1,7 +1,7 @@
 """Assemble a running system from configs: target, tokenizer, draft registry, engine."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -12,7 +12,7 @@ from osd.errors import InvalidArgument
 from osd.memory import trim
 from osd.models.loading import gguf_file, load_model, load_tokenizer
 from osd.models.prepack import prepack_linears, shared_weights_copy
-from osd.models.serving_draft import make_serving_draft
+from osd.models.serving_draft import make_serving_draft, resolve_quantize
 from osd.models.tokenizer import check_same_tokenizer
 from osd.notice import say
 from osd.models.runner import as_runner
@@ -139,6 +139,9 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
         check_same_tokenizer(tokenizer, load_tokenizer(models.draft))
         master = load_model(models.draft, models.draft_dtype)
         system.draft_master = master
+        # the copy --draft-quantize auto means for this draft, named once (adapter drafts serve int8 copies)
+        system.models = models = replace(models, draft_quantize="int8" if routed and models.draft_quantize == "auto"
+                                         else resolve_quantize(models.draft_quantize, master))
         if routed:
             from osd.route.system import Routing
 

@@ -75,7 +75,7 @@ class SpeculationConfig:
 
 
 TARGET_BACKENDS = ("auto", "torch", "llama.cpp", "osd")  # osd: models/q4_runner.py (own Q4_K/Q6_K kernel)
-DRAFT_QUANTIZE = ("none", "int8", "int8_vnni", "q4")  # the draft's serving copy (models/serving_draft.py, q4_draft.py)
+DRAFT_QUANTIZE = ("auto", "none", "int8", "int8_vnni", "q4")  # the draft's serving copy (models/serving_draft.py, q4_draft.py)
 TARGET_QUANTIZE = ("none", "int8")  # weight-only quantisation of a torch target at load (models/quantized_target.py)
 
 
@@ -87,10 +87,11 @@ class ModelConfig:
     draft: str = "derived:cheap-0.5b-v3"
     dtype: str = "float32"  # target dtype (the baseline uses the same)
     draft_dtype: str = "float32"  # dtype of the draft's master weights
-    draft_quantize: str = field(default="int8", metadata={"choices": DRAFT_QUANTIZE, "help": (
+    draft_quantize: str = field(default="auto", metadata={"choices": DRAFT_QUANTIZE, "help": (
         "the draft's serving copy, rebuilt at each publish from the master weights the learner trains: int8 linears "
-        "(models/serving_draft.py; int8_vnni: activations int8 too), or q4 = 4-bit on the target's Q4 kernel "
-        "(models/q4_draft.py: for a deep draft such as the whole 0.5B, whose int8 copy costs more than a target token)")})
+        "(models/serving_draft.py; int8_vnni: activations int8 too), q4 = 4-bit on the target's Q4 kernel "
+        "(models/q4_draft.py), or auto = q4 for a Qwen2 draft where that kernel builds, else int8 (the shipped cheap "
+        "draft's Q4 copy costs 0.6x its int8 one a token; the whole 0.5B's int8 copy costs more than a target token)")})
     draft_vocab: int = 0  # 0 = full; N = draft proposes only among token ids < N (+ special tokens)
     target_backend: str = "auto"  # "torch" | "llama.cpp" | "osd" (own Q4_K kernel, Qwen2 GGUFs) | "auto" (a GGUF: osd where its kernel runs the file, else llama.cpp; torch otherwise)
     n_ctx: int = 4096  # llama.cpp / osd target: context (KV cache) length

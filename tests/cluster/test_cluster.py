@@ -229,3 +229,14 @@ def test_a_q4_draft_copy_with_a_learner_is_refused_before_ray_is_touched(monkeyp
     models = ModelConfig(target="t", draft="d", draft_quantize="q4")
     with pytest.raises(InvalidArgument, match="--draft-quantize q4 with --replicas"):
         start_cluster(models, SpeculationConfig(k=3), LearnConfig(), replicas=2)
+
+
+
+def test_auto_draft_copy_with_a_learner_is_int8_for_every_replica():
+    """--draft-quantize auto (the default) with --replicas and a learner: int8 copies, whose changed tensors are what
+    replicas receive, not the Q4 copy auto picks for one process; without a learner auto stays for each replica."""
+    from osd.cluster.launch import cluster_models
+
+    assert cluster_models(ModelConfig(target="t", draft="d"), LearnConfig()).draft_quantize == "int8"
+    assert cluster_models(ModelConfig(target="t", draft="d", draft_quantize="none"), LearnConfig()).draft_quantize == "none"
+    assert cluster_models(ModelConfig(target="t", draft="d"), None).draft_quantize == "auto"

@@ -2,6 +2,8 @@
 against the float model, rows fed together against rows fed alone, and greedy identity through the engine."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ from osd.drafts import weights_fingerprint
 from osd.errors import InvalidArgument
 from osd.models import q4
 from osd.models.q4_draft import Q4Draft, q4_serving_copy
-from osd.models.q4_quantize import pad_columns, quantize_q4k, quantize_q6k
+from osd.models.q4_quantize import pad_columns, quantize_q4k, quantize_q6k, quantize_q8_0
 from osd.models.q4_runner import Q4Runner, feed_together
 from osd.models.serving_draft import make_serving_draft
 from tests.models.tiny_gguf import assert_rows_match_one_at_a_time, logits_one_at_a_time
@@ -57,6 +59,23 @@ def test_q6k_bytes_read_back_by_ggufs_reference_within_half_a_step():
     error = (back - w).abs().reshape(40, -1, 16).amax(-1)
     assert (error <= 0.6 * step + 1e-6).all()
     assert torch.equal(back[3], torch.zeros(512))
+
+
+def test_q8_0_rows_are_ggufs_own_bytes():
+    """quantize_q8_0 (the Q4 copy's token table, vectorized) gives the bytes of gguf's reference quantizer, exact ties
+    of the rounding (x.5 steps), all-zero blocks and a block of one large value included."""
+    from gguf import GGMLQuantizationType, quantize
+
+    w = _matrix(2, n=5000, k=96)  # more rows than one chunk of the vectorized quantizer
+    w[1, :32] = torch.arange(32) - 15.5  # halves
+    w[1, 31] = 127.0  # scale 1: the halves are exact ties, rounded away from zero (not to even)
+    w[2, 32:64] = 0
+    w[4, 5] = 1e4
+    want = quantize(np.ascontiguousarray(w.numpy()), GGMLQuantizationType.Q8_0)
+    got = quantize_q8_0(w)
+    assert got.dtype == torch.uint8 and np.array_equal(got.numpy(), want)
+    with pytest.raises(InvalidArgument, match="multiple of 32"):
+        quantize_q8_0(torch.zeros(2, 40))
 
 
 def test_quantizers_refuse_ragged_widths_and_non_finite_weights():
@@ -215,3 +234,29 @@ def test_online_learning_publishes_q4_copies_and_output_stays_the_targets(tmp_pa
     assert isinstance(snap.model, Q4Draft)
     served = {key.split("@v")[1] for key in system.engine.metrics.snapshot()}
     assert len(served) >= 2  # requests drafted with more than one published version
+
+
+def test_auto_serves_a_qwen2_draft_from_its_q4_copy_and_any_other_from_int8(tmp_path):
+    """--draft-quantize auto (the default): the Q4 copy for a draft the Q4 kernel runs, int8 for one it cannot (a head
+    dim the glue does not take), named once in the system's config so every later publish builds the same copy; a
+    routed system's adapter drafts keep int8."""
+    require_q4()
+    from osd.models.serving_draft import resolve_quantize
+    from osd.route.config import RouteConfig
+
+    assert ModelConfig().draft_quantize == "auto"
+    assert resolve_quantize("auto", tiny_qwen2(seed=1, hidden=64)) == "q4"
+    assert resolve_quantize("auto", tiny_qwen2(seed=1, hidden=32)) == "int8"  # head dim 8
+    assert resolve_quantize("int8", tiny_qwen2(seed=1, hidden=64)) == "int8"  # what is asked, as given
+    for name, hidden in (("target", 64), ("draft", 64), ("narrow", 32)):
+        tiny_qwen2(seed=0 if name == "target" else 1, hidden=hidden).save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+    models = ModelConfig(target=str(tmp_path / "target"), draft=str(tmp_path / "draft"), target_backend="torch")
+    system = build_system(models, SpeculationConfig(k=3, adaptive=False))
+    assert system.models.draft_quantize == "q4" and isinstance(system.registry.get("default").model, Q4Draft)
+    system.publish_draft()  # a later publish (the learner's) builds the same kind of copy
+    assert isinstance(system.registry.get("default").model, Q4Draft)
+    narrow = build_system(replace(models, draft=str(tmp_path / "narrow")), SpeculationConfig(k=3, adaptive=False))
+    assert narrow.models.draft_quantize == "int8" and not isinstance(narrow.registry.get("default").model, Q4Draft)
+    routed = build_system(models, SpeculationConfig(k=3, adaptive=False), route=RouteConfig(drafts="a,b"))
+    assert routed.models.draft_quantize == "int8"

@@ -175,8 +175,8 @@ def _copy_arm(system, q4_target, spec: SpeculationConfig, max_new: int, arm: str
     if quantize == "int8_vnni" and not kernels.vnni_available():
         raise InvalidArgument("--arms osd_q4_vnni needs a CPU with AVX-512 VNNI (and the rows kernels built)")
     if system.models.draft_quantize == quantize:
-        raise InvalidArgument(f"--arms {arm} compares the draft's {quantize} copy against its configured one: leave "
-                              "--draft-quantize at int8")
+        raise InvalidArgument(f"--arms {arm} compares the draft's {quantize} copy against its configured one, which is "
+                              f"{quantize} already: give --draft-quantize int8")
     serving, vocab_ids = make_serving_draft(system.draft_master, quantize, system.models.draft_vocab,
                                             special_ids(system.tokenizer))
     system.registry.publish(quantize, serving, vocab_ids)
@@ -311,6 +311,7 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
         "config": {"models": vars(models), "spec": vars(spec), "per_domain": per_domain, "max_new_tokens": max_new_tokens,
                    "llama_cpp_spec_k": spec_k, "prompts": [r["id"] for r in records], "domains": list(domains),
                    "offset": offset, "learned_draft": learned_draft or None, "busy_calibration": busy_calibration},
+        "draft_copy": system.models.draft_quantize,  # the serving copy the configured draft ran (auto resolved)
         "target_backend": type(engine.target).__name__,
         "target_max_rows": getattr(engine.target, "max_rows", None),
         "llama_cpp_build": _llama_cpp_build() if llama_cpp or "LlamaCpp" in type(engine.target).__name__ else None,

@@ -21,13 +21,12 @@ requests (`scripts/bench_scheduler.py`, BENCHMARKS.md).
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from osd.errors import BackendUnavailable, InvalidArgument
 from osd.models import q4
 from osd.models.eos import eos_ids_of
-from osd.models.q4_quantize import pad_columns, quantize_q4k, quantize_q6k
+from osd.models.q4_quantize import pad_columns, quantize_q4k, quantize_q6k, quantize_q8_0
 from osd.models.q4_runner import Q4Runner, Q4Weights, Qwen2Shape, architecture_problem
 
 EMBEDDING_TYPE = "Q8_0"  # the token table: one row dequantized per token fed (gguf's reference), 8.5 bits a weight
@@ -69,8 +68,6 @@ def _float(t: torch.Tensor | None, size: int) -> torch.Tensor:
 
 def q4_weights(model) -> Q4Weights:
     """A Hugging Face Qwen2 causal LM -> Q4Weights for Q4Runner (see the module docstring)."""
-    from gguf import GGMLQuantizationType, quantize
-
     s = shape_of(model.config)
     vectors, matrices = {"output_norm": _float(model.model.norm.weight, s.hidden)}, {}
     for i, layer in enumerate(model.model.layers):
@@ -86,8 +83,7 @@ def q4_weights(model) -> Q4Weights:
     if getattr(head, "bias", None) is not None:
         raise InvalidArgument("the draft's LM head has a bias: the Q4 serving copy has none")
     matrices["output"] = _matrix([head.weight], "Q6_K")
-    table = model.get_input_embeddings().weight.detach().float().numpy()
-    embd = quantize(np.ascontiguousarray(table), GGMLQuantizationType[EMBEDDING_TYPE])
+    embd = quantize_q8_0(model.get_input_embeddings().weight).numpy()  # gguf's Q8_0 rows, bit for bit
     eos = eos_ids_of(getattr(model, "generation_config", None), model.config)
     return Q4Weights(s, sorted(eos), vectors, EMBEDDING_TYPE, embd, matrices)
 

@@ -24,6 +24,7 @@ from osd.errors import InvalidArgument
 
 QK = 256  # weights per block
 CHUNK_ROWS = 4096  # rows quantized at once (bounds the float temporaries: ~4096 x K x 4 bytes, a few times)
+Q8_CHUNK_VALUES = 1 << 16  # weights per chunk of quantize_q8_0 (its temporaries stay in a core's cache)
 
 
 def pad_columns(w: torch.Tensor) -> torch.Tensor:
@@ -109,3 +110,28 @@ def quantize_q6k(w: torch.Tensor) -> torch.Tensor:
     """(N, K) float, K a multiple of 256 -> GGUF Q6_K bytes (N, K / 256 * 210) uint8."""
     _check(w)
     return torch.cat([pack_q6k(*q6k_components(part)) for part in w.split(CHUNK_ROWS)])
+
+
+def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) float -> (N, K / 32 * 34) uint8: ggml's Q8_0 rows (per 32 weights a float16 scale amax / 127 and 32
+    int8 quants rounded half away from zero), bit for bit what gguf's `quantize(w, Q8_0)` gives (the same float32
+    operations, vectorized in torch: a draft's 151,936-row token table in a fraction of a second instead of ~1.4 s of
+    numpy row groups at each publish). Rows go in chunks that stay in cache."""
+    if w.dim() != 2 or w.shape[1] % 32 or not w.is_floating_point():
+        raise InvalidArgument(f"expected a float (N, K) matrix with K a multiple of 32, got {tuple(w.shape)} {w.dtype}")
+    n, k = w.shape
+    out = torch.empty(n, k // 32 * 34, dtype=torch.uint8)
+    step = max(1, Q8_CHUNK_VALUES // k)
+    for start in range(0, n, step):
+        blocks = w[start : start + step].detach().float().reshape(-1, 32)  # (B, 32)
+        magnitude = blocks.abs()
+        d = magnitude.amax(dim=1, keepdim=True) / 127  # inf or NaN anywhere in a block reaches its d
+        if not torch.isfinite(d).all():
+            raise InvalidArgument("the matrix holds inf or NaN: it cannot be quantized")
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        a = magnitude * inv  # |blocks * inv|, inv >= 0
+        floored = a.floor()
+        q = torch.copysign(floored + (2 * (a - floored)).floor(), blocks)  # gguf's np_roundf (zeros stay 0 as int8)
+        packed = torch.cat([_half_bytes(d.squeeze(1).half()), q.to(torch.int8).view(torch.uint8)], dim=1)  # (B, 34)
+        out[start : start + step] = packed.reshape(-1, k // 32 * 34)
+    return out

@@ -16,6 +16,9 @@
   osd_q4,osd_q4_vnni`, BENCHMARKS.md); refused on CPUs without VNNI.
 - q4: 4-bit (Q4_K matrices, a Q6_K LM head) on the target's own Q4 kernel, for a deep draft whose int8 copy moves more
   bytes a token than the Q4 target: models/q4_draft.py (the whole bundled 0.5B: c 0.39 against 1.16 for int8).
+- auto (the default): q4 where the draft is a Qwen2 the Q4 kernel runs and the kernel builds on this CPU, else int8
+  (`resolve_quantize`). Measured on the shipped cheap draft (Intel, `osd bench speed`, BENCHMARKS.md): its Q4 copy
+  costs c 0.029 target tokens a token against 0.049 for int8, for 0.01-0.02 less acceptance.
 - draft_vocab=N: the LM head keeps only token ids < N plus the special tokens (a derived draft, models/derived.py,
   brings its own vocabulary map instead). Qwen2.5's BPE ids
   are roughly in merge (frequency) order, so low ids cover nearly all text; the LM head over the
@@ -124,6 +127,18 @@ def quantize_int8(model, allow_fallback: bool = False, vnni: bool = False,
         return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
+def resolve_quantize(quantize: str, master) -> str:
+    """The serving copy `quantize` names for this draft: "auto" -> "q4" where the draft qualifies for the Q4 copy
+    (models/q4_draft.py: a Qwen2 whose head dim the glue takes) and the Q4 kernel builds here, else "int8"; any other
+    value as given."""
+    if quantize != "auto":
+        return quantize
+    from osd.models import q4
+    from osd.models.q4_draft import qualifies
+
+    return "q4" if qualifies(master) is None and q4.available() else "int8"
+
+
 def make_serving_draft(master, quantize: str = "none", draft_vocab: int = 0, keep_ids: list[int] = (),
                        allow_kernel_fallback: bool = False):
     """Return (serving_model, vocab_ids or None): a frozen, possibly quantised/truncated copy.
@@ -135,6 +150,7 @@ def make_serving_draft(master, quantize: str = "none", draft_vocab: int = 0, kee
     from osd.learn.trainable import merge_lora
     from osd.models.vocab_map import vocab_ids_of
 
+    quantize = resolve_quantize(quantize, master)
     shared = {id(t): t for t in itertools.chain(master.parameters(), master.buffers())}
     model = copy.deepcopy(master, dict(shared))
     merge_lora(model)  # a LoRA-trained master serves as a plain model (merged out of place)
