@@ -920,3 +920,33 @@ def test_the_closed_loop_q4_draft_figures_are_those_of_bench_scheduler():
     assert q4 < cheap  # "its lead is a decode lead"
     flat = " ".join(README.split())
     assert f"it served {q4:.2f}x target-only against the cheap draft's {cheap:.2f}x" in flat
+
+
+def test_the_shipped_drafts_q4_copy_figures_are_those_of_its_run():
+    """The default copy became `auto` (the Q4 copy) on this run: both copies of the shipped draft, one run."""
+    from osd.bench.speed import decode_speedup_by_domain
+
+    r = result("bench-speed-intel-cheap-q4copy.json")
+    assert "Intel" in r["machine"]["cpu"] and len(r["config"]["prompts"]) == 24
+    assert r["config"]["models"]["draft"] == "derived:cheap-0.5b-v3" and r["config"]["models"]["draft_quantize"] == "int8"
+    assert all(n == 0 for arm, n in r["outputs_differing_from_osd_target"].items() if arm.startswith("osd_q4"))
+    dec, e2e, q = r["decode_speedup_vs_baseline"], r["end_to_end_speedup_vs_baseline"], r["osd_q4_q4draft"]
+    flat = " ".join(README.split())
+    assert (f"c = {q['calibration']['c']:.3f} of a target token against {r['osd_q4_calibration']['c']:.3f} for its int8 "
+            f"copy, alpha {q['spec_stats']['alpha']:.3f} against {r['osd_q4_spec_stats']['alpha']:.3f}, decoding at "
+            f"**{dec['osd_q4_q4draft']:.2f}x llama.cpp against {dec['osd_q4']:.2f}x ({e2e['osd_q4_q4draft']:.2f}x "
+            f"against {e2e['osd_q4']:.2f}x end to end)**, ahead or level in every domain") in flat
+    assert all(x["osd_q4_q4draft"] >= x["osd_q4"] for x in decode_speedup_by_domain(r).values())
+
+
+def test_the_draft_prefix_reuse_figures_are_those_of_bench_scheduler():
+    r = result("bench-scheduler-draft-prefix-intel.json")
+    assert "Intel" in r["machine"]["cpu"]
+    by = {(x["arm"], x["concurrency"]): x for x in r["records"]}
+    t = by[("target-only", 1)]["tokens_per_s"]
+    reuse, fresh, cheap = (by[(a, 1)]["tokens_per_s"] / t for a in ("spec-q4", "spec-q4-fresh", "spec"))
+    assert by[("spec-q4", 1)]["draft_reused_rows"] > 0 == by[("spec-q4-fresh", 1)]["draft_reused_rows"]
+    flat = " ".join(README.split())
+    assert (f"the whole 0.5B's arm served {reuse:.3f}x target-only against {fresh:.3f}x for the same arm feeding every "
+            f"prompt whole, level with the cheap draft's {cheap:.3f}x") in flat
+    assert reuse > fresh and abs(reuse / cheap - 1) < 0.03  # "level"

@@ -44,7 +44,7 @@ def test_vnni_arm_is_refused_without_vnni_or_against_a_vnni_draft(tmp_path, comp
     assert "int8_vnni" not in system.registry.names()
     monkeypatch.setattr(kernels, "vnni_available", lambda: True)
     system.models = replace(system.models, draft_quantize="int8_vnni")
-    with pytest.raises(InvalidArgument, match="leave --draft-quantize at int8"):
+    with pytest.raises(InvalidArgument, match="give --draft-quantize int8"):
         _copy_arm(system, system.target_model, spec, 8, "osd_q4_vnni")
 
 
@@ -56,7 +56,7 @@ def test_q4_copy_arm_drafts_with_the_4_bit_copy_and_keeps_greedy_identity(tmp_pa
         tiny_qwen2(seed=0, hidden=64).save_pretrained(tmp_path / name)
         tiny_tokenizer().save_pretrained(tmp_path / name)
     system = build_system(ModelConfig(target=str(tmp_path / "target"), draft=str(tmp_path / "draft"),
-                                      target_backend="torch"), SpeculationConfig(k=3, adaptive=False))
+                                      target_backend="torch", draft_quantize="int8"), SpeculationConfig(k=3, adaptive=False))
     run = _copy_arm(system, system.target_model, SpeculationConfig(k=3, adaptive=False), 12, "osd_q4_q4draft")
     assert isinstance(system.registry.get("q4").model, Q4Draft)
     assert not isinstance(system.registry.get("default").model, Q4Draft)  # the int8 arm is untouched
@@ -64,6 +64,7 @@ def test_q4_copy_arm_drafts_with_the_4_bit_copy_and_keeps_greedy_identity(tmp_pa
     ids = system.tokenizer.encode("abc cab")
     assert run(ids).tokens == target_only.generate(ids, SamplingConfig(max_new_tokens=12)).token_ids
     assert run.engine.metrics.total().summary()["proposed"] > 0
-    system.models = replace(system.models, draft_quantize="q4")
-    with pytest.raises(InvalidArgument, match="leave --draft-quantize at int8"):
-        _copy_arm(system, system.target_model, SpeculationConfig(k=3, adaptive=False), 8, "osd_q4_q4draft")
+    default = build_system(replace(system.models, draft_quantize="auto"), SpeculationConfig(k=3, adaptive=False))
+    assert default.models.draft_quantize == "q4"  # auto: this draft's configured copy is the Q4 one already
+    with pytest.raises(InvalidArgument, match="give --draft-quantize int8"):
+        _copy_arm(default, default.target_model, SpeculationConfig(k=3, adaptive=False), 8, "osd_q4_q4draft")
