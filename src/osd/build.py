@@ -12,11 +12,12 @@ from osd.errors import InvalidArgument
 from osd.memory import trim
 from osd.models.loading import gguf_file, load_model, load_tokenizer
 from osd.models.prepack import prepack_linears, shared_weights_copy
-from osd.models.serving_draft import make_serving_draft, resolve_quantize
+from osd.models.serving_draft import make_serving_draft
 from osd.models.tokenizer import check_same_tokenizer
 from osd.notice import say
 from osd.models.runner import as_runner
 from osd.propose import DraftModelProposer
+from osd.propose.copy_choice import choose_copy
 from osd.propose.ngram import LookupThenDraft, NgramProposer
 
 DEFAULT_DRAFT = "default"
@@ -32,6 +33,7 @@ class System:
     models: ModelConfig
     spec: SpeculationConfig
     routing: object | None = None  # several drafts and their router (route/system.py), behind RouteConfig.drafts
+    draft_copy_seconds: dict | None = None  # --draft-quantize auto: each candidate copy's timed forward (copy_choice.py)
 
     def publish_draft(self, master=None, name: str = DEFAULT_DRAFT, version: int | None = None):
         """Build a serving copy of draft weights and publish it under `name`."""
@@ -139,14 +141,22 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
         check_same_tokenizer(tokenizer, load_tokenizer(models.draft))
         master = load_model(models.draft, models.draft_dtype)
         system.draft_master = master
-        # the copy --draft-quantize auto means for this draft, named once (adapter drafts serve int8 copies)
-        system.models = models = replace(models, draft_quantize="int8" if routed and models.draft_quantize == "auto"
-                                         else resolve_quantize(models.draft_quantize, master))
+        if routed and models.draft_quantize == "auto":  # adapter drafts serve int8 copies
+            system.models = models = replace(models, draft_quantize="int8")
         if routed:
             from osd.route.system import Routing
 
             system.routing = Routing.build(master, route, system.registry, tokenizer, as_runner(target).vocab_size,
                                            models.draft_quantize, models.draft_vocab, special_ids(tokenizer))
+        elif models.draft_quantize == "auto":  # the faster copy on this machine, named for every later publish
+            choice = choose_copy(master, models.draft_vocab, special_ids(tokenizer), models.allow_kernel_fallback)
+            system.models = models = replace(models, draft_quantize=choice.quantize)
+            system.draft_copy_seconds = choice.seconds
+            system.registry.publish(DEFAULT_DRAFT, choice.serving, choice.vocab_ids)
+            if choice.seconds:
+                say(f"draft serving copy: {choice.quantize} (" + ", ".join(
+                    f"{q} {t * 1e3:.2f} ms" for q, t in choice.seconds.items()) + " a draft token, measured here)")
+            trim()
         else:
             system.publish_draft(master)
     system.engine = speculative_engine(system, target, spec)

@@ -90,8 +90,8 @@ class ModelConfig:
     draft_quantize: str = field(default="auto", metadata={"choices": DRAFT_QUANTIZE, "help": (
         "the draft's serving copy, rebuilt at each publish from the master weights the learner trains: int8 linears "
         "(models/serving_draft.py; int8_vnni: activations int8 too), q4 = 4-bit on the target's Q4 kernel "
-        "(models/q4_draft.py), or auto = q4 for a Qwen2 draft where that kernel builds, else int8 (the shipped cheap "
-        "draft's Q4 copy costs 0.6x its int8 one a token; the whole 0.5B's int8 copy costs more than a target token)")})
+        "(models/q4_draft.py), or auto = whichever of q4 and int8 times faster here for a Qwen2 draft the Q4 kernel "
+        "runs, else int8 (propose/copy_choice.py; on Intel the shipped draft's Q4 copy cost ~half its int8 one)")})
     draft_vocab: int = 0  # 0 = full; N = draft proposes only among token ids < N (+ special tokens)
     target_backend: str = "auto"  # "torch" | "llama.cpp" | "osd" (own Q4_K kernel, Qwen2 GGUFs) | "auto" (a GGUF: osd where its kernel runs the file, else llama.cpp; torch otherwise)
     n_ctx: int = 4096  # llama.cpp / osd target: context (KV cache) length

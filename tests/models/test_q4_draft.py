@@ -236,27 +236,39 @@ def test_online_learning_publishes_q4_copies_and_output_stays_the_targets(tmp_pa
     assert len(served) >= 2  # requests drafted with more than one published version
 
 
-def test_auto_serves_a_qwen2_draft_from_its_q4_copy_and_any_other_from_int8(tmp_path):
-    """--draft-quantize auto (the default): the Q4 copy for a draft the Q4 kernel runs, int8 for one it cannot (a head
-    dim the glue does not take), named once in the system's config so every later publish builds the same copy; a
-    routed system's adapter drafts keep int8."""
+def test_auto_serves_the_copy_that_times_faster_here_and_publishes_that_kind_later(tmp_path, monkeypatch):
+    """--draft-quantize auto (the default): for a draft the Q4 kernel runs, both copies are built and timed and the
+    faster serves; the choice is named in the system's config, so a later publish (the learner's) builds the same
+    kind. A draft it cannot run (head dim 8) serves int8 untimed; a routed system's adapter drafts keep int8."""
     require_q4()
     from osd.models.serving_draft import resolve_quantize
+    from osd.propose import copy_choice
     from osd.route.config import RouteConfig
 
     assert ModelConfig().draft_quantize == "auto"
     assert resolve_quantize("auto", tiny_qwen2(seed=1, hidden=64)) == "q4"
-    assert resolve_quantize("auto", tiny_qwen2(seed=1, hidden=32)) == "int8"  # head dim 8
+    assert resolve_quantize("auto", tiny_qwen2(seed=1, hidden=32)) == "int8"
     assert resolve_quantize("int8", tiny_qwen2(seed=1, hidden=64)) == "int8"  # what is asked, as given
     for name, hidden in (("target", 64), ("draft", 64), ("narrow", 32)):
         tiny_qwen2(seed=0 if name == "target" else 1, hidden=hidden).save_pretrained(tmp_path / name)
         tiny_tokenizer().save_pretrained(tmp_path / name)
     models = ModelConfig(target=str(tmp_path / "target"), draft=str(tmp_path / "draft"), target_backend="torch")
-    system = build_system(models, SpeculationConfig(k=3, adaptive=False))
-    assert system.models.draft_quantize == "q4" and isinstance(system.registry.get("default").model, Q4Draft)
-    system.publish_draft()  # a later publish (the learner's) builds the same kind of copy
-    assert isinstance(system.registry.get("default").model, Q4Draft)
-    narrow = build_system(replace(models, draft=str(tmp_path / "narrow")), SpeculationConfig(k=3, adaptive=False))
-    assert narrow.models.draft_quantize == "int8" and not isinstance(narrow.registry.get("default").model, Q4Draft)
-    routed = build_system(models, SpeculationConfig(k=3, adaptive=False), route=RouteConfig(drafts="a,b"))
+    spec = SpeculationConfig(k=3, adaptive=False)
+    real = copy_choice.forward_seconds
+    for slower, want in (("int8", Q4Draft), ("q4", torch.nn.Module)):  # the measured seconds, one copy's made 10x
+        monkeypatch.setattr(copy_choice, "forward_seconds", lambda runners, vocab, **kw: {
+            q: t * (10 if q == slower else 1) for q, t in real(runners, vocab, **kw).items()})
+        system = build_system(models, spec)
+        chosen = "q4" if slower == "int8" else "int8"
+        assert system.models.draft_quantize == chosen and set(system.draft_copy_seconds) == {"q4", "int8"}
+        served = system.registry.get("default").model
+        assert isinstance(served, want) and (chosen == "q4") == isinstance(served, Q4Draft)
+        system.publish_draft()  # a later publish builds the kind chosen
+        assert (chosen == "q4") == isinstance(system.registry.get("default").model, Q4Draft)
+    monkeypatch.setattr(copy_choice, "forward_seconds", real)
+    seconds = copy_choice.forward_seconds({"q4": q4_serving_copy(tiny_qwen2(seed=1, hidden=64)).runner()}, 48, rounds=3)
+    assert 0 < seconds["q4"] < 1
+    narrow = build_system(replace(models, draft=str(tmp_path / "narrow")), spec)
+    assert narrow.models.draft_quantize == "int8" and not narrow.draft_copy_seconds
+    routed = build_system(models, spec, route=RouteConfig(drafts="a,b"))
     assert routed.models.draft_quantize == "int8"

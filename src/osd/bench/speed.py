@@ -311,7 +311,8 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
         "config": {"models": vars(models), "spec": vars(spec), "per_domain": per_domain, "max_new_tokens": max_new_tokens,
                    "llama_cpp_spec_k": spec_k, "prompts": [r["id"] for r in records], "domains": list(domains),
                    "offset": offset, "learned_draft": learned_draft or None, "busy_calibration": busy_calibration},
-        "draft_copy": system.models.draft_quantize,  # the serving copy the configured draft ran (auto resolved)
+        "draft_copy": {"chosen": system.models.draft_quantize,  # the copy the configured draft ran (auto resolved)
+                       "seconds_per_token": system.draft_copy_seconds},  # auto's timing of each candidate, if any
         "target_backend": type(engine.target).__name__,
         "target_max_rows": getattr(engine.target, "max_rows", None),
         "llama_cpp_build": _llama_cpp_build() if llama_cpp or "LlamaCpp" in type(engine.target).__name__ else None,
