@@ -950,3 +950,20 @@ def test_the_draft_prefix_reuse_figures_are_those_of_bench_scheduler():
     assert (f"the whole 0.5B's arm served {reuse:.3f}x target-only against {fresh:.3f}x for the same arm feeding every "
             f"prompt whole, level with the cheap draft's {cheap:.3f}x") in flat
     assert reuse > fresh and abs(reuse / cheap - 1) < 0.03  # "level"
+
+
+def test_the_fresh_auto_figures_are_those_of_its_run():
+    from osd.bench.speed import decode_speedup_by_domain
+
+    r = result("bench-speed-intel-fresh-auto.json")
+    assert "Intel" in r["machine"]["cpu"] and len(r["config"]["prompts"]) == 24
+    assert r["config"]["models"]["draft_quantize"] == "auto" and r["draft_copy"]["chosen"] == "q4"
+    assert all(n == 0 for arm, n in r["outputs_differing_from_osd_target"].items() if arm.startswith("osd"))
+    dec, e2e, sec = r["decode_speedup_vs_baseline"], r["end_to_end_speedup_vs_baseline"], r["draft_copy"]["seconds_per_token"]
+    by = {d: x["osd_q4"] for d, x in decode_speedup_by_domain(r).items()}
+    lo, hi = min(by, key=by.get), max(by, key=by.get)
+    flat = " ".join(README.split())
+    assert (f"a fresh install decodes at **{dec['osd_q4']:.2f}x llama.cpp ({e2e['osd_q4']:.2f}x end to end)**, "
+            f"{by[lo]:.2f}x ({lo}) to {by[hi]:.2f}x ({hi}) by domain") in flat
+    assert f"({sec['q4'] * 1e3:.2f} ms against {sec['int8'] * 1e3:.2f} ms a draft token for int8)" in flat
+    assert sec["q4"] < sec["int8"] and min(by.values()) >= 1.0 and dec["osd_q4"] >= 1.5
