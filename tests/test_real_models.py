@@ -53,7 +53,7 @@ def test_bundled_pair_matches_target_greedy_exactly():
     record = load_records("spider", split="test", limit=1)[0]
     ids = prompt_ids(tokenizer, record["prompt"])
     reference = hf_greedy(target, ids, 16, {151643, 151645})
-    models.prepack_target = True  # osd's fast path: prepacked target (in place), int8 draft
+    models.prepack_target = True  # osd's fast path: prepacked target (in place), the draft copy auto picks
     # fixed k: adaptive k may choose k = 0 on a loaded machine, and then nothing is proposed to accept
     system = build_system(models, SpeculationConfig(k=4, adaptive=False), target_model=target)
     result = system.engine.generate(ids, SamplingConfig(max_new_tokens=16))

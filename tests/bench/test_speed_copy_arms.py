@@ -64,7 +64,6 @@ def test_q4_copy_arm_drafts_with_the_4_bit_copy_and_keeps_greedy_identity(tmp_pa
     ids = system.tokenizer.encode("abc cab")
     assert run(ids).tokens == target_only.generate(ids, SamplingConfig(max_new_tokens=12)).token_ids
     assert run.engine.metrics.total().summary()["proposed"] > 0
-    default = build_system(replace(system.models, draft_quantize="auto"), SpeculationConfig(k=3, adaptive=False))
-    assert default.models.draft_quantize == "q4"  # auto: this draft's configured copy is the Q4 one already
+    default = build_system(replace(system.models, draft_quantize="q4"), SpeculationConfig(k=3, adaptive=False))
     with pytest.raises(InvalidArgument, match="give --draft-quantize int8"):
         _copy_arm(default, default.target_model, SpeculationConfig(k=3, adaptive=False), 8, "osd_q4_q4draft")

@@ -76,9 +76,9 @@ class DraftModelProposer:
 
     def _start_from(self, head: list[int]) -> None:
         """Hold the longest prefix of `head` that this proposer or a fork on the same serving copy has cached."""
-        def shares(p) -> bool:
-            return p is self or (p.runner is not None and p.runner.model is self.runner.model and p.version == self.version
-                                 and hasattr(self.runner, "copy_prefix_from"))
+        def shares(p) -> bool:  # a fork on the same serving copy, where this runner can copy from another
+            return p is self or (p.runner is not None and p.runner.model is self.runner.model
+                                 and p.version == self.version and hasattr(self.runner, "copy_prefix_from"))
         donor, n = max(((p, common_prefix(p.held[: p.runner.length], head)) for p in self.family if shares(p)),
                        key=lambda pair: (pair[1], pair[0] is self))
         if n == 0:
