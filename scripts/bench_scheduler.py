@@ -11,6 +11,7 @@ and a BENCHMARKS.md block.
     python scripts/bench_scheduler.py --levels 1 2 4 8 --arms spec target-only
     python scripts/bench_scheduler.py --levels 1 8 --arms spec spec-q4 target-only   # + the whole 0.5B's Q4 copy
     python scripts/bench_scheduler.py --levels 1 4 --arms spec spec-q4 spec-q4-fresh target-only  # draft prefix reuse
+    python scripts/bench_scheduler.py --levels 1 4 --arms spec spec-int8 target-only  # auto's copy against int8
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from osd.models.loading import load_tokenizer
 
 Q4_DRAFT = {"draft": "bundled:qwen2.5-coder-0.5b", "draft_quantize": "q4"}  # the whole 0.5B, 4-bit
 ARMS = {"spec": (6, {}), "target-only": (0, {}),  # k, and what the arm's ModelConfig sets beside the target
+        "spec-int8": (6, {"draft_quantize": "int8"}),  # the default draft's int8 copy (spec: the copy auto picks)
         "spec-q4": (6, Q4_DRAFT),
         "spec-q4-fresh": (6, Q4_DRAFT)}  # the same, its draft feeding every prompt whole (no draft prefix reuse)
 
