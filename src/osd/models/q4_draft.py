@@ -15,9 +15,9 @@ learning works as with the int8 copy. Rows are bitwise independent of how many a
 property), as every draft runner's are.
 
 Limitations: Qwen2 only (the runner's architecture); the Q4 kernel must build here (AVX2); 4-bit weights can cost
-acceptance, never an output (the 0.5B's copy drafted at live alpha 0.80 on 24 prompts, BENCHMARKS.md); like every
-draft it feeds each prompt whole (no prefix reuse), which for a 24-layer draft costs most of its decode lead on whole
-requests (`scripts/bench_scheduler.py`, BENCHMARKS.md).
+acceptance, never an output (the 0.5B's copy drafted at live alpha 0.80 on 24 prompts, BENCHMARKS.md); a 24-layer
+draft's prompt prefill is what it feeds beyond the prefix a draft already cached (propose/draft_model.py), and for
+whole requests it spends much of its decode lead (`scripts/bench_scheduler.py`, BENCHMARKS.md).
 """
 from __future__ import annotations
 

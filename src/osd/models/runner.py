@@ -63,10 +63,15 @@ class PositionCache:
         if source is self or kv is None or len(kv) != len(self._kv) or not 0 <= n <= source.length:
             raise InvalidArgument(f"cannot copy {n} cached positions from this runner")
         self._reserve(n)
-        for (k_from, v_from), (k_to, v_to) in zip(kv, self._kv):
-            k_to[:, :n] = k_from[:, :n]
-            v_to[:, :n] = v_from[:, :n]
+        copy_positions(kv, self._kv, n)
         self.length = n
+
+
+def copy_positions(kv_from: list, kv_to: list, n: int) -> None:
+    """Per layer (keys, values) of (KV heads, positions, head dim): the first n positions of one cache into another."""
+    for (k_from, v_from), (k_to, v_to) in zip(kv_from, kv_to):
+        k_to[:, :n] = k_from[:, :n]
+        v_to[:, :n] = v_from[:, :n]
 
 
 def as_runner(target) -> Runner:

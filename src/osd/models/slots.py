@@ -24,6 +24,7 @@ import torch
 from osd.errors import ContextTooLong, InvalidArgument
 from osd.models.cached import CachedModel
 from osd.models.q4_runner import Q4Runner, Rows
+from osd.models.runner import copy_positions
 from osd.models.tree_rows import accepted_moves, tree_rows
 
 
@@ -80,9 +81,7 @@ class Q4Slots:
             raise InvalidArgument(f"cannot copy {n} positions from slot {source} to slot {slot}")
         if self._caches[slot] is None:
             self._caches[slot] = self.runner.new_cache(self.context_window)
-        for (k_from, v_from), (k_to, v_to) in zip(self._caches[source], self._caches[slot]):
-            k_to[:, :n] = k_from[:, :n]
-            v_to[:, :n] = v_from[:, :n]
+        copy_positions(self._caches[source], self._caches[slot], n)
         self._set_length(slot, n)
 
     @torch.inference_mode()

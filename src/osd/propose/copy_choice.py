@@ -31,7 +31,7 @@ class CopyChoice(NamedTuple):
     seconds: dict  # copy -> median seconds of one single-token forward ({} when untimed)
 
 
-def forward_seconds(runners: dict, vocab_size: int, rounds: int = ROUNDS, clock=time.perf_counter) -> dict:
+def forward_seconds(runners: dict, vocab_size: int, rounds: int = ROUNDS) -> dict:
     """name -> median seconds of one single-token forward after a PREFIX-token context, the runners taking turns."""
     prefix = [(100 + i) % vocab_size for i in range(PREFIX)]
     for runner in runners.values():
@@ -42,14 +42,13 @@ def forward_seconds(runners: dict, vocab_size: int, rounds: int = ROUNDS, clock=
     for r in range(rounds):
         for name in (list(runners) if r % 2 == 0 else list(runners)[::-1]):
             runners[name].rollback(PREFIX)
-            t0 = clock()
+            t0 = time.perf_counter()
             runners[name].feed([prefix[r % PREFIX]])
-            times[name].append(clock() - t0)
+            times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def choose_copy(master, draft_vocab: int = 0, keep_ids: list[int] = (), allow_kernel_fallback: bool = False,
-                clock=time.perf_counter) -> CopyChoice:
+def choose_copy(master, draft_vocab: int = 0, keep_ids: list[int] = (), allow_kernel_fallback: bool = False) -> CopyChoice:
     """The serving copy `auto` means for `master` on this machine (see the module docstring)."""
     if resolve_quantize("auto", master) != "q4":
         return CopyChoice("int8", *make_serving_draft(master, "int8", draft_vocab, keep_ids, allow_kernel_fallback), {})
@@ -65,6 +64,6 @@ def choose_copy(master, draft_vocab: int = 0, keep_ids: list[int] = (), allow_ke
         (only, built), = copies.items()
         return CopyChoice(only, *built, {})
     runners = {q: serving_runner(serving) or CachedModel(serving) for q, (serving, _) in copies.items()}
-    seconds = forward_seconds(runners, int(master.config.vocab_size), clock=clock)
+    seconds = forward_seconds(runners, int(master.config.vocab_size))
     best = min(CANDIDATES, key=lambda q: seconds[q])  # a tie: the first, q4
     return CopyChoice(best, *copies[best], seconds)

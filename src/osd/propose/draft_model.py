@@ -123,19 +123,24 @@ class DraftModelProposer:
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator=None) -> Proposal:
         drafting = _Drafting(self, sampling, generator)
-        runner, pending = self.runner, tokens[self.runner.length :]
+        runner, start = self.runner, self.runner.length
+        pending = tokens[start:]
         for _ in range(k):
             t0 = time.perf_counter()
             logits = runner.feed(pending)[0]  # (V',): the draft's own vocabulary (a map's, or a prefix of V)
             if len(pending) == 1:  # catch-up forwards (several pending tokens) would skew the cost model
                 drafting.timings.append(time.perf_counter() - t0)
             pending = [drafting.pick(logits)]
-        self._note(tokens, drafting.tokens)
+        self._note(tokens, drafting.tokens, start)
         return drafting.proposal()
 
-    def _note(self, tokens: list[int], proposed: list[int]) -> None:
-        """After a proposal: the runner holds the sequence and the proposals it fed (all but the last)."""
-        self.held = (list(tokens) + proposed)[: self.runner.length]
+    def _note(self, tokens: list[int], proposed: list[int], start: int) -> None:
+        """After a proposal that fed from cache position `start` on: the runner holds the sequence and the proposals it
+        fed (all but the last). Only what was fed is appended (no copy of the whole sequence a step); `held` shorter
+        than `start` (a feed that failed before) stays as it is, a shorter but true prefix."""
+        if len(self.held) >= start:  # held[:start] is tokens[:start]: the runner's cache is the sequence up to start
+            del self.held[start:]
+            self.held += (tokens[start:] + proposed)[: self.runner.length - start]
 
     def fingerprint(self, runner) -> str:
         """'<name>@v<version>:<checksum of the weights `runner` holds now>' (no checksum for a non-torch runner)."""
@@ -203,7 +208,8 @@ def propose_together(proposers: list[DraftModelProposer], tokens: list[list[int]
     if together is None:
         return [p.propose(t, k, s, g) for p, t, k, s, g in zip(proposers, tokens, ks, samplings, generators)]
     drafting = [_Drafting(p, s, g) for p, s, g in zip(proposers, samplings, generators)]
-    pending = [t[r.length :] for t, r in zip(tokens, runners)]
+    starts = [r.length for r in runners]
+    pending = [t[start:] for t, start in zip(tokens, starts)]
     for depth in range(max(ks, default=0)):
         active = [i for i, k in enumerate(ks) if k > depth]
         t0 = time.perf_counter()
@@ -214,8 +220,8 @@ def propose_together(proposers: list[DraftModelProposer], tokens: list[list[int]
             if single:
                 drafting[i].timings.append(share)
             pending[i] = [drafting[i].pick(logits[row])]
-    for p, t, d in zip(proposers, tokens, drafting):
-        p._note(t, d.tokens)
+    for p, t, d, start in zip(proposers, tokens, drafting, starts):
+        p._note(t, d.tokens, start)
     return [d.proposal() for d in drafting]
 
 
