@@ -12,11 +12,15 @@ and a BENCHMARKS.md block.
     python scripts/bench_scheduler.py --levels 1 8 --arms spec spec-q4 target-only   # + the whole 0.5B's Q4 copy
     python scripts/bench_scheduler.py --levels 1 4 --arms spec spec-q4 spec-q4-fresh target-only  # draft prefix reuse
     python scripts/bench_scheduler.py --levels 1 4 --arms spec spec-int8 target-only  # auto's copy against int8
+    python scripts/bench_scheduler.py --levels 4 4 4 4 --arms spec target-only  # one level 4 times: pooled, each run's ratio
+    python scripts/bench_scheduler.py --levels 1 4 8 --arms spec spec-vnni target-only target-only-vnni  # AMX vs VNNI
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import os
 import time
 
 from osd.bench.record import emit_report, machine, write_result
@@ -31,7 +35,9 @@ Q4_DRAFT = {"draft": "bundled:qwen2.5-coder-0.5b", "draft_quantize": "q4"}  # th
 ARMS = {"spec": (6, {}), "target-only": (0, {}),  # k, and what the arm's ModelConfig sets beside the target
         "spec-int8": (6, {"draft_quantize": "int8"}),  # the default draft's int8 copy (spec: the copy auto picks)
         "spec-q4": (6, Q4_DRAFT),
-        "spec-q4-fresh": (6, Q4_DRAFT)}  # the same, its draft feeding every prompt whole (no draft prefix reuse)
+        "spec-q4-fresh": (6, Q4_DRAFT),  # the same, its draft feeding every prompt whole (no draft prefix reuse)
+        "spec-vnni": (6, {}), "target-only-vnni": (0, {})}  # spec / target-only on the Q4 kernel's AVX-512 VNNI path
+ISA = {"spec-vnni": "avx512_vnni", "target-only-vnni": "avx512_vnni"}  # arms whose Q4 matrices run another path
 
 
 def timed(totals: collections.Counter, name: str, f):
@@ -66,6 +72,20 @@ def without_draft_reuse(proposer):
     return proposer
 
 
+@contextlib.contextmanager
+def kernel_path(isa: str | None):
+    """$OSD_Q4_ISA = isa while an arm is built (None: the best path this CPU has, as serving runs)."""
+    before = os.environ.get("OSD_Q4_ISA")
+    if isa:
+        os.environ["OSD_Q4_ISA"] = isa
+    try:
+        yield
+    finally:
+        os.environ.pop("OSD_Q4_ISA", None)
+        if before is not None:
+            os.environ["OSD_Q4_ISA"] = before
+
+
 # per level, from the scheduler's counters; sequence_steps / steps is how many sequences a step advanced on average
 COUNTED = ("steps", "rows", "decode_rows", "prefill_rows", "proposed", "accepted", "reused_rows", "sequence_steps")
 
@@ -75,8 +95,9 @@ class Arm:
 
     def __init__(self, name: str, args):
         k, models = ARMS[name]
-        system = build_system(ModelConfig(target=args.target, threads=args.threads, **models),
-                              SpeculationConfig(k=k, lookup=True, max_batch=args.max_batch))
+        with kernel_path(ISA.get(name)):  # each Q4 matrix binds its path when built
+            system = build_system(ModelConfig(target=args.target, threads=args.threads, **models),
+                                  SpeculationConfig(k=k, lookup=True, max_batch=args.max_batch))
         self.name, self.engine, self.totals = name, system.engine, collections.Counter()
         self.engine.calibrate()
         sched = self.engine.scheduler
@@ -123,6 +144,38 @@ def run(args, prompts: list[list[int]]) -> list[dict]:
     return records
 
 
+def pooled(records: list[dict]) -> list[dict]:
+    """Per (arm, c) run more than once (a level repeated: `--levels 4 4 4 4`): tokens/s over all its runs together,
+    and each run's ratio to target-only's run at the same place in the order (the same prompts, minutes apart at
+    most), so a slow spell of the machine shows as spread instead of as a ratio."""
+    runs = collections.defaultdict(list)
+    for r in records:
+        runs[(r["arm"], r["concurrency"])].append(r)
+    out = []
+    for (arm, c), group in runs.items():
+        reference = runs.get(("target-only", c), [])
+        if len(group) < 2:
+            continue
+        ratios = [r["tokens_per_s"] / t["tokens_per_s"] for r, t in zip(group, reference)] if reference else []
+        out.append({"arm": arm, "concurrency": c, "runs": len(group),
+                    "tokens_per_s": sum(r["output_tokens"] for r in group) / sum(r["wall_s"] for r in group),
+                    "ratios": ratios})
+    for row in out:
+        reference = next((t for t in out if t["arm"] == "target-only" and t["concurrency"] == row["concurrency"]), None)
+        row["x_target_only"] = row["tokens_per_s"] / reference["tokens_per_s"] if reference else None
+    return out
+
+
+def pooled_table(records: list[dict]) -> list[str]:
+    rows = [[p["arm"], p["concurrency"], p["runs"], f"{p['tokens_per_s']:.2f}",
+             f"{p['x_target_only']:.3f}" if p["x_target_only"] else "-",
+             " / ".join(f"{x:.3f}" for x in p["ratios"]) or "-"] for p in pooled(records)]
+    if not rows:
+        return []
+    return [table(rows, ["arm", "c", "runs", "pooled tokens/s", "pooled x target-only",
+                         "each run x target-only's run"])]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="bundled:qwen2.5-coder-1.5b")
@@ -140,7 +193,7 @@ def main(argv=None) -> int:
     prompts = [prompt_ids(tokenizer, text) for text in texts]
     records = run(args, prompts)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "markdown")}
-    path = write_result({"config": config, "records": records}, args.out)
+    path = write_result({"config": config, "records": records, "pooled": pooled(records)}, args.out)
     by = {(r["arm"], r["concurrency"]): r for r in records}
     rows = []
     for r in records:
@@ -153,6 +206,7 @@ def main(argv=None) -> int:
     blocks = [table(rows, ["arm", "c", "tokens/s", "x target-only", "steps", "rows", "prompt rows", "reused prompt rows",
                            "draft reused rows", "proposed", "accepted", "admit s", "propose s", "target pass s",
                            "commit s"])]
+    blocks += pooled_table(records)
     m = machine()
     description = (f"`python scripts/bench_scheduler.py --levels {' '.join(map(str, args.levels))} --arms "
                    f"{' '.join(args.arms)} --per-level {args.per_level} --out {args.out}`, max_new_tokens "

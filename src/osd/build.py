@@ -13,11 +13,11 @@ from osd.memory import trim
 from osd.models.loading import gguf_file, load_model, load_tokenizer
 from osd.models.prepack import prepack_linears, shared_weights_copy
 from osd.models.serving_draft import make_serving_draft
-from osd.models.tokenizer import check_same_tokenizer
+from osd.models.tokenizer import check_same_tokenizer, special_ids
 from osd.notice import say
 from osd.models.runner import as_runner
 from osd.propose import DraftModelProposer
-from osd.propose.copy_choice import choose_copy
+from osd.propose.copy_choice import serving_copy
 from osd.propose.ngram import LookupThenDraft, NgramProposer
 
 DEFAULT_DRAFT = "default"
@@ -43,12 +43,6 @@ class System:
         snapshot = self.registry.publish(name, serving, vocab_ids, version)
         trim()  # building the copy's transients (float temporaries of each matrix) went back to the heap
         return snapshot
-
-
-def special_ids(tokenizer) -> list[int]:
-    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-    ids |= set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
-    return sorted(int(i) for i in ids)
 
 
 def set_threads(threads: int) -> None:
@@ -148,17 +142,16 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
 
             system.routing = Routing.build(master, route, system.registry, tokenizer, as_runner(target).vocab_size,
                                            models.draft_quantize, models.draft_vocab, special_ids(tokenizer))
-        elif models.draft_quantize == "auto":  # the faster copy on this machine, named for every later publish
-            choice = choose_copy(master, models.draft_vocab, special_ids(tokenizer), models.allow_kernel_fallback)
+        else:  # the copy --draft-quantize names (auto: the faster one here), named for every later publish
+            choice = serving_copy(master, models.draft_quantize, models.draft_vocab, special_ids(tokenizer),
+                                  models.allow_kernel_fallback)
             system.models = models = replace(models, draft_quantize=choice.quantize)
-            system.draft_copy_seconds = choice.seconds
+            system.draft_copy_seconds = choice.seconds or None
             system.registry.publish(DEFAULT_DRAFT, choice.serving, choice.vocab_ids)
             if choice.seconds:
                 say(f"draft serving copy: {choice.quantize} (" + ", ".join(
                     f"{q} {t * 1e3:.2f} ms" for q, t in choice.seconds.items()) + " a draft token, measured here)")
             trim()
-        else:
-            system.publish_draft(master)
     system.engine = speculative_engine(system, target, spec)
     return system
 

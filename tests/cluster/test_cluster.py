@@ -218,25 +218,3 @@ def test_osd_serve_without_replicas_never_imports_ray():
     code = ("import sys, osd.cli, osd.serve.cli, osd.serve.app, osd.build, osd.serve.worker; "
             "sys.exit(1 if any(m == 'ray' or m.startswith('ray.') for m in sys.modules) else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
-
-
-def test_a_q4_draft_copy_with_a_learner_is_refused_before_ray_is_touched(monkeypatch):
-    """Replicas receive the changed tensors of an int8 or float copy; a Q4 copy would reach none of them."""
-    from osd.cluster import launch
-    from osd.errors import InvalidArgument
-
-    monkeypatch.setattr(launch, "connect", lambda address: pytest.fail("Ray was started"))
-    models = ModelConfig(target="t", draft="d", draft_quantize="q4")
-    with pytest.raises(InvalidArgument, match="--draft-quantize q4 with --replicas"):
-        start_cluster(models, SpeculationConfig(k=3), LearnConfig(), replicas=2)
-
-
-
-def test_auto_draft_copy_with_a_learner_is_int8_for_every_replica():
-    """--draft-quantize auto (the default) with --replicas and a learner: int8 copies, whose changed tensors are what
-    replicas receive, not the Q4 copy auto picks for one process; without a learner auto stays for each replica."""
-    from osd.cluster.launch import cluster_models
-
-    assert cluster_models(ModelConfig(target="t", draft="d"), LearnConfig()).draft_quantize == "int8"
-    assert cluster_models(ModelConfig(target="t", draft="d", draft_quantize="none"), LearnConfig()).draft_quantize == "none"
-    assert cluster_models(ModelConfig(target="t", draft="d"), None).draft_quantize == "auto"

@@ -6,15 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_qwen2
+from conftest import require_q4, tiny_qwen2
 
-from osd.cluster.weights import DraftLoadError, changed_prefixes, serving_arrays, with_arrays
+from osd.cluster.weights import DraftLoadError, changed_prefixes, q4_keys, serving_arrays, with_arrays
 from osd.learn.trainable import configure_trainable
 from osd.models.serving_draft import make_serving_draft
 
 
 def _trained(quantize: str):
-    master = tiny_qwen2(seed=1, layers=2)
+    master = tiny_qwen2(seed=1, layers=2, hidden=64 if quantize == "q4" else 32)  # the Q4 copy needs head dim 16
     base, _ = make_serving_draft(master, quantize)
     configure_trainable(master, "no_embeddings", train_layers=1)
     with torch.no_grad():  # an "update": the top layer's trainable weights move
@@ -57,3 +57,44 @@ def test_a_payload_that_does_not_fit_is_refused_whole():
         with pytest.raises(DraftLoadError, match=why):
             with_arrays(base, bad)
     assert all(torch.equal(v, state[k]) for k, v in base.state_dict().items())
+
+
+def _q4_logits(copy, ids: list[int]) -> torch.Tensor:
+    runner = copy.runner()
+    return runner.feed(ids, n_logits=len(ids))
+
+
+def test_a_q4_replica_copy_from_shipped_blocks_equals_the_learners_q4_copy():
+    """A Q4 copy ships the whole changed layer's kernel blocks (q|k|v and gate|up are fused) and the final norm: the
+    replica's copy, built from the one it serves, computes bitwise what the learner's own Q4 copy computes."""
+    require_q4()
+    master, base, learned = _trained("q4")
+    prefixes = changed_prefixes(master)
+    arrays = serving_arrays(learned, prefixes)
+    assert {name.split(".")[1] for name in arrays} <= {"blk", "output_norm"}
+    assert {name for name in arrays if ".blk.0." in name} == set()  # the untouched layer stays home
+    assert any(name.startswith("matrices.blk.1.gate_up.") for name in arrays)  # a fused matrix goes whole
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    before = _q4_logits(base, ids)
+    replica = with_arrays(base, arrays)
+    assert torch.equal(_q4_logits(replica, ids), _q4_logits(learned, ids))
+    assert torch.equal(_q4_logits(base, ids), before)  # the copy in service is untouched
+    assert not torch.equal(_q4_logits(replica, ids), before)
+    assert replica.weights.matrices["blk.0.qkv"] is not base.weights.matrices["blk.0.qkv"]  # a new list ...
+    assert replica.weights.matrices["blk.0.qkv"][0] is base.weights.matrices["blk.0.qkv"][0]  # ... of shared blocks
+    name = next(n for n in arrays if n.endswith(".qs"))
+    for bad, why in (({**arrays, "matrices.blk.9.qkv.0.qs": arrays[name]}, "does not have"),
+                     ({**arrays, name: arrays[name][:1]}, "published"),
+                     ({**arrays, "vectors.output_norm": np.full_like(arrays["vectors.output_norm"], np.inf)}, "non-finite")):
+        with pytest.raises(DraftLoadError, match=why):
+            with_arrays(base, bad)
+    assert torch.equal(_q4_logits(base, ids), before)
+
+
+def test_q4_keys_map_changed_modules_to_the_copys_tensors():
+    assert q4_keys(["model.layers.1.mlp.down_proj."], 2) == {f"blk.1.{n}" for n in (
+        "attn_norm", "ffn_norm", "qkv_bias", "qkv", "attn_output", "gate_up", "ffn_down")}
+    assert q4_keys(["model.norm.", "lm_head."], 2) == {"output_norm", "output"}
+    assert q4_keys(["model.embed_tokens."], 2) == {"embd", "output"}  # a tied head is quantized from the table
+    with pytest.raises(DraftLoadError, match="no place"):
+        q4_keys(["model.layers.7.mlp.down_proj."], 2)

@@ -14,7 +14,8 @@ from osd.models import q4
 
 require_q4()
 
-ISAS = ["avx2"] + (["avx512_vnni"] if q4.available() and q4.has_vnni() else [])
+ISAS = ["avx2"] + (["avx512_vnni"] if q4.available() and q4.has_vnni() else []) + (
+    ["amx"] if q4.available() and q4.has_amx() else [])
 
 
 def random_blocks(n: int, k: int, type_name: str, seed: int) -> torch.Tensor:
@@ -123,11 +124,16 @@ def test_each_row_is_bitwise_independent_of_the_row_count(type_name):
 
 @pytest.mark.skipif(len(ISAS) < 2, reason="this CPU has no AVX-512 VNNI")
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
-def test_avx2_and_vnni_paths_agree_bitwise(type_name):
+def test_every_path_agrees_bitwise(type_name):
+    """AVX2, VNNI and (where the CPU has it) AMX: the same bits, at every row count the AMX path takes (3 and more a
+    pass, up to 8, and a last pass of 1-7 beyond) and below it."""
     raw = random_blocks(21, 1280, type_name, seed=11)
     weight = q4.repack(raw, type_name)
-    acts = q4.quantize_activations(activations(6, 1280, seed=12))
-    assert torch.equal(q4.matmul(acts, weight, "avx2"), q4.matmul(acts, weight, "avx512_vnni"))
+    for m in (1, 2, 3, 6, 8, 13, 19):
+        acts = q4.quantize_activations(activations(m, 1280, seed=12 + m))
+        reference = q4.matmul(acts, weight, "avx2")
+        for isa in ISAS[1:]:
+            assert torch.equal(q4.matmul(acts, weight, isa), reference), (isa, m)
 
 
 def test_isa_forced_by_environment(monkeypatch):

@@ -167,7 +167,8 @@ COPY_ARMS = {"osd_q4_vnni": "int8_vnni", "osd_q4_q4draft": "q4"}  # arm -> the d
 def _copy_arm(system, q4_target, spec: SpeculationConfig, max_new: int, arm: str, busy: int = 0):
     """osd_q4 with another serving copy of the configured draft (COPY_ARMS: int8_vnni, q4) in place of its own (same
     master weights), chains as osd_q4, so the two copies stand side by side."""
-    from osd.build import special_ids, speculative_engine
+    from osd.build import speculative_engine
+    from osd.models.tokenizer import special_ids
     from osd.models import kernels
     from osd.models.serving_draft import make_serving_draft
 

@@ -44,24 +44,11 @@ def connect(address: str | None = None) -> float:
     return time.perf_counter() - start
 
 
-def cluster_models(models, learn):
-    """The replicas' ModelConfig: with a learner, draft copies whose changed tensors it can ship (cluster/weights.py:
-    int8 or float), so --draft-quantize auto means int8 there and q4 is refused (a Q4 copy is requantized whole)."""
-    if learn is None:
-        return models
-    if models.draft_quantize == "q4":
-        raise InvalidArgument("--draft-quantize q4 with --replicas and a learner is not supported yet: replicas receive "
-                              "the changed tensors of an int8 or float copy (cluster/weights.py), a Q4 copy is "
-                              "requantized whole; use --draft-quantize int8 there")
-    return dataclasses.replace(models, draft_quantize="int8") if models.draft_quantize == "auto" else models
-
-
 def start_cluster(models, spec, learn, replicas: int, address: str | None = None, calibrate: bool = True,
                   namespace: str = NAMESPACE) -> Cluster:
     """N replicas (each `models.threads` threads, or 1) and, with `learn`, one learner; waits until all answer."""
     if replicas < 1:
         raise InvalidArgument(f"replicas must be >= 1, got {replicas}")
-    models = cluster_models(models, learn)  # before Ray starts
     connect(address)
     threads = models.threads or 1  # each replica asks Ray for a CPU per thread
     have = ray.cluster_resources().get("CPU", 0)
@@ -78,6 +65,8 @@ def start_cluster(models, spec, learn, replicas: int, address: str | None = None
     if learn is not None:  # first: a starting replica asks it for the newest version
         learner = ray.remote(LearnerNode).options(name=LEARNER, num_cpus=0, max_concurrency=4, **common).remote(
             models, learn, replicas, namespace)
+    if learner is not None and models.draft_quantize == "auto":  # the kind the learner timed and will ship
+        models = dataclasses.replace(models, draft_quantize=ray.get(learner.copy_kind.remote()))
     handles = [ray.remote(ReplicaNode).options(name=replica_name(i), num_cpus=threads, scheduling_strategy="SPREAD",
                                                **common).remote(i, models, spec, learn, namespace, calibrate)
                for i in range(replicas)]

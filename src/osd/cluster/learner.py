@@ -29,7 +29,9 @@ class Published:
 
 class LearnerNode:
     def __init__(self, models, learn, replicas: int, namespace: str = NAMESPACE):
-        from osd.build import set_threads, special_ids
+        from osd.build import set_threads
+        from osd.memory import trim
+        from osd.models.tokenizer import special_ids
         from osd.learn.online import OnlineLearner
         from osd.models.loading import load_model, load_tokenizer
 
@@ -45,6 +47,12 @@ class LearnerNode:
                          "build_seconds": 0.0}  # building each version's serving copy and payload
         self.by_replica: dict[str, int] = {}
         master = load_model(models.draft, models.draft_dtype)
+        if models.draft_quantize == "auto":  # timed here, once: every replica then serves (and is shipped) that kind
+            from osd.propose.copy_choice import choose_copy
+
+            kind = choose_copy(master, models.draft_vocab, self.special_ids, models.allow_kernel_fallback).quantize
+            self.models = models = dataclasses.replace(models, draft_quantize=kind)
+            trim()
         self.learner = OnlineLearner(master, self._publish, dataclasses.replace(learn, schedule="background"),
                                      engine_busy=lambda: time.monotonic() - self._last_traffic < TRAFFIC_WINDOW)
         self.learner.resume()  # the last checkpoint, published at its version (pushed to the replicas)
@@ -98,6 +106,10 @@ class LearnerNode:
             except ValueError:  # not created yet: it fetches the newest version when it starts (`latest`)
                 self.counters["pushes_failed"] += 1
         return Published(v)
+
+    def copy_kind(self) -> str:
+        """The serving copy every version is built as (auto resolved at start): what the replicas must serve."""
+        return self.models.draft_quantize
 
     def latest(self) -> tuple[int, list, float]:
         """(version, [reference] or [] before any publish, when it was published): what a starting replica serves."""

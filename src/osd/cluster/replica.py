@@ -138,7 +138,7 @@ class ReplicaNode:
         from osd.memory import process_memory
 
         registry = self.system.registry  # what a request starting now is served (swaps publish here)
-        return {"index": self.index, "version": self.version,
+        return {"index": self.index, "version": self.version, "draft_copy": self.system.models.draft_quantize,
                 "drafts": {name: registry.get(name).version for name in registry.names()},
                 **process_memory(), "pid": os.getpid(),
                 "running": self.worker.running, "queued": self.worker.depth, **self.counters, "last_swap": self.last_swap,

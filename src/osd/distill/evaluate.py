@@ -22,7 +22,7 @@ from osd.learn.batch import draft_logits_at
 from osd.learn.buffer import ReplayItem
 from osd.learn.compact import CompactDist
 from osd.learn.losses import bucket_log_probs, tv_distance
-from osd.models.vocab_map import in_target_vocab
+from osd.models.vocab_map import expand_logits, in_target_vocab
 from osd.speed_model import expected_speedup
 
 
@@ -69,20 +69,41 @@ def sample_item(sample: TargetSample) -> ReplayItem:
 def position_stats(draft, items: list[ReplayItem], samples: list[TargetSample], split: int = 0,
                    batch_size: int = 8) -> list[dict]:
     """Per sample: greedy matches (draft argmax == target token), 1 - TV and the target's top-1 probability at
-    each response position."""
+    each response position (the master draft in torch, teacher-forced, `batch_size` samples a forward)."""
     out = []
     for s in range(0, len(items), batch_size):
         chunk = items[s : s + batch_size]
         logits = in_target_vocab(draft, draft_logits_at(draft, chunk, split))  # (N, V): -inf outside a draft's map
-        target_logp, draft_logp = bucket_log_probs(logits, CompactDist.cat([it.target for it in chunk]))
-        beta = 1 - tv_distance(target_logp, draft_logp)
-        offset = 0
-        for item, sample in zip(chunk, samples[s : s + batch_size]):
-            n = len(item.positions)
-            pred = logits[offset : offset + n].argmax(-1)
-            out.append({"matches": (pred == torch.tensor(sample.response_ids)).tolist(),
-                        "beta": beta[offset : offset + n].tolist(), "target_top1": item.target.probs[:, 0].tolist()})
-            offset += n
+        out += _stats(logits, chunk, samples[s : s + batch_size])
+    return out
+
+
+@torch.no_grad()
+def serving_stats(runner, vocab_ids: torch.Tensor | None, vocab_size: int, samples: list[TargetSample]) -> list[dict]:
+    """position_stats of a serving copy through its runner (the forwards that serve: a Q4 or int8 copy's kernels),
+    each sample's prompt and response fed in one call, the logits kept at every response position."""
+    out = []
+    for sample in samples:
+        item = sample_item(sample)
+        runner.reset()
+        logits = runner.feed(item.tokens, n_logits=len(item.positions))  # positions P-1 predict tokens P
+        if vocab_ids is not None:
+            logits = expand_logits(logits, vocab_ids, vocab_size)
+        out += _stats(logits, [item], [sample])
+    return out
+
+
+def _stats(logits: torch.Tensor, items: list[ReplayItem], samples: list[TargetSample]) -> list[dict]:
+    """(sum of positions, V) draft logits in the target's vocabulary -> position_stats' rows, one per sample."""
+    target_logp, draft_logp = bucket_log_probs(logits, CompactDist.cat([it.target for it in items]))
+    beta = 1 - tv_distance(target_logp, draft_logp)
+    out, offset = [], 0
+    for item, sample in zip(items, samples):
+        n = len(item.positions)
+        pred = logits[offset : offset + n].argmax(-1)
+        out.append({"matches": (pred == torch.tensor(sample.response_ids)).tolist(),
+                    "beta": beta[offset : offset + n].tolist(), "target_top1": item.target.probs[:, 0].tolist()})
+        offset += n
     return out
 
 

@@ -12,8 +12,11 @@ COLUMNS = [("alpha greedy", "alpha_greedy"), ("tokens/step greedy", "tokens_per_
 
 
 def eval_table(result: dict) -> str:
-    rows = [[name] + [row.get(key) for _, key in COLUMNS] for name, row in result["drafts"].items()]
-    return table(rows, ["draft"] + [c for c, _ in COLUMNS])
+    """One row per draft; a `copy` column when serving copies were measured (the float master otherwise)."""
+    copies = any("serving_copy" in row for row in result["drafts"].values())
+    rows = [[name] + ([row.get("serving_copy", "none")] if copies else []) + [row.get(key) for _, key in COLUMNS]
+            for name, row in result["drafts"].items()]
+    return table(rows, ["draft"] + (["copy"] if copies else []) + [c for c, _ in COLUMNS])
 
 
 def confidence_table(result: dict) -> str:

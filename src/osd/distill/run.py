@@ -8,21 +8,32 @@ from pathlib import Path
 
 from osd.config import ModelConfig
 from osd.distill.cache import DecodeSettings
-from osd.distill.evaluate import position_stats, sample_item, summarize
+from osd.distill.evaluate import position_stats, sample_item, serving_stats, summarize
 from osd.distill.generate import decode_batch
 from osd.distill.target_outputs import dataset_samples
 from osd.distill.trainer import DistillConfig, DistillTrainer, export_draft
-from osd.models.loading import load_model
+from osd.models.cached import CachedModel
+from osd.models.loading import load_model, load_tokenizer
+from osd.models.tokenizer import special_ids
+from osd.propose.copy_choice import serving_copy
+from osd.propose.draft_model import serving_runner
 
 
 def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
-def evaluate_draft(draft, samples, k: int = 4, calibration: dict | None = None, max_new_tokens: int | None = None) -> dict:
-    """Acceptance of `draft` on cached target outputs (greedy exact, T = 1 expected)."""
-    stats = position_stats(draft, [sample_item(s) for s in samples], samples)
-    return summarize(stats, k, calibration, max_new_tokens)
+def evaluate_draft(draft, samples, k: int = 4, calibration: dict | None = None, max_new_tokens: int | None = None,
+                   copy=None) -> dict:
+    """Acceptance of `draft` on cached target outputs (greedy exact, T = 1 expected): the master in torch, or with
+    `copy` (a CopyChoice: propose/copy_choice.py) the serving copy that proposes, through its own runner."""
+    if copy is None:
+        stats = position_stats(draft, [sample_item(s) for s in samples], samples)
+        return summarize(stats, k, calibration, max_new_tokens)
+    runner = serving_runner(copy.serving) or CachedModel(copy.serving)
+    stats = serving_stats(runner, copy.vocab_ids, int(draft.config.vocab_size), samples)
+    return {**summarize(stats, k, calibration, max_new_tokens), "serving_copy": copy.quantize,
+            "copy_seconds_per_token": copy.seconds or None}
 
 
 def student_source(models: ModelConfig, draft, prompts_of, settings: DecodeSettings, config: DistillConfig, eos, pad):
@@ -98,8 +109,13 @@ def run_eval(models: ModelConfig, drafts: list[str], settings: DecodeSettings, d
              k: int = 4, calibration: dict | None = None, batch_size_generate: int = 8, cache_dir=None,
              progress=None) -> dict:
     samples, _ = dataset_samples(models, dataset, split, limit, settings, 0, batch_size_generate, cache_dir, progress)
+    keep_ids = special_ids(load_tokenizer(models.target))
     rows = {}
     for spec in drafts:
-        rows[spec] = evaluate_draft(load_model(spec, models.draft_dtype), samples, k, calibration, settings.max_new_tokens)
+        master = load_model(spec, models.draft_dtype)
+        copy = None
+        if models.draft_quantize != "none" or models.draft_vocab:  # what serving proposes from (build.py)
+            copy = serving_copy(master, models.draft_quantize, models.draft_vocab, keep_ids, models.allow_kernel_fallback)
+        rows[spec] = evaluate_draft(master, samples, k, calibration, settings.max_new_tokens, copy)
     return {"dataset": dataset, "split": split, "limit": limit, "teacher": asdict(settings), "k": k,
             "calibration": calibration, "drafts": rows, "peak_rss_gib": peak_rss_gib()}

@@ -19,3 +19,10 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
         t, d = getattr(target_tokenizer, attr, None), getattr(draft_tokenizer, attr, None)
         if t is not None and d is not None and t != d:
             raise TokenizerMismatch(f"draft and target disagree on {attr}: draft {d}, target {t}")
+
+
+def special_ids(tokenizer) -> list[int]:
+    """The tokenizer's special and added token ids: a draft's narrowed LM head always keeps them (EOS included)."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids |= set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    return sorted(int(i) for i in ids)

@@ -67,3 +67,12 @@ def choose_copy(master, draft_vocab: int = 0, keep_ids: list[int] = (), allow_ke
     seconds = forward_seconds(runners, int(master.config.vocab_size))
     best = min(CANDIDATES, key=lambda q: seconds[q])  # a tie: the first, q4
     return CopyChoice(best, *copies[best], seconds)
+
+
+def serving_copy(master, quantize: str, draft_vocab: int = 0, keep_ids: list[int] = (),
+                 allow_kernel_fallback: bool = False) -> CopyChoice:
+    """The serving copy --draft-quantize names: auto -> choose_copy (timed here); any other, built as named, untimed.
+    What serving publishes first (build.py) and what `osd eval` measures (distill/run.py)."""
+    if quantize == "auto":
+        return choose_copy(master, draft_vocab, keep_ids, allow_kernel_fallback)
+    return CopyChoice(quantize, *make_serving_draft(master, quantize, draft_vocab, keep_ids, allow_kernel_fallback), {})
