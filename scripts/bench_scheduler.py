@@ -13,14 +13,11 @@ and a BENCHMARKS.md block.
     python scripts/bench_scheduler.py --levels 1 4 --arms spec spec-q4 spec-q4-fresh target-only  # draft prefix reuse
     python scripts/bench_scheduler.py --levels 1 4 --arms spec spec-int8 target-only  # auto's copy against int8
     python scripts/bench_scheduler.py --levels 4 4 4 4 --arms spec target-only  # one level 4 times: pooled, each run's ratio
-    python scripts/bench_scheduler.py --levels 1 4 8 --arms spec spec-vnni target-only target-only-vnni  # AMX vs VNNI
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
-import os
 import time
 
 from osd.bench.record import emit_report, machine, write_result
@@ -35,9 +32,7 @@ Q4_DRAFT = {"draft": "bundled:qwen2.5-coder-0.5b", "draft_quantize": "q4"}  # th
 ARMS = {"spec": (6, {}), "target-only": (0, {}),  # k, and what the arm's ModelConfig sets beside the target
         "spec-int8": (6, {"draft_quantize": "int8"}),  # the default draft's int8 copy (spec: the copy auto picks)
         "spec-q4": (6, Q4_DRAFT),
-        "spec-q4-fresh": (6, Q4_DRAFT),  # the same, its draft feeding every prompt whole (no draft prefix reuse)
-        "spec-vnni": (6, {}), "target-only-vnni": (0, {})}  # spec / target-only on the Q4 kernel's AVX-512 VNNI path
-ISA = {"spec-vnni": "avx512_vnni", "target-only-vnni": "avx512_vnni"}  # arms whose Q4 matrices run another path
+        "spec-q4-fresh": (6, Q4_DRAFT)}  # the same, its draft feeding every prompt whole (no draft prefix reuse)
 
 
 def timed(totals: collections.Counter, name: str, f):
@@ -72,20 +67,6 @@ def without_draft_reuse(proposer):
     return proposer
 
 
-@contextlib.contextmanager
-def kernel_path(isa: str | None):
-    """$OSD_Q4_ISA = isa while an arm is built (None: the best path this CPU has, as serving runs)."""
-    before = os.environ.get("OSD_Q4_ISA")
-    if isa:
-        os.environ["OSD_Q4_ISA"] = isa
-    try:
-        yield
-    finally:
-        os.environ.pop("OSD_Q4_ISA", None)
-        if before is not None:
-            os.environ["OSD_Q4_ISA"] = before
-
-
 # per level, from the scheduler's counters; sequence_steps / steps is how many sequences a step advanced on average
 COUNTED = ("steps", "rows", "decode_rows", "prefill_rows", "proposed", "accepted", "reused_rows", "sequence_steps")
 
@@ -95,9 +76,8 @@ class Arm:
 
     def __init__(self, name: str, args):
         k, models = ARMS[name]
-        with kernel_path(ISA.get(name)):  # each Q4 matrix binds its path when built
-            system = build_system(ModelConfig(target=args.target, threads=args.threads, **models),
-                                  SpeculationConfig(k=k, lookup=True, max_batch=args.max_batch))
+        system = build_system(ModelConfig(target=args.target, threads=args.threads, **models),
+                              SpeculationConfig(k=k, lookup=True, max_batch=args.max_batch))
         self.name, self.engine, self.totals = name, system.engine, collections.Counter()
         self.engine.calibrate()
         sched = self.engine.scheduler

@@ -14,8 +14,7 @@ from osd.models import q4
 
 require_q4()
 
-ISAS = ["avx2"] + (["avx512_vnni"] if q4.available() and q4.has_vnni() else []) + (
-    ["amx"] if q4.available() and q4.has_amx() else [])
+ISAS = ["avx2"] + (["avx512_vnni"] if q4.available() and q4.has_vnni() else [])
 
 
 def random_blocks(n: int, k: int, type_name: str, seed: int) -> torch.Tensor:
@@ -125,8 +124,7 @@ def test_each_row_is_bitwise_independent_of_the_row_count(type_name):
 @pytest.mark.skipif(len(ISAS) < 2, reason="this CPU has no AVX-512 VNNI")
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 def test_every_path_agrees_bitwise(type_name):
-    """AVX2, VNNI and (where the CPU has it) AMX: the same bits, at every row count the AMX path takes (3 and more a
-    pass, up to 8, and a last pass of 1-7 beyond) and below it."""
+    """AVX2 and VNNI: the same bits at any row count (whole passes of 8 rows and a last pass of 1-7)."""
     raw = random_blocks(21, 1280, type_name, seed=11)
     weight = q4.repack(raw, type_name)
     for m in (1, 2, 3, 6, 8, 13, 19):

@@ -41,7 +41,7 @@ QK = 256  # weights per K-quant block
 Q4K_BLOCK_BYTES = 144  # ggml's block_q4_K
 Q6K_BLOCK_BYTES = 210  # ggml's block_q6_K
 ROWS_PER_PASS = 8  # q4_kernel.cpp MAX_R: rows multiplied per pass over a weight; one more row costs another pass
-ISAS = {"best": 0, "avx2": 1, "avx512_vnni": 2, "amx": 3}
+ISAS = {"best": 0, "avx2": 1, "avx512_vnni": 2}
 TILE = 16  # output columns per tile of the weight layout (q4_kernel.cpp's TILE)
 
 _lock = threading.Lock()
@@ -85,22 +85,15 @@ def has_vnni() -> bool:
     return bool(kernel().has_vnni())
 
 
-def has_amx() -> bool:
-    """Whether this CPU runs the AMX path (Intel's tile unit, and a Linux kernel that lets this process use it)."""
-    return bool(kernel().has_amx())
-
-
 def resolve_isa(isa: str | None = None) -> str:
-    """The path a call runs: `isa`, else $OSD_Q4_ISA, else the best this CPU has ('amx', 'avx512_vnni' or 'avx2')."""
+    """The path a call runs: `isa`, else $OSD_Q4_ISA, else the best this CPU has ('avx512_vnni' or 'avx2')."""
     isa = isa or os.environ.get("OSD_Q4_ISA") or "best"
     if isa not in ISAS:
         raise InvalidArgument(f"unknown ISA {isa!r}: one of {', '.join(ISAS)}")
     if isa == "best":
-        return "amx" if has_amx() else "avx512_vnni" if has_vnni() else "avx2"
+        return "avx512_vnni" if has_vnni() else "avx2"
     if isa == "avx512_vnni" and not has_vnni():
         raise InvalidArgument("this CPU has no AVX-512 VNNI")
-    if isa == "amx" and not has_amx():
-        raise InvalidArgument("this CPU (or its Linux kernel) offers no AMX")
     return isa
 
 

@@ -27,27 +27,19 @@
 // i8 the 16 columns' 16 signed sub-block scales (s-major); d (T B, 16) f16. Activations are in kernel order:
 // 4-byte group 8 v + l holds weights 32 l + 4 v + (0..3) of the block.
 //
-// Three code paths: AVX2 (maddubs, 8 columns a vector), AVX-512 VNNI (vpdpbusd, 16) and AMX (Intel's tile unit:
-// tdpbsud, 8 rows x 16 columns x 32 weights an instruction, for passes of 3 or more rows), chosen at run time. All
+// Two code paths: AVX2 (maddubs, 8 columns a vector) and AVX-512 VNNI (vpdpbusd, 16), chosen at run time. Both
 // compute the same exact int32 sums per (row, block, column) and then run identical float instructions lane by lane,
 // so their results are bitwise equal; and each row's float accumulation is the same whatever the number of rows
-// computed together (bitwise row-count invariance). AMX multiplies tiles: A = 8 rows x 32 activations (int8, natural
-// order: `natural_rows`), B = the 16 columns' 32 weights of one sub-block as 8 lines of 4 per column (the unpacked
-// lines of the layout above are exactly B's VNNI layout), C = 8 x 16 int32 dot products, stored and scaled per
-// sub-block as the VNNI path scales its sums.
+// computed together (bitwise row-count invariance).
 // Limitations: K must be a multiple of 256; no bias (add it outside); rows beyond 8 go in further passes of 8
 // over the same weights (hot in cache per tile of output columns).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <vector>
 
 namespace {
 
@@ -57,7 +49,6 @@ constexpr int64_t TILE = 16;  // output columns per tile: the weight layout stor
 constexpr int REC = 384;      // bytes per activation record (one row, one block; a multiple of 64), see Rec
 
 #define VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-#define AMX_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
 
 // One row's 256-block of Q8_K activations and what the kernels derive from it once per row instead of once per
 // weight row: the sums of its sub-blocks' quants, as Q4_K's mins and Q6_K's -32 offset need them, in integers.
@@ -75,7 +66,6 @@ struct Q4W {  // per (tile, block): qs 2048 bytes, sm 256 bytes, dd 32 halves (s
   const uint8_t* sm;
   const uint16_t* dd;
   int64_t B;
-  const int8_t* nat = nullptr;  // the AMX path's activations (natural_rows), else unused
 };
 
 struct Q6W {  // per (tile, block): ql 2048 bytes, qh 1024 bytes, sc 256 bytes, d 16 halves (see the layout above)
@@ -84,7 +74,6 @@ struct Q6W {  // per (tile, block): ql 2048 bytes, qh 1024 bytes, sc 256 bytes, 
   const int8_t* sc;
   const uint16_t* d;
   int64_t B;
-  const int8_t* nat = nullptr;
 };
 
 // ---------------------------------------------------------------- activations: ggml's quantize_row_q8_K_ref
@@ -345,150 +334,6 @@ VNNI_TARGET void q6_vnni(const Rec* a, const Q6W& w, float* accs, int64_t t, int
   }
 }
 
-// ---------------------------------------------------------------- AMX
-// Activations for tdpbsud's A tiles: per (group of MAX_R rows, block, 32-weight sub-block l), MAX_R rows of 32 int8 in
-// natural order (positions 32 l .. 32 l + 31), zeros for rows past M. Built once per call (every column tile reads it).
-std::vector<int8_t> natural_rows(const Rec* a, int64_t M, int64_t B) {
-  const int64_t G = (M + MAX_R - 1) / MAX_R;
-  std::vector<int8_t> out(G * B * 8 * MAX_R * 32, 0);
-  for (int64_t row = 0; row < M; ++row)
-    for (int64_t b = 0; b < B; ++b) {
-      const int8_t* q = a[row * B + b].q;  // kernel order: word 8 v + l holds positions 32 l + 4 v + (0..3)
-      int8_t* g = out.data() + ((row / MAX_R) * B + b) * 8 * MAX_R * 32 + (row % MAX_R) * 32;
-      for (int l = 0; l < 8; ++l)
-        for (int v = 0; v < 8; ++v) std::memcpy(g + l * MAX_R * 32 + 4 * v, q + 4 * (8 * v + l), 4);
-    }
-  return out;
-}
-
-struct TileConfig {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// tmm0 / tmm5: C (8 x 16 int32); tmm1: A of 32 activations; tmm2: B of 8 lines; tmm3: A of 16 (Q6_K's 16-weight
-// sub-blocks); tmm4: B of 4 lines. A constant, not a stack object: ldtilecfg's intrinsic tells the compiler it reads
-// 8 bytes, so stores to a local config could be dropped (seen: #UD at the first load of a tile configured there).
-constexpr TileConfig tile_config() {
-  TileConfig c{};
-  c.palette_id = 1;
-  const int shapes[6][2] = {{8, 64}, {8, 32}, {8, 64}, {8, 16}, {4, 64}, {8, 64}};  // rows, bytes a row
-  for (int i = 0; i < 6; ++i) c.rows[i] = shapes[i][0], c.colsb[i] = shapes[i][1];
-  return c;
-}
-alignas(64) constexpr TileConfig TILE_CONFIG = tile_config();
-
-// Loaded per call: the tile state is per thread, and other code (oneDNN's AMX kernels) may reconfigure it.
-AMX_TARGET inline void amx_configure() { _tile_loadconfig(&TILE_CONFIG); }
-
-template <int R>
-AMX_TARGET void q4_amx(const Rec* a, const Q4W& w, float* accs, int64_t t, int64_t r0) {
-  amx_configure();
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  const int64_t B = w.B;
-  const int8_t* nat = w.nat + (r0 / MAX_R) * B * 8 * MAX_R * 32;
-  alignas(64) uint8_t wb[8][8][64];  // sub-block l, line v: each column's weights 32 l + 4 v + (0..3)
-  alignas(64) int32_t cb[MAX_R][16];
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t tb = t * B + b;
-    const uint8_t *qs = w.qs + tb * 2048, *sm = w.sm + tb * 256;
-    for (int l = 0; l < 8; ++l)
-      for (int h = 0; h < 4; ++h) {
-        const uint8_t* line = qs + 64 * (4 * l + h);
-        prefetch(line, 1);
-        const __m512i p = _mm512_loadu_si512(line);
-        _mm512_store_si512(wb[l][h], _mm512_and_si512(p, m4));
-        _mm512_store_si512(wb[l][h + 4], _mm512_and_si512(_mm512_srli_epi16(p, 4), m4));
-      }
-    __m512i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-    for (int l = 0; l < 8; ++l) {
-      _tile_loadd(1, nat + (b * 8 + l) * MAX_R * 32, 32);
-      _tile_loadd(2, wb[l], 64);
-      _tile_zero(0);
-      _tile_dpbsud(0, 1, 2);
-      _tile_stored(0, cb, 64);
-      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 16 * l)));
-      for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_load_si512(cb[r]), sc));
-    }
-    __m512i mn[4];
-    for (int p = 0; p < 4; ++p)
-      mn[p] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 128 + 32 * p)));
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.dd + tb * 32)));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.dd + tb * 32 + 16)));
-    for (int r = 0; r < R; ++r) {  // the VNNI path's float steps, instruction for instruction
-      const Rec* y = a + (r0 + r) * B + b;
-      const int32_t* bs = reinterpret_cast<const int32_t*>(y->bs32);
-      __m512i im = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mn[0], _mm512_set1_epi32(bs[0]));
-      for (int p = 1; p < 4; ++p) im = _mm512_dpwssd_epi32(im, mn[p], _mm512_set1_epi32(bs[p]));
-      const __m512 dy = _mm512_set1_ps(y->d);
-      float* acc = accs + 16 * r;
-      const __m512 t1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, dy), _mm512_load_ps(acc));
-      _mm512_store_ps(acc, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(dmin, dy), t1));
-    }
-  }
-  _tile_release();
-}
-
-template <int R>
-AMX_TARGET void q6_amx(const Rec* a, const Q6W& w, float* accs, int64_t t, int64_t r0) {
-  amx_configure();
-  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-  const int64_t B = w.B;
-  const int8_t* nat = w.nat + (r0 / MAX_R) * B * 8 * MAX_R * 32;
-  alignas(64) uint8_t wb[8][8][64];
-  alignas(64) int32_t c0[MAX_R][16], c1[MAX_R][16];
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t tb = t * B + b;
-    const uint8_t *ql = w.ql + tb * 2048, *qh = w.qh + tb * 1024;
-    const int8_t* sc = w.sc + tb * 256;
-    for (int l = 0; l < 8; ++l) {
-      prefetch(qh + 128 * l, 2);
-      const __m512i h0 = _mm512_loadu_si512(qh + 128 * l), h1 = _mm512_loadu_si512(qh + 128 * l + 64);
-      for (int h = 0; h < 4; ++h) {
-        const uint8_t* line = ql + 64 * (4 * l + h);
-        prefetch(line, 1);
-        const __m512i p = _mm512_loadu_si512(line);
-        _mm512_store_si512(wb[l][h], _mm512_or_si512(_mm512_and_si512(p, m4), _mm512_and_si512(high_bits(h0, h), m30)));
-        _mm512_store_si512(wb[l][h + 4], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(p, 4), m4),
-                                                         _mm512_and_si512(high_bits(h1, h), m30)));
-      }
-    }
-    const Rec* y[R];
-    for (int r = 0; r < R; ++r) y[r] = a + (r0 + r) * B + b;
-    __m512i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-    for (int l = 0; l < 8; ++l) {  // sub-block 2 l: positions 32 l + 0..15 (lines 0-3); 2 l + 1: + 16..31 (lines 4-7)
-      const int8_t* x = nat + (b * 8 + l) * MAX_R * 32;
-      _tile_loadd(3, x, 32);
-      _tile_loadd(4, wb[l][0], 64);
-      _tile_zero(0);
-      _tile_dpbsud(0, 3, 4);
-      _tile_stored(0, c0, 64);
-      _tile_loadd(3, x + 16, 32);
-      _tile_loadd(4, wb[l][4], 64);
-      _tile_zero(5);
-      _tile_dpbsud(5, 3, 4);
-      _tile_stored(5, c1, 64);
-      const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 32 * l)));
-      const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 32 * l + 16)));
-      for (int r = 0; r < R; ++r) {
-        const __m512i s0 = _mm512_add_epi32(_mm512_set1_epi32(y[r]->nbs[l]), _mm512_load_si512(c0[r]));
-        const __m512i s1 = _mm512_add_epi32(_mm512_set1_epi32(y[r]->nbs[8 + l]), _mm512_load_si512(c1[r]));
-        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1)));
-      }
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + tb * 16)));
-    for (int r = 0; r < R; ++r) {
-      float* acc = accs + 16 * r;
-      _mm512_store_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(y[r]->d)),
-                                           _mm512_load_ps(acc)));
-    }
-  }
-  _tile_release();
-}
-
 // ---------------------------------------------------------------- dispatch
 bool cpu_has_vnni() {
   __builtin_cpu_init();
@@ -496,21 +341,12 @@ bool cpu_has_vnni() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
-// AMX where the CPU has it and the kernel lets this process use the tile data (Linux asks for it once per process)
-bool cpu_has_amx() {
-  __builtin_cpu_init();
-  if (!cpu_has_vnni() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return false;
-  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-// isa: 0 = best available, 1 = AVX2, 2 = AVX-512 VNNI, 3 = AMX (an error where the CPU lacks it) -> the path run
-int64_t resolve_path(int64_t isa) {
-  static const bool vnni = cpu_has_vnni(), amx = cpu_has_amx();
-  TORCH_CHECK(isa >= 0 && isa <= 3, "q4_kernel: isa must be 0 (best), 1 (avx2), 2 (avx512_vnni) or 3 (amx)");
-  TORCH_CHECK(isa != 2 || vnni, "q4_kernel: this CPU has no AVX-512 VNNI");
-  TORCH_CHECK(isa != 3 || amx, "q4_kernel: this CPU (or its kernel) offers no AMX");
-  return isa != 0 ? isa : amx ? 3 : vnni ? 2 : 1;
+// isa: 0 = best available, 1 = AVX2, 2 = AVX-512 VNNI (an error where the CPU lacks it)
+bool use_vnni(int64_t isa) {
+  static const bool have = cpu_has_vnni();
+  TORCH_CHECK(isa >= 0 && isa <= 2, "q4_kernel: isa must be 0 (best), 1 (avx2) or 2 (avx512_vnni)");
+  TORCH_CHECK(isa != 2 || have, "q4_kernel: this CPU has no AVX-512 VNNI");
+  return isa == 2 || (isa == 0 && have);
 }
 
 template <class W>
@@ -523,17 +359,6 @@ constexpr TileFn<Q6W> Q6_AVX2[MAX_R] = {q6_avx2<1>, q6_avx2<2>, q6_avx2<3>, q6_a
                                         q6_avx2<5>, q6_avx2<6>, q6_avx2<7>, q6_avx2<8>};
 constexpr TileFn<Q6W> Q6_VNNI[MAX_R] = {q6_vnni<1>, q6_vnni<2>, q6_vnni<3>, q6_vnni<4>,
                                         q6_vnni<5>, q6_vnni<6>, q6_vnni<7>, q6_vnni<8>};
-// AMX from AMX_FROM rows a pass (fewer: the VNNI path, whose results are the same bits)
-constexpr TileFn<Q4W> Q4_AMX[MAX_R] = {q4_vnni<1>, q4_vnni<2>, q4_amx<3>, q4_amx<4>,
-                                       q4_amx<5>, q4_amx<6>, q4_amx<7>, q4_amx<8>};
-constexpr TileFn<Q6W> Q6_AMX[MAX_R] = {q6_vnni<1>, q6_vnni<2>, q6_amx<3>, q6_amx<4>,
-                                       q6_amx<5>, q6_amx<6>, q6_amx<7>, q6_amx<8>};
-constexpr int64_t AMX_FROM = 3;
-
-template <class W>
-const TileFn<W>* path_fns(int64_t path, const TileFn<W>* avx2, const TileFn<W>* vnni, const TileFn<W>* amx) {
-  return path == 3 ? amx : path == 2 ? vnni : avx2;
-}
 
 // Tiles of 16 columns split across threads; within a tile, rows in groups of MAX_R (a row's float sum runs over the
 // blocks in the same order whatever group it is in). Lane i of a row's accumulator is column i: written out directly
@@ -591,12 +416,9 @@ torch::Tensor q4k_matmul(torch::Tensor acts, torch::Tensor qs, torch::Tensor sm,
   check_blocks(qs, T * B, 2048, "qs", at::kByte);
   check_blocks(sm, T * B, 256, "sm", at::kByte);
   check_blocks(dd, T * B, 32, "dd", at::kHalf);
-  Q4W w{qs.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr()), B};
-  const int64_t path = resolve_path(isa);
-  const std::vector<int8_t> nat = path == 3 && M >= AMX_FROM ? natural_rows(a, M, B) : std::vector<int8_t>();
-  w.nat = nat.data();
+  const Q4W w{qs.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr()), B};
   auto y = torch::empty({M, N}, acts.options().dtype(at::kFloat));
-  run_tiles(a, w, y.data_ptr<float>(), M, N, path_fns<Q4W>(path, Q4_AVX2, Q4_VNNI, Q4_AMX));
+  run_tiles(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? Q4_VNNI : Q4_AVX2);
   return y;
 }
 
@@ -608,23 +430,18 @@ torch::Tensor q6k_matmul(torch::Tensor acts, torch::Tensor ql, torch::Tensor qh,
   check_blocks(qh, T * B, 1024, "qh", at::kByte);
   check_blocks(sc, T * B, 256, "sc", at::kChar);
   check_blocks(wd, T * B, 16, "d", at::kHalf);
-  Q6W w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(),
-        reinterpret_cast<const uint16_t*>(wd.data_ptr()), B};
-  const int64_t path = resolve_path(isa);
-  const std::vector<int8_t> nat = path == 3 && M >= AMX_FROM ? natural_rows(a, M, B) : std::vector<int8_t>();
-  w.nat = nat.data();
+  const Q6W w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(),
+              reinterpret_cast<const uint16_t*>(wd.data_ptr()), B};
   auto y = torch::empty({M, N}, acts.options().dtype(at::kFloat));
-  run_tiles(a, w, y.data_ptr<float>(), M, N, path_fns<Q6W>(path, Q6_AVX2, Q6_VNNI, Q6_AMX));
+  run_tiles(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? Q6_VNNI : Q6_AVX2);
   return y;
 }
 
 bool has_vnni() { return cpu_has_vnni(); }
-bool has_amx() { return resolve_path(0) == 3; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_q8k", &quantize_q8k, "x (M, K) f32 -> Q8_K activation records (M, K / 256, 384) u8");
   m.def("q4k_matmul", &q4k_matmul, "Q8_K activations x repacked Q4_K weights^T -> (M, N) f32");
   m.def("q6k_matmul", &q6k_matmul, "Q8_K activations x repacked Q6_K weights^T -> (M, N) f32");
   m.def("has_vnni", &has_vnni, "whether this CPU runs the AVX-512 VNNI path");
-  m.def("has_amx", &has_amx, "whether this CPU (and its kernel) run the AMX path");
 }
