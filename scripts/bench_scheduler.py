@@ -5,7 +5,8 @@ finishes, as `osd bench serve-vs`'s clients do), the same interleaved code / gsm
 every arm, a new slice of prompts per level, levels in order in one engine per arm (as one server serves them), one
 warm-up request per arm not counted; each level runs every arm in turn, the order reversed every other level. Per
 level: output tokens/s, steps, rows (prompt, reused prompt, decode), sequence steps (JSON), proposals and
-acceptances, the seconds in propose, the target pass (feed) and commit. Run it alone on the machine. Writes JSON
+acceptances, the seconds in propose, the target pass (feed) and commit, and (JSON) the row costs the allocation read at
+the level's end beside the decode-only passes it timed, by rows. A level given more than once is also pooled. Run it alone on the machine. Writes JSON
 and a BENCHMARKS.md block.
 
     python scripts/bench_scheduler.py --levels 1 2 4 8 --arms spec target-only
@@ -87,7 +88,24 @@ class Arm:
             proposer_of, sched._proposers[0] = sched._proposer, without_draft_reuse(sched._proposers[0])
             sched._proposer = lambda slot: without_draft_reuse(proposer_of(slot))
         sched._commit = timed(self.totals, "commit_s", sched._commit)
-        sched.slots.feed = timed(self.totals, "target_pass_s", sched.slots.feed)
+        sched.slots.feed = self._timed_pass(timed(self.totals, "target_pass_s", sched.slots.feed))
+        self.by_rows: dict[int, list[float]] = collections.defaultdict(list)  # decode-only passes: rows -> seconds
+
+    def _timed_pass(self, feed):
+        """Each target pass of decoding rows only (every row with its logits: what proposals cost), by rows."""
+        def wrapper(feeds):
+            t0 = time.perf_counter()
+            out = feed(feeds)
+            if feeds and all(f.n_logits == len(f.tokens) for f in feeds):
+                self.by_rows[sum(len(f.tokens) for f in feeds)].append(time.perf_counter() - t0)
+            return out
+        return wrapper
+
+    def row_costs(self) -> dict:
+        """What the allocation read at the end of a level (the fitted RowCosts) beside the passes the level timed."""
+        rows, fitted = self.engine.row_costs.fitted()
+        measured = {r: {"passes": len(t), "mean_s": sum(t) / len(t)} for r, t in sorted(self.by_rows.items())}
+        return {"fitted_s": dict(zip(rows, fitted)), "measured": measured}
 
     def draft_reused_rows(self) -> int:
         """Prompt positions the drafts of every slot took from a cache instead of feeding (DraftModelProposer)."""
@@ -97,6 +115,7 @@ class Arm:
     def level(self, prompts: list[list[int]], concurrency: int, max_new_tokens: int) -> dict:
         stats = self.engine.scheduler.stats
         self.totals.clear()
+        self.by_rows.clear()
         before, reused = dict(vars(stats)), self.draft_reused_rows()
         t0 = time.perf_counter()
         tokens = closed_loop(self.engine, prompts, concurrency, max_new_tokens)
@@ -107,7 +126,7 @@ class Arm:
               f"{delta['rows']} (prompt {delta['prefill_rows']})  proposed {delta['proposed']} accepted "
               f"{delta['accepted']}", flush=True)
         return {"arm": self.name, "concurrency": concurrency, "requests": len(prompts), "output_tokens": tokens,
-                "wall_s": wall, "tokens_per_s": tokens / wall, **delta, **dict(self.totals)}
+                "wall_s": wall, "tokens_per_s": tokens / wall, **delta, **dict(self.totals), "row_costs": self.row_costs()}
 
 
 def run(args, prompts: list[list[int]]) -> list[dict]:
@@ -122,6 +141,28 @@ def run(args, prompts: list[list[int]]) -> list[dict]:
         for arm in (arms if i % 2 == 0 else arms[::-1]):
             records.append(arm.level(batch, c, args.max_new_tokens))
     return records
+
+
+def report_blocks(records: list[dict]) -> list[str]:
+    """The per-level table (each run against target-only's run at the same place: the same level, the same repeat)
+    and, for repeated levels, the pooled one."""
+    seen, runs = collections.Counter(), {}
+    for r in records:
+        runs[(r["arm"], r["concurrency"], seen[(r["arm"], r["concurrency"])])] = r
+        seen[(r["arm"], r["concurrency"])] += 1
+    rows, seen = [], collections.Counter()
+    for r in records:
+        reference = runs.get(("target-only", r["concurrency"], seen[(r["arm"], r["concurrency"])]))
+        seen[(r["arm"], r["concurrency"])] += 1
+        rows.append([r["arm"], r["concurrency"], f"{r['tokens_per_s']:.2f}",
+                     f"{r['tokens_per_s'] / reference['tokens_per_s']:.3f}" if reference else "-",
+                     r["steps"], r["rows"], r["prefill_rows"], r["reused_rows"], r.get("draft_reused_rows", 0),
+                     r["proposed"], r["accepted"], f"{r.get('admit_s', 0):.2f}", f"{r.get('propose_s', 0):.2f}",
+                     f"{r.get('target_pass_s', 0):.2f}", f"{r.get('commit_s', 0):.2f}"])
+    blocks = [table(rows, ["arm", "c", "tokens/s", "x target-only", "steps", "rows", "prompt rows", "reused prompt rows",
+                           "draft reused rows", "proposed", "accepted", "admit s", "propose s", "target pass s",
+                           "commit s"])]
+    return blocks + pooled_table(records)
 
 
 def pooled(records: list[dict]) -> list[dict]:
@@ -174,19 +215,7 @@ def main(argv=None) -> int:
     records = run(args, prompts)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "markdown")}
     path = write_result({"config": config, "records": records, "pooled": pooled(records)}, args.out)
-    by = {(r["arm"], r["concurrency"]): r for r in records}
-    rows = []
-    for r in records:
-        reference = by.get(("target-only", r["concurrency"]))
-        rows.append([r["arm"], r["concurrency"], f"{r['tokens_per_s']:.2f}",
-                     f"{r['tokens_per_s'] / reference['tokens_per_s']:.3f}" if reference else "-",
-                     r["steps"], r["rows"], r["prefill_rows"], r["reused_rows"], r.get("draft_reused_rows", 0),
-                     r["proposed"], r["accepted"], f"{r.get('admit_s', 0):.2f}", f"{r.get('propose_s', 0):.2f}",
-                     f"{r.get('target_pass_s', 0):.2f}", f"{r.get('commit_s', 0):.2f}"])
-    blocks = [table(rows, ["arm", "c", "tokens/s", "x target-only", "steps", "rows", "prompt rows", "reused prompt rows",
-                           "draft reused rows", "proposed", "accepted", "admit s", "propose s", "target pass s",
-                           "commit s"])]
-    blocks += pooled_table(records)
+    blocks = report_blocks(records)
     m = machine()
     description = (f"`python scripts/bench_scheduler.py --levels {' '.join(map(str, args.levels))} --arms "
                    f"{' '.join(args.arms)} --per-level {args.per_level} --out {args.out}`, max_new_tokens "

@@ -32,3 +32,12 @@ def test_a_repeated_level_is_pooled_and_paired_run_by_run():
     assert spec["x_target_only"] == pytest.approx((200 / 7.0) / (200 / 6.5))
     assert spec["ratios"] == pytest.approx([50 / 40, 20 / 25])  # each run against the target-only run beside it
     assert alone["ratios"] == pytest.approx([1.0, 1.0])
+
+
+def test_the_per_level_table_pairs_each_run_with_target_onlys_run_at_the_same_repeat():
+    extra = {k: 0 for k in ("steps", "rows", "prefill_rows", "reused_rows", "proposed", "accepted")}
+    records = [{**_record("spec", 4, 100, 2.0), **extra}, {**_record("target-only", 4, 100, 2.5), **extra},
+               {**_record("target-only", 4, 100, 4.0), **extra}, {**_record("spec", 4, 100, 5.0), **extra}]
+    per_level = _script().report_blocks(records)[0].splitlines()[2:]
+    ratios = [[c.strip() for c in line.strip("|").split("|")][3] for line in per_level]
+    assert ratios == ["1.250", "1.000", "1.000", "0.800"]  # run 1: 50 / 40, run 2: 20 / 25 (not 20 / 40)
