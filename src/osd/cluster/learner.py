@@ -30,10 +30,10 @@ class Published:
 class LearnerNode:
     def __init__(self, models, learn, replicas: int, namespace: str = NAMESPACE):
         from osd.build import set_threads
-        from osd.memory import trim
-        from osd.models.tokenizer import special_ids
         from osd.learn.online import OnlineLearner
+        from osd.memory import trim
         from osd.models.loading import load_model, load_tokenizer
+        from osd.models.tokenizer import special_ids
 
         set_threads(models.threads)
         self.models, self.special_ids = models, special_ids(load_tokenizer(models.target))
