@@ -967,3 +967,29 @@ def test_the_fresh_auto_figures_are_those_of_its_run():
             f"{by[lo]:.2f}x ({lo}) to {by[hi]:.2f}x ({hi}) by domain") in flat
     assert f"({sec['q4'] * 1e3:.2f} ms against {sec['int8'] * 1e3:.2f} ms a draft token for int8)" in flat
     assert sec["q4"] < sec["int8"] and min(by.values()) >= 1.0 and dec["osd_q4"] >= 1.5
+
+
+def test_the_intel_serve_vs_run_at_the_current_defaults_is_that_of_its_json():
+    r = result("bench-serve-vs-intel-auto.json")
+    flat = " ".join(README.split())
+    by = {(x["server"], x["concurrency"]): x for x in r["records"]}
+    tok = lambda s, c: by[(s, c)]["aggregate_tokens_per_s"]  # noqa: E731
+    levels = r["config"]["levels"]
+    ratios = lambda a, b="llama-server": " / ".join(f"{tok(a, c) / tok(b, c):.2f}x" for c in levels)  # noqa: E731
+    cost = [(1 - tok("osd-learning", c) / tok("osd", c)) * 100 for c in levels]
+    assert "Intel" in r["machine"]["cpu"] and levels == [1, 2, 4, 8, 16]
+    assert f"(rev {r['git_revision']}, `bench-serve-vs-intel-auto.json`" in flat
+    assert (f"osd {ratios('osd')} the portable llama-server at 1 / 2 / 4 / 8 / 16 clients; target-only "
+            f"{ratios('osd-target-only')}; with learning {ratios('osd-learning')}: **learning's cost at 8 clients "
+            f"{cost[3]:.0f}%**, inside the target this time (" + " / ".join(f"{x:.0f}%" for x in cost)) in flat
+    assert cost[3] <= 10
+    spec = [tok("osd", c) / tok("osd-target-only", c) for c in levels]
+    assert (f"Speculation against osd target-only {spec[0]:.2f}x / {spec[1]:.2f}x alone and at 2 clients, "
+            f"{spec[2]:.2f}x / {spec[3]:.2f}x / {spec[4]:.2f}x from 4 on") in flat
+    pooled = [next(p for p in result(name)["pooled"] if p["arm"] == "spec")["x_target_only"]
+              for name in ("bench-scheduler-c4-pooled-intel.json", "bench-scheduler-c4-pooled-intel-first.json")]
+    assert f"paired repeats at 4 in flight: {pooled[0]:.3f}x and, in another run, {pooled[1]:.3f}x" in flat
+    prefill = {p["server"]: p["prompt_tokens_per_s"] for p in r["prefill"]}
+    assert f"Prefill of the 1,063-token prompt {prefill['osd']:.0f} prompt tokens/s against {prefill['llama-server']:.0f}." in flat
+    same = [v for arm in r["identity"].values() for v in arm.values()]
+    assert all(v["same"] == v["of"] for v in same) and sum(v["of"] for v in same) == 160
