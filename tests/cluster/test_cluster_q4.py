@@ -39,6 +39,7 @@ def test_replicas_serve_the_learners_copy_and_take_its_versions(cluster):
     kind = ray.get(learner.copy_kind.remote())
     assert kind == "q4" if quantize == "q4" else kind in ("q4", "int8")  # auto: whichever the learner timed faster
     assert ray.get(replica.stats.remote())["draft_copy"] == kind  # the replica serves what it will be shipped
+    assert ray.get(learner.stats.remote())["draft_copy"] == kind
     target = target_model(root)
     for prompt, (result, _) in zip(PROMPTS, answers(made.pool, PROMPTS)):
         assert result.token_ids == plain_greedy(target, prompt, N_NEW)[: len(result.token_ids)]

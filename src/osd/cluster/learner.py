@@ -128,7 +128,7 @@ class LearnerNode:
         from osd.memory import process_memory
 
         return {**self.learner.stats(), "paused": self.learner.paused, **self.counters, **process_memory(),
-                "pid": os.getpid(),
+                "pid": os.getpid(), "draft_copy": self.models.draft_quantize,
                 "samples_by_replica": dict(self.by_replica)}
 
     def pause(self, timeout: float = 120.0) -> bool:
