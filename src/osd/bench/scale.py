@@ -66,7 +66,8 @@ def run_arm(config: ScaleConfig, n: int, threads: int) -> tuple[dict, list]:
                   learner={key: learned.get(key) for key in ("peak_rss_bytes", "samples_received", "sample_bytes_received",
                                                              "requests_received", "submit_seconds", "updates_published",
                                                              "updates_rejected", "optimizer_steps", "train_seconds",
-                                                             "version", "samples_by_replica")} if learner else None)
+                                                             "version", "samples_by_replica", "draft_copy")}
+                  if learner else None, draft_copies=[r.get("draft_copy") for r in replicas])
     if got:  # samples that arrived while the load ran, and what the learner had done by the load's end
         record["learner_at_load_end"] = {k: got.get(k) for k in ("optimizer_steps", "train_seconds", "updates_published")}
         record["learner_samples_per_s"] = got["samples_received"] / wall if wall else None
