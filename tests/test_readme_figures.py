@@ -993,3 +993,12 @@ def test_the_intel_serve_vs_run_at_the_current_defaults_is_that_of_its_json():
     assert f"Prefill of the 1,063-token prompt {prefill['osd']:.0f} prompt tokens/s against {prefill['llama-server']:.0f}." in flat
     same = [v for arm in r["identity"].values() for v in arm.values()]
     assert all(v["same"] == v["of"] for v in same) and sum(v["of"] for v in same) == 160
+
+
+def test_the_q4_payload_is_that_of_bench_scale_q4():
+    r = result("bench-scale-q4-intel.json")
+    (record,) = r["records"]
+    assert record["learner"]["draft_copy"] == "q4" and set(record["draft_copies"]) == {"q4"}
+    assert (f"gate|up matrices are fused: {record['publish']['payload_bytes'] / 1e6:.1f} MB for the shipped draft, "
+            "`bench-scale-q4-intel.json`, where the learner timed and chose the Q4 copy for every replica)") in " ".join(
+        README.split())
