@@ -10,6 +10,13 @@ def result(name: str) -> dict:
     return json.loads((ROOT / "benchmarks" / name).read_text())
 
 
+def serve_vs(name: str):
+    """An `osd bench serve-vs` result -> (result, records by (server, clients), aggregate tokens/s of (server, clients))."""
+    r = result(name)
+    by = {(x["server"], x["concurrency"]): x for x in r["records"]}
+    return r, by, lambda s, c: by[(s, c)]["aggregate_tokens_per_s"]
+
+
 def test_llama_cpp_row_costs_are_those_of_bench_kernel():
     cost = result("bench-kernel.json")["llama_cpp"]["cost_vs_one_row"]  # rows 1..8
     assert f"against {cost[1]:.2f} / {cost[3]:.2f} / {cost[7]:.2f}x for llama.cpp's forward" in README
@@ -616,10 +623,8 @@ def test_the_native_llama_server_figures_are_those_of_bench_serve_vs_native():
 
 
 def test_the_latest_serve_vs_run_is_that_of_bench_serve_vs_x16():
-    r = result("bench-serve-vs-x16.json")
+    r, by, tok = serve_vs("bench-serve-vs-x16.json")
     flat = " ".join(README.split())
-    by = {(x["server"], x["concurrency"]): x for x in r["records"]}
-    tok = lambda s, c: by[(s, c)]["aggregate_tokens_per_s"]  # noqa: E731
     levels = r["config"]["levels"]
     native, portable = "llama-server-native", "llama-server"
     ratios = lambda a, b: " / ".join(f"{tok(a, c) / tok(b, c):.2f}x" for c in levels)  # noqa: E731
@@ -753,10 +758,8 @@ def test_the_intel_learned_code_run_is_that_of_its_replay_and_speed_jsons():
 
 
 def test_the_intel_serve_vs_run_is_that_of_bench_serve_vs_intel():
-    r = result("bench-serve-vs-intel.json")
+    r, by, tok = serve_vs("bench-serve-vs-intel.json")
     flat = " ".join(README.split())
-    by = {(x["server"], x["concurrency"]): x for x in r["records"]}
-    tok = lambda s, c: by[(s, c)]["aggregate_tokens_per_s"]  # noqa: E731
     levels, portable = r["config"]["levels"], "llama-server"
     ratios = lambda a: " / ".join(f"{tok(a, c) / tok(portable, c):.2f}x" for c in levels)  # noqa: E731
     p95 = lambda s: " / ".join(f"{by[(s, c)]['ttft_p95_s']:.2f}" for c in levels)  # noqa: E731
@@ -970,10 +973,8 @@ def test_the_fresh_auto_figures_are_those_of_its_run():
 
 
 def test_the_intel_serve_vs_run_at_the_current_defaults_is_that_of_its_json():
-    r = result("bench-serve-vs-intel-auto.json")
+    r, by, tok = serve_vs("bench-serve-vs-intel-auto.json")
     flat = " ".join(README.split())
-    by = {(x["server"], x["concurrency"]): x for x in r["records"]}
-    tok = lambda s, c: by[(s, c)]["aggregate_tokens_per_s"]  # noqa: E731
     levels = r["config"]["levels"]
     ratios = lambda a, b="llama-server": " / ".join(f"{tok(a, c) / tok(b, c):.2f}x" for c in levels)  # noqa: E731
     cost = [(1 - tok("osd-learning", c) / tok("osd", c)) * 100 for c in levels]
