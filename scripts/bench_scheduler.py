@@ -2,18 +2,18 @@
 
 No HTTP, no tokenizer round trips: `c` requests kept in flight on the engine's scheduler (a new one admitted as one
 finishes, as `osd bench serve-vs`'s clients do), the same interleaved code / gsm8k / spider / chat test prompts for
-every arm, a new slice of prompts per level, levels in order in one engine per arm (as one server serves them), one
-warm-up request per arm not counted; each level runs every arm in turn, the order reversed every other level. Per
-level: output tokens/s, steps, rows (prompt, reused prompt, decode), sequence steps (JSON), proposals and
-acceptances, the seconds in propose, the target pass (feed) and commit, and (JSON) the row costs the allocation read at
-the level's end beside the decode-only passes it timed, by rows. A level given more than once is also pooled. Run it alone on the machine. Writes JSON
-and a BENCHMARKS.md block.
+every arm, a new slice of prompts per level, levels in order in one engine per arm (as one server serves them), a
+warm-up per arm at each level's load not counted (the first prompt, c copies at once); each level runs every arm in
+turn, the order reversed every other level. Per level: output tokens/s, steps, rows (prompt, reused prompt, decode),
+sequence steps (JSON), proposals and acceptances, the seconds in propose, the target pass (feed) and commit, and
+(JSON) the row costs the allocation read at the level's end beside the decode-only passes it timed, by rows. A level
+given more than once is also pooled. Run it alone on the machine. Writes JSON and a BENCHMARKS.md block.
 
     python scripts/bench_scheduler.py --levels 1 2 4 8 --arms spec target-only
     python scripts/bench_scheduler.py --levels 1 8 --arms spec spec-q4 target-only   # + the whole 0.5B's Q4 copy
     python scripts/bench_scheduler.py --levels 1 4 --arms spec spec-q4 spec-q4-fresh target-only  # draft prefix reuse
     python scripts/bench_scheduler.py --levels 1 4 --arms spec spec-int8 target-only  # auto's copy against int8
-    python scripts/bench_scheduler.py --levels 4 4 4 4 --arms spec target-only  # one level 4 times: pooled, each run's ratio
+    python scripts/bench_scheduler.py --levels 4 4 4 4 --arms spec target-only  # a level 4 times: pooled, paired
 """
 from __future__ import annotations
 
@@ -126,7 +126,8 @@ class Arm:
               f"{delta['rows']} (prompt {delta['prefill_rows']})  proposed {delta['proposed']} accepted "
               f"{delta['accepted']}", flush=True)
         return {"arm": self.name, "concurrency": concurrency, "requests": len(prompts), "output_tokens": tokens,
-                "wall_s": wall, "tokens_per_s": tokens / wall, **delta, **dict(self.totals), "row_costs": self.row_costs()}
+                "wall_s": wall, "tokens_per_s": tokens / wall, **delta, **dict(self.totals),
+                "row_costs": self.row_costs()}
 
 
 def run(args, prompts: list[list[int]]) -> list[dict]:
@@ -134,7 +135,8 @@ def run(args, prompts: list[list[int]]) -> list[dict]:
     so a slow spell of the machine does not fall on one arm's levels only)."""
     arms = [Arm(name, args) for name in args.arms]
     for arm in arms:
-        closed_loop(arm.engine, prompts[:1], 1, args.max_new_tokens)  # warm-up
+        for c in sorted(set(args.levels)):  # warm-up at every level's load: its batched paths run once, not counted
+            closed_loop(arm.engine, prompts[:1] * c, c, args.max_new_tokens)
     records = []
     for i, c in enumerate(args.levels):
         batch = prompts[1 + i * args.per_level: 1 + (i + 1) * args.per_level]
