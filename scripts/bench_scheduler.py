@@ -145,17 +145,29 @@ def run(args, prompts: list[list[int]]) -> list[dict]:
     return records
 
 
+def runs_by_arm(records: list[dict]) -> dict:
+    """(arm, c) -> its runs in order (a level given more than once has several)."""
+    runs = collections.defaultdict(list)
+    for r in records:
+        runs[(r["arm"], r["concurrency"])].append(r)
+    return runs
+
+
+def paired(records: list[dict]) -> list[tuple[dict, dict | None]]:
+    """Each run with target-only's run at the same place (the same level, the same repeat), or None."""
+    runs, seen, out = runs_by_arm(records), collections.Counter(), []
+    for r in records:
+        i, reference = seen[(r["arm"], r["concurrency"])], runs.get(("target-only", r["concurrency"]), [])
+        seen[(r["arm"], r["concurrency"])] += 1
+        out.append((r, reference[i] if i < len(reference) else None))
+    return out
+
+
 def report_blocks(records: list[dict]) -> list[str]:
-    """The per-level table (each run against target-only's run at the same place: the same level, the same repeat)
-    and, for repeated levels, the pooled one."""
-    seen, runs = collections.Counter(), {}
-    for r in records:
-        runs[(r["arm"], r["concurrency"], seen[(r["arm"], r["concurrency"])])] = r
-        seen[(r["arm"], r["concurrency"])] += 1
-    rows, seen = [], collections.Counter()
-    for r in records:
-        reference = runs.get(("target-only", r["concurrency"], seen[(r["arm"], r["concurrency"])]))
-        seen[(r["arm"], r["concurrency"])] += 1
+    """The per-level table (each run against target-only's run at the same place: `paired`) and, for repeated
+    levels, the pooled one."""
+    rows = []
+    for r, reference in paired(records):
         rows.append([r["arm"], r["concurrency"], f"{r['tokens_per_s']:.2f}",
                      f"{r['tokens_per_s'] / reference['tokens_per_s']:.3f}" if reference else "-",
                      r["steps"], r["rows"], r["prefill_rows"], r["reused_rows"], r.get("draft_reused_rows", 0),
@@ -171,10 +183,7 @@ def pooled(records: list[dict]) -> list[dict]:
     """Per (arm, c) run more than once (a level repeated: `--levels 4 4 4 4`): tokens/s over all its runs together,
     and each run's ratio to target-only's run at the same place in the order (the same prompts, minutes apart at
     most), so a slow spell of the machine shows as spread instead of as a ratio."""
-    runs = collections.defaultdict(list)
-    for r in records:
-        runs[(r["arm"], r["concurrency"])].append(r)
-    out = []
+    runs, out = runs_by_arm(records), []
     for (arm, c), group in runs.items():
         reference = runs.get(("target-only", c), [])
         if len(group) < 2:
