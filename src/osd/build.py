@@ -120,9 +120,12 @@ def build_target(models: ModelConfig, target_model=None):
     return target_model
 
 
-def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool = True, target_model=None,
+def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool | None = None, target_model=None,
                  route=None) -> System:
-    """route: a RouteConfig; with drafts named (--drafts a,b), several adapter drafts on the draft model and a router."""
+    """route: a RouteConfig; with drafts named (--drafts a,b), several adapter drafts on the draft model and a router.
+    with_draft: load models.draft; by default only where it proposes (k > 0). A target-only system (k = 0) neither
+    loads the draft nor times its serving copies; a learner needs its master, so `osd serve --k 0 --learn` asks."""
+    with_draft = spec.k > 0 if with_draft is None else with_draft
     routed = route is not None and bool(route.names())
     if routed and spec.lookup:
         raise InvalidArgument("--lookup with --drafts is not supported yet (the lookup's draft label hides the routed draft)")

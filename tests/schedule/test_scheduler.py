@@ -506,20 +506,28 @@ def test_with_company_the_batch_probes_about_once_in_probe_every_steps(target, d
 
 def test_target_only_k0_has_no_proposer_and_never_runs_the_draft(tmp_path):
     """`osd serve --k 0` (the target-only arm): the engine gets no proposer, so admission feeds no draft prefill and
-    no step runs a draft forward (it loaded and prefilled the draft for nothing); with k > 0 the draft runs."""
+    no step runs a draft forward; by default the draft is not even loaded (nor its copies timed). Asked for (a learner
+    needs its master: `osd serve --k 0 --learn`), it is loaded and still never runs. With k > 0 the draft runs."""
     from osd.bench.tiny_pair import write_tiny_pair
     from osd.build import build_system
     from osd.config import ModelConfig, SpeculationConfig
 
     target, draft = write_tiny_pair(tmp_path)
     models = ModelConfig(target=target, draft=draft, target_backend="torch", draft_quantize="none")
-    for k, lookup in ((0, False), (0, True), (3, True)):
-        system = build_system(models, SpeculationConfig(k=k, lookup=lookup))
-        calls = []
-        serving = system.registry.get("default").model
-        serving.register_forward_pre_hook(lambda module, args: calls.append(1))
+    reference = None
+    for k, lookup, with_draft in ((0, False, None), (0, True, None), (0, False, True), (0, True, True), (3, True, None)):
+        system = build_system(models, SpeculationConfig(k=k, lookup=lookup), with_draft=with_draft)
+        if k == 0 and with_draft is None:
+            assert system.draft_master is None and system.registry.names() == [] and system.draft_copy_seconds is None
+            calls = []
+        else:
+            calls = []
+            serving = system.registry.get("default").model
+            serving.register_forward_pre_hook(lambda module, args: calls.append(1))
         result = system.engine.generate([5, 9, 20, 7], SamplingConfig(max_new_tokens=8))
         assert len(result.token_ids) == 8
+        reference = reference or result.token_ids
+        assert result.token_ids == reference  # greedy: the same answer with or without a draft
         if k == 0:
             assert system.engine.proposer is None and calls == [] and system.engine.k_max == 0
         else:

@@ -95,7 +95,8 @@ def cmd_serve(args) -> None:
     if args.replicas:
         cmd_serve_cluster(args, settings, models)
         return
-    system = build_system(models, config_from(args, SpeculationConfig), route=config_from(args, RouteConfig))
+    spec = config_from(args, SpeculationConfig)
+    system = build_system(models, spec, with_draft=spec.k > 0 or args.learn, route=config_from(args, RouteConfig))
     system.engine.calibrate()
     learner = attach_learner(system, config_from(args, LearnConfig)) if args.learn else None
     name = settings.model_name or default_model_name(models.target)
