@@ -171,6 +171,31 @@ def test_eos_stop_strings_and_max_new_tokens(target_model, draft_model, tokenize
     assert "".join(streamed) == result.text
 
 
+class _PieceTokenizer:
+    """decode = the pieces joined (one token may hold several characters)."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_stop_cuts_at_the_earliest_stop_string_and_streams_nothing_that_may_start_one():
+    from osd.stopping import StopChecker
+
+    pieces = ["Hel", "lo", " wor", "ld!", "END"]
+    # "ld!" completes both stops at once: "world" (starting earlier) and "!" -> cut before "world"
+    checker = StopChecker(_PieceTokenizer(pieces), eos_ids={4}, max_new_tokens=10, stop=["!", "world"])
+    assert checker.extend([0, 1, 2]) is None
+    assert checker.stable_text() == "Hello "  # "wor" may start "world": held back
+    assert checker.extend([3]) == "stop" and checker.text == "Hello " == checker.stable_text()
+    eos = StopChecker(_PieceTokenizer(pieces), eos_ids={4}, max_new_tokens=10, stop=[])
+    assert eos.extend([0, 4, 1]) == "stop" and eos.token_ids == [0] and eos.text == "Hel"
+    length = StopChecker(_PieceTokenizer(pieces), eos_ids={4}, max_new_tokens=2, stop=[])
+    assert length.extend([0, 1, 2]) == "length" and length.text == "Hello"
+
+
 def _exact_two_token_distribution(model, prompt, temperature):
     with torch.no_grad():
         first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / temperature, -1)

@@ -38,6 +38,18 @@ def test_rejection_rejects_impossible_token_and_recovers_from_residual():
         assert out.n_accepted == 0 and out.next_token in (1, 2)
 
 
+def test_rejection_never_accepts_a_token_the_target_cannot_emit_even_at_u_zero(monkeypatch):
+    """torch.rand draws from [0, 1): u = 0 occurs (about once in 2^24 draws), and u * q <= p would then accept a token
+    of target probability 0; the rule is strict."""
+    import osd.verify.acceptance as acceptance
+
+    monkeypatch.setattr(acceptance.torch, "rand", lambda *shape, generator=None: torch.zeros(*shape))
+    target = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    draft = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    out = rejection_verify(target, draft, torch.tensor([0]))
+    assert out.n_accepted == 0 and out.next_token in (1, 2)
+
+
 def test_rejection_sampling_first_token_follows_target_distribution():
     g = torch.Generator().manual_seed(0)
     target = torch.softmax(torch.randn(2, 5, generator=g) * 2, -1)

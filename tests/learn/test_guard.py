@@ -49,3 +49,18 @@ def test_drift_action_keeps_rolls_back_or_resets():
     assert drift_action(base, small, best=better) == "keep"  # below the best version but not the base: noise allowed
     assert drift_action(base, slid, best=slid) == "reset"  # the best one has slid as well
     assert drift_action(base, slid, z=4.0) == "keep"  # a laxer threshold
+
+
+def test_drift_rolls_back_only_to_a_best_version_that_holds_more_than_the_current_one():
+    """A best version within noise of the base but no better than the current draft (many flips both ways, as many
+    right as the current one) is no place to roll back to: reset to the base."""
+    from osd.learn.guard import drift_action, paired_z
+
+    base = [True] * 200 + [False] * 200
+    current = [False] * 20 + [True] * 180 + [False] * 200  # lost 20, gained 0: z = -4.5
+    wide = [False] * 85 + [True] * 115 + [True] * 65 + [False] * 135  # lost 85, gained 65: z = -1.63
+    assert paired_z(base, current) < -1.64 <= paired_z(base, wide) and sum(wide) == sum(current)
+    assert drift_action(base, current, best=wide) == "reset"
+    one_more = wide[:]
+    one_more[-1] = True  # one position more right than the current draft (gained 66: still within the base's noise)
+    assert drift_action(base, current, best=one_more) == "rollback"

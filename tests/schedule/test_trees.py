@@ -156,6 +156,22 @@ def test_recycled_table_ranks_and_counts():
     assert table.candidates(5) == []
 
 
+def test_rank_rates_count_the_rank_that_held_the_targets_token():
+    """The draft's runners-up are weighed by how often rank r held the target's token where the draft's best missed
+    (smoothed by a prior worth PRIOR_WEIGHT asks): the rank that held it is counted, a miss of all only asked."""
+    from osd.propose.recycle import PRIOR_WEIGHT, RankRates
+
+    rates = RankRates((0.3, 0.1, 0.05), width=3)
+    rates.observe([5, 7, 9], 7)
+    rates.observe([5, 7, 9], 9)
+    rates.observe([5, 7, 9], 4)
+    rates.observe([5, 7], 7)
+    assert rates.asks == 4 and rates.hits == [0, 2, 1]
+    assert rates.chance(1) == pytest.approx((2 + PRIOR_WEIGHT * 0.1) / (4 + PRIOR_WEIGHT))
+    assert rates.chance(0) == pytest.approx(PRIOR_WEIGHT * 0.3 / (4 + PRIOR_WEIGHT))
+    assert rates.stats()["hit_rate_by_rank"] == [0.0, 0.5, 0.25]
+
+
 def test_the_drafts_runners_up_hang_beside_its_chain(tiny, runner):
     flat = grow_tree([2, 3], 0.5, lambda t: [], root_token=1, max_nodes=8, step_seconds=lambda rows: 1.0,
                      runners_up=[[(7, 0.4)], [(8, 0.4), (3, 0.9)]])
