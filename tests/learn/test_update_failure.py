@@ -91,3 +91,26 @@ def test_a_failure_after_publishing_keeps_the_master_equal_to_what_serves(target
     assert served.version == 1 and learner.version == 1 and learner.counters["update_errors"] == 1
     assert not _bitwise_equal(_weights(learner), before)  # not rolled back past the published version
     assert _bitwise_equal(_weights(learner), [p for p in served.model.parameters()])
+
+
+def test_a_step_that_leaves_non_finite_weights_is_rejected_and_leaves_no_trace(target_model, tokenizer):
+    """Finite loss and gradients, yet a step that writes inf into a weight (an overflow in the optimizer): the update
+    is rejected as "non-finite weights", the master and the moments are back as they were, what serves is untouched."""
+    learner, registry = _learner(target_model, tokenizer)
+    assert learner.update()["published"]
+    weights, moments = _weights(learner), _optimizer_tensors(learner)
+    served = registry.get("draft")
+    real_step = learner.optimizer.step
+
+    def step_into_inf(*args, **kwargs):
+        real_step(*args, **kwargs)
+        with torch.no_grad():
+            learner.params[0].view(-1)[0] = float("inf")
+
+    learner.optimizer.step = step_into_inf
+    report = learner.update()
+    assert not report["published"] and report["rejected_because"] == "non-finite weights" and report["losses"]
+    assert _bitwise_equal(_weights(learner), weights)
+    after = _optimizer_tensors(learner)
+    assert all(torch.equal(after[k], moments[k]) for k in moments)
+    assert registry.get("draft") is served and learner.stats()["updates_rejected"] == 1
