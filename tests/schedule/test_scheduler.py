@@ -416,6 +416,34 @@ def test_the_first_of_prompts_arriving_together_gets_its_first_token_without_wai
     assert [sched.slots.length(s.slot) for s in short] == [s.prefill_target for s in short]
 
 
+def test_a_prompt_beside_more_decode_rows_than_prefill_rows_still_advances_every_step(target, draft):
+    """prefill_rows = 4 and three sequences decoding k = 3 (12 decode rows a step): the new prompt is still fed
+    MIN_PREFILL_ROWS rows each step (never starved by the decode rows), and its answer is the one it gets alone."""
+    from osd.schedule.scheduler import MIN_PREFILL_ROWS
+
+    engine, _ = engine_over(target, draft, k=3, max_batch=4, prefill_rows=4)
+    sched = engine.scheduler
+    for p in ([5, 6, 7], [8, 9, 10], [11, 12, 13]):
+        sched.add(p, SamplingConfig(max_new_tokens=40))
+    for _ in range(3):
+        sched.step()
+    prompt = [int(t) for t in (torch.arange(2 * MIN_PREFILL_ROWS + 5) % 40 + 3)]
+    late = sched.add(prompt, SamplingConfig(max_new_tokens=4))
+    fed = []
+    for _ in range(8):  # bounded: a starved prompt would never finish its prefill
+        if sched.slots.length(late.slot) >= late.prefill_target:
+            break
+        decoding = sum(1 for s in sched.running if s is not late)
+        before = sched.slots.length(late.slot)
+        sched.step()
+        fed.append(sched.slots.length(late.slot) - before)
+        assert decoding == 3  # the others were still decoding beside it
+    assert sched.slots.length(late.slot) == late.prefill_target and fed and all(n >= min(MIN_PREFILL_ROWS, late.prefill_target - sum(fed[:i])) for i, n in enumerate(fed))
+    while sched.running:
+        sched.step()
+    assert late.result.token_ids == alone(engine, [prompt], [SamplingConfig(max_new_tokens=4)])[0].token_ids
+
+
 class _Flat:
     """Row costs where a pass costs the same however many rows: every proposal pays (the allocation proposes)."""
 
