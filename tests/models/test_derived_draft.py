@@ -272,6 +272,20 @@ def test_text_sources_name_their_split_and_slice():
             parse_text_source(bad)
 
 
+def test_source_records_take_each_entrys_split_and_slice_under_the_limit():
+    """What `osd draft build --datasets` distils on: a test-only dataset by its slice (multilingual_qa has no train
+    split), the limit capping each entry, records in file order."""
+    from osd.data import load_records
+    from osd.models.derived import source_records
+
+    german = load_records("multilingual_qa@de", "test", 12)
+    got = source_records("multilingual_qa@de:test[4:10],multilingual_qa@de[0:3]", "train", limit=5)
+    assert [r["id"] for r in got] == [r["id"] for r in german[4:9]]  # the train split it defaults to has none
+    assert [r["id"] for r in source_records("gsm8k[2:4],spider", limit=2)] == \
+        [r["id"] for r in load_records("gsm8k", "train", 4)[2:4] + load_records("spider", "train", 2)]
+    assert source_records("multilingual_qa@de:test[3:3]") == []
+
+
 class _BatchToyTokenizer(ToyTokenizer):
     def __call__(self, text, add_special_tokens=False):
         return {"input_ids": [self.encode(t) for t in text] if isinstance(text, list) else self.encode(text)}

@@ -38,8 +38,8 @@ MODES = ("lora", "full")
 
 @dataclass
 class HealConfig:
-    datasets: str = "gsm8k,spider,code"  # train splits to distil on (comma list)
-    limit: int = 300  # records per dataset (file order)
+    datasets: str = "gsm8k,spider,code"  # text sources to distil on (comma list; train split unless an entry names
+    limit: int = 300  # records per entry (file order)          # its split and slice: multilingual_qa@de:test[300:400])
     answers: str = "target"  # reference | target: what follows each prompt (see the module doc)
     max_prompt_tokens: int = 384  # longer prompts are skipped
     max_answer_tokens: int = 128  # answers are cut here (a reference keeps its <|im_end|> only when it fits)
@@ -52,7 +52,7 @@ class HealConfig:
     batch_size: int = 8  # samples per optimizer step
     save_every: int = 20  # optimizer steps between resumable checkpoints
     seed: int = 0  # LoRA initialisation and batch order
-    eval_datasets: str = "code,gsm8k,spider,chat"  # held-out alpha: test-split prompts of these
+    eval_datasets: str = "code,gsm8k,spider,chat"  # held-out alpha: prompts of these (test split unless named)
     eval_limit: int = 2  # prompts per eval dataset (0 = no evaluation)
     eval_tokens: int = 32  # target greedy tokens per eval prompt
 
@@ -317,9 +317,8 @@ def run_heal(out_dir: str | Path, config: HealConfig, target_spec: str, derive=N
     at near-ties. teacher_slots: target answers decoded together on the osd backend (bitwise as alone)."""
     from osd.build import target_backend
     from osd.config import ModelConfig
-    from osd.data import load_records
     from osd.distill.cache import default_cache_root
-    from osd.models.derived import RECIPE, build_derived, load_derived, read_recipe, save_derived
+    from osd.models.derived import RECIPE, build_derived, load_derived, read_recipe, save_derived, source_records
     from osd.models.loading import load_tokenizer
     from osd.models.runner import as_runner, eos_ids_of
 
@@ -351,11 +350,10 @@ def run_heal(out_dir: str | Path, config: HealConfig, target_spec: str, derive=N
     store = TeacherStore(cache_dir or Path(default_cache_root()).with_name("teacher-heal"),
                          teacher_fingerprint(target_spec, kind, config.top_k))
     eos_ids = eos_ids_of(getattr(draft, "generation_config", None), draft.config, tokenizer)
-    train_records = [r for name in config.datasets.split(",") for r in load_records(name.strip(), "train", config.limit)]
+    train_records = source_records(config.datasets, "train", config.limit)
     requests = build_requests(tokenizer, train_records, config.answers, config.max_prompt_tokens, config.max_answer_tokens,
                               end_of_turn_id(tokenizer))
-    eval_names = [name.strip() for name in config.eval_datasets.split(",") if name.strip()] if config.eval_limit else []
-    eval_records = [r for name in eval_names for r in load_records(name, "test", config.eval_limit)]
+    eval_records = source_records(config.eval_datasets, "test", config.eval_limit) if config.eval_limit else []
     eval_requests = build_requests(tokenizer, eval_records, "target", config.max_prompt_tokens, config.eval_tokens, None)
     eval_samples = teacher_samples(store, open_runner, eval_requests, config.top_k, eos_ids, progress, say, teacher_slots)
     samples = teacher_samples(store, open_runner, requests, config.top_k, eos_ids, progress, say, teacher_slots)

@@ -132,23 +132,31 @@ def parse_text_source(entry: str, split: str = "train") -> tuple[str, str, int, 
     return entry, split, start, end
 
 
-def dataset_texts(datasets: str, split: str = "train", limit: int = 0) -> list[str]:
-    """Prompts and reference answers of the datasets' split (datasets without that split contribute nothing).
-    An entry may name its own split and slice (parse_text_source); `limit` caps the records per entry."""
+def source_records(datasets: str, split: str = "train", limit: int = 0) -> list[dict]:
+    """The records of comma-separated text sources (parse_text_source: `name[@lang][:split][[start:end]]`, `split` where
+    an entry names none), in order; `limit` caps the records per entry (0: no cap). multilingual_qa has a test split
+    only, so a draft healed on it names a slice its evaluations do not use (`multilingual_qa@de:test[300:400]`)."""
     from osd.data import load_records
 
-    texts = []
+    records = []
     for entry in filter(None, (d.strip() for d in datasets.split(","))):
         name, own_split, start, end = parse_text_source(entry, split)
         count = None if end is None else end - start
         if limit:
             count = min(limit, count) if count is not None else limit
-        if count == 0:
-            continue
-        for record in load_records(name, own_split, count, offset=start):
-            texts.append(str(record["prompt"]))
-            if record.get("reference"):
-                texts.append(str(record["reference"]))
+        if count != 0:
+            records += load_records(name, own_split, count, offset=start)
+    return records
+
+
+def dataset_texts(datasets: str, split: str = "train", limit: int = 0) -> list[str]:
+    """Prompts and reference answers of the datasets' split (datasets without that split contribute nothing).
+    An entry may name its own split and slice (parse_text_source); `limit` caps the records per entry."""
+    texts = []
+    for record in source_records(datasets, split, limit):
+        texts.append(str(record["prompt"]))
+        if record.get("reference"):
+            texts.append(str(record["reference"]))
     return texts
 
 
