@@ -119,3 +119,21 @@ def test_layout_and_moves():
     assert accepted_moves(6, [0]) == []
     with pytest.raises(ValueError):
         tree_rows(0, 1, [1])
+
+
+@pytest.mark.parametrize("exclusive", [False, True])
+def test_rollback_keeps_a_prefix_and_never_claims_positions_it_has_not_computed(runner, exclusive):
+    """rollback(n) past what a slot holds leaves it as it is (a caller asking for more cannot make unwritten cache
+    positions count as fed); rolling back to n and feeding on gives the logits of feeding that prefix fresh."""
+    slots = Q4Slots(runner, 2 if exclusive else 1, exclusive=exclusive)
+    slot = 1 if exclusive else 0
+    slots.reset(slot)
+    slots.feed([Feed(slot, PROMPT[:9], 0)])
+    slots.rollback(slot, 40)
+    assert slots.length(slot) == 9
+    slots.rollback(slot, 6)
+    assert slots.length(slot) == 6
+    got = slots.feed([Feed(slot, [5, 17, 33], 3)])[0]
+    assert torch.equal(got, chain_logits(runner, PROMPT[:6] + [5], [17, 33]))
+    with pytest.raises(Exception):
+        slots.rollback(slot, -1)
