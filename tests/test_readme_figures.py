@@ -916,6 +916,27 @@ def test_the_whole_draft_multilingual_replay_figures_are_those_of_its_run():
     assert all(abs(vs[d]["online"]["z"]) < 1.96 for d in langs)  # "within noise"
 
 
+def test_the_healed_multilingual_cut_figures_are_those_of_its_runs():
+    r = result("replay-ml7-multilingual-intel.json")
+    assert "Intel" in r["machine"]["cpu"] and r["config"]["models"]["draft"] == "derived:/work/runs/s11/ml7"
+    flat = " ".join(README.split())
+    langs = [f"multilingual_qa@{lang}" for lang in ("de", "ru", "zh", "ar")]
+    alpha, vs = r["end_of_stream_alpha_on_heldout"], r["heldout_vs_control"]
+    never = " / ".join(f"{alpha[d]['original']:.3f}" for d in langs)
+    online = " / ".join(f"{alpha[d]['online']:.3f}" for d in langs)
+    z = " / ".join(f"{vs[d]['online']['z']:.2f}" for d in langs)
+    assert f"starts at held-out {never} on the widened draft's replay stream and learns online to {online} (z {z}, " in flat
+    assert [d for d in langs if alpha[d]["online"] >= 0.4] == ["multilingual_qa@ru"]  # "0.4 in Russian only"
+    heal = result("heal-ml7-multilingual.json")
+    assert heal["samples"] == 400 and f"{heal['seconds'] / 60:.1f} min here" in flat
+    speed = result("bench-speed-intel-multilingual-ml7.json")
+    dec = speed["decode_speedup_vs_baseline"]
+    assert f"it decodes level with it, {dec['osd_q4']:.2f}x against {dec['osd_q4_learned']:.2f}x llama.cpp" in flat
+    assert abs(dec["osd_q4"] / dec["osd_q4_learned"] - 1) < 0.03  # "level"
+    c_cut, c_cheap = speed["osd_q4_calibration"]["c"], speed["osd_q4_learned"]["calibration"]["c"]
+    assert f"costs {c_cut:.3f} of a target token against the shipped draft's {c_cheap:.3f}" in flat
+
+
 def test_the_closed_loop_q4_draft_figures_are_those_of_bench_scheduler():
     r = result("bench-scheduler-q4draft-intel.json")
     by = {(x["arm"], x["concurrency"]): x["tokens_per_s"] for x in r["records"]}
