@@ -903,30 +903,32 @@ def test_the_q4_draft_figures_are_those_of_their_runs():
     assert f"costs {mc:.2f} of a target token and drafts there at live alpha {m['alpha']:.2f}, level with" in flat
 
 
-def test_the_whole_draft_multilingual_replay_figures_are_those_of_its_run():
-    r = result("replay-05b-multilingual-intel.json")
-    assert "Intel" in r["machine"]["cpu"] and r["config"]["models"]["draft"] == "bundled:qwen2.5-coder-0.5b"
-    flat = " ".join(README.split())
+def multilingual_heldout(name: str, draft: str):
+    """A multilingual `osd replay --fast` result (Intel, of `draft`) -> its held-out figures as the README writes them
+    (de / ru / zh / ar: never trained, online, z of online against never trained) and, by language, {"online": alpha,
+    "z": z}."""
+    r = result(name)
+    assert "Intel" in r["machine"]["cpu"] and r["config"]["models"]["draft"] == draft
     langs = [f"multilingual_qa@{lang}" for lang in ("de", "ru", "zh", "ar")]
     alpha, vs = r["end_of_stream_alpha_on_heldout"], r["heldout_vs_control"]
-    never = " / ".join(f"{alpha[d]['original']:.3f}" for d in langs)
-    online = " / ".join(f"{alpha[d]['online']:.3f}" for d in langs)
-    z = " / ".join(f"{vs[d]['online']['z']:.2f}" for d in langs)
+    joined = lambda values: " / ".join(values)
+    return (joined(f"{alpha[d]['original']:.3f}" for d in langs), joined(f"{alpha[d]['online']:.3f}" for d in langs),
+            joined(f"{vs[d]['online']['z']:.2f}" for d in langs),
+            {d: {"online": alpha[d]["online"], "z": vs[d]["online"]["z"]} for d in langs})
+
+
+def test_the_whole_draft_multilingual_replay_figures_are_those_of_its_run():
+    never, online, z, heldout = multilingual_heldout("replay-05b-multilingual-intel.json", "bundled:qwen2.5-coder-0.5b")
+    flat = " ".join(README.split())
     assert f"{never} never trained, {online} online (z {z}), within noise or slightly below" in flat
-    assert all(abs(vs[d]["online"]["z"]) < 1.96 for d in langs)  # "within noise"
+    assert all(abs(h["z"]) < 1.96 for h in heldout.values())  # "within noise"
 
 
 def test_the_healed_multilingual_cut_figures_are_those_of_its_runs():
-    r = result("replay-ml7-multilingual-intel.json")
-    assert "Intel" in r["machine"]["cpu"] and r["config"]["models"]["draft"] == "derived:/work/runs/s11/ml7"
+    never, online, z, heldout = multilingual_heldout("replay-ml7-multilingual-intel.json", "derived:/work/runs/s11/ml7")
     flat = " ".join(README.split())
-    langs = [f"multilingual_qa@{lang}" for lang in ("de", "ru", "zh", "ar")]
-    alpha, vs = r["end_of_stream_alpha_on_heldout"], r["heldout_vs_control"]
-    never = " / ".join(f"{alpha[d]['original']:.3f}" for d in langs)
-    online = " / ".join(f"{alpha[d]['online']:.3f}" for d in langs)
-    z = " / ".join(f"{vs[d]['online']['z']:.2f}" for d in langs)
     assert f"starts at held-out {never} on the widened draft's replay stream and learns online to {online} (z {z}, " in flat
-    assert [d for d in langs if alpha[d]["online"] >= 0.4] == ["multilingual_qa@ru"]  # "0.4 in Russian only"
+    assert [d for d, h in heldout.items() if h["online"] >= 0.4] == ["multilingual_qa@ru"]  # "0.4 in Russian only"
     heal = result("heal-ml7-multilingual.json")
     assert heal["samples"] == 400 and f"{heal['seconds'] / 60:.1f} min here" in flat
     speed = result("bench-speed-intel-multilingual-ml7.json")
