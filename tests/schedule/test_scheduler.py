@@ -438,7 +438,8 @@ def test_a_prompt_beside_more_decode_rows_than_prefill_rows_still_advances_every
         sched.step()
         fed.append(sched.slots.length(late.slot) - before)
         assert decoding == 3  # the others were still decoding beside it
-    assert sched.slots.length(late.slot) == late.prefill_target and fed and all(n >= min(MIN_PREFILL_ROWS, late.prefill_target - sum(fed[:i])) for i, n in enumerate(fed))
+    assert sched.slots.length(late.slot) == late.prefill_target and fed
+    assert all(n >= min(MIN_PREFILL_ROWS, late.prefill_target - sum(fed[:i])) for i, n in enumerate(fed))
     while sched.running:
         sched.step()
     assert late.result.token_ids == alone(engine, [prompt], [SamplingConfig(max_new_tokens=4)])[0].token_ids
@@ -545,11 +546,10 @@ def test_target_only_k0_has_no_proposer_and_never_runs_the_draft(tmp_path):
     reference = None
     for k, lookup, with_draft in ((0, False, None), (0, True, None), (0, False, True), (0, True, True), (3, True, None)):
         system = build_system(models, SpeculationConfig(k=k, lookup=lookup), with_draft=with_draft)
+        calls = []
         if k == 0 and with_draft is None:
             assert system.draft_master is None and system.registry.names() == [] and system.draft_copy_seconds is None
-            calls = []
         else:
-            calls = []
             serving = system.registry.get("default").model
             serving.register_forward_pre_hook(lambda module, args: calls.append(1))
         result = system.engine.generate([5, 9, 20, 7], SamplingConfig(max_new_tokens=8))

@@ -38,8 +38,10 @@ MODES = ("lora", "full")
 
 @dataclass
 class HealConfig:
-    datasets: str = "gsm8k,spider,code"  # text sources to distil on (comma list; train split unless an entry names
-    limit: int = 300  # records per entry (file order)          # its split and slice: multilingual_qa@de:test[300:400])
+    # text sources to distil on, comma list: the train split unless an entry names its split and slice
+    # (models/derived.py parse_text_source: multilingual_qa@de:test[300:400])
+    datasets: str = "gsm8k,spider,code"
+    limit: int = 300  # records per entry (file order)
     answers: str = "target"  # reference | target: what follows each prompt (see the module doc)
     max_prompt_tokens: int = 384  # longer prompts are skipped
     max_answer_tokens: int = 128  # answers are cut here (a reference keeps its <|im_end|> only when it fits)
