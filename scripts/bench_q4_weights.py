@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from osd.bench.record import emit_report, machine, write_result
-from osd.bench.report import table
+from osd.records import emit_report, machine, write_result
+from osd_bench.report import table
 from osd.config import SamplingConfig
 from osd.data import load_records, prompt_ids
 from osd.engine import SpeculativeEngine

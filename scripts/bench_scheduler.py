@@ -21,9 +21,9 @@ import argparse
 import collections
 import time
 
-from osd.bench.record import emit_report, machine, write_result
-from osd.bench.report import table
-from osd.bench.serve_compare import interleaved_prompts
+from osd.records import emit_report, machine, write_result
+from osd_bench.report import table
+from osd_bench.serve_compare import interleaved_prompts
 from osd.build import build_system
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.data import prompt_ids

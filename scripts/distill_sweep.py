@@ -14,8 +14,8 @@ import sys
 import time
 from dataclasses import replace
 
-from osd.bench.record import append_markdown, git_revision, machine, write_result
-from osd.bench.report import table
+from osd.records import append_markdown, git_revision, machine, write_result
+from osd_bench.report import table
 from osd.config import ModelConfig
 from osd.distill.cache import DecodeSettings
 from osd.distill.cli import newest_calibration, progress_bar

@@ -1,5 +1,6 @@
-"""The package's modules import one another without circles (issue 41): counting imports inside functions too, the
-graph of `osd.*` imports has no cycle, so each part can be read and changed from the bottom up."""
+"""The packages' modules import one another without circles (issue 41): counting imports inside functions too, the
+graph of `osd.*` and `osd_bench.*` imports has no cycle, so each part can be read and changed from the bottom up; and
+the product (`osd`) never imports the evidence harness (`osd_bench`, issue 61): the harness imports the product."""
 from __future__ import annotations
 
 import ast
@@ -10,7 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 def import_graph() -> dict[str, set[str]]:
     modules = {}
-    for path in (SRC / "osd").rglob("*.py"):
+    for path in [*(SRC / "osd").rglob("*.py"), *(SRC / "osd_bench").rglob("*.py")]:
         name = ".".join(path.relative_to(SRC).with_suffix("").parts)
         modules[name.removesuffix(".__init__")] = path
     graph: dict[str, set[str]] = {name: set() for name in modules}
@@ -24,6 +25,12 @@ def import_graph() -> dict[str, set[str]]:
                 continue
             graph[name] |= {t for t in targets if t in modules and t != name}
     return graph
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every `osd.*` module that imports an `osd_bench.*` one, as 'importer -> imported'."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() if a.split(".")[0] == "osd"
+                  for b in targets if b.split(".")[0] == "osd_bench")
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -57,3 +64,27 @@ def test_no_module_imports_itself_through_others():
 def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_product_never_imports_the_harness():
+    graph = import_graph()
+    assert any(a.startswith("osd_bench.") and any(b.startswith("osd.") for b in bs) for a, bs in graph.items())
+    assert upward_imports(graph) == []
+
+
+def test_the_upward_import_finder_finds_one():
+    graph = {"osd.serve.app": {"osd_bench.report", "osd.engine"}, "osd_bench.report": {"osd.records"},
+             "osd.engine": set(), "osd.records": set()}
+    assert upward_imports(graph) == ["osd.serve.app -> osd_bench.report"]
+
+
+def test_the_harness_commands_reach_the_cli_through_the_entry_point():
+    """`osd bench`, `osd demo` and `osd replay` come from osd_bench by its `osd.commands` entry point, not an import."""
+    from osd.cli import COMMANDS_GROUP, build_parser
+
+    import tomllib
+
+    pyproject = tomllib.loads((SRC.parent / "pyproject.toml").read_text())
+    assert pyproject["project"]["entry-points"][COMMANDS_GROUP] == {"bench": "osd_bench.cli:register"}
+    commands = build_parser()._subparsers._group_actions[0].choices
+    assert {"serve", "generate", "demo", "replay", "bench"} <= set(commands)

@@ -681,7 +681,7 @@ def test_the_repeated_amd_speed_run_is_that_of_its_json():
 
 
 def test_the_intel_speed_run_on_the_interleaved_kernel_is_that_of_its_json():
-    from osd.bench.speed import decode_speedup_by_domain
+    from osd_bench.speed import decode_speedup_by_domain
 
     speed = result("bench-speed-intel-x16.json")
     flat = " ".join(README.split())
@@ -703,7 +703,7 @@ def test_the_intel_speed_run_on_the_interleaved_kernel_is_that_of_its_json():
 
 
 def test_the_intel_multilingual_and_vnni_speed_sentences_are_those_of_their_runs():
-    from osd.bench.speed import decode_speedup_by_domain
+    from osd_bench.speed import decode_speedup_by_domain
 
     flat = " ".join(README.split())
     ml, vnni = result("bench-speed-intel-multilingual.json"), result("bench-speed-intel-vnni.json")
@@ -873,7 +873,7 @@ def test_the_probe_catch_up_figures_are_those_of_their_runs():
 
 
 def test_the_q4_draft_figures_are_those_of_their_runs():
-    from osd.bench.speed import decode_speedup_by_domain
+    from osd_bench.speed import decode_speedup_by_domain
 
     flat = " ".join(README.split())
     runs = result("bench-speed-intel-q4draft.json"), result("bench-speed-intel-multilingual-q4draft.json")
@@ -950,7 +950,7 @@ def test_the_closed_loop_q4_draft_figures_are_those_of_bench_scheduler():
 
 def test_the_shipped_drafts_q4_copy_figures_are_those_of_its_run():
     """The default copy became `auto` (the Q4 copy) on this run: both copies of the shipped draft, one run."""
-    from osd.bench.speed import decode_speedup_by_domain
+    from osd_bench.speed import decode_speedup_by_domain
 
     r = result("bench-speed-intel-cheap-q4copy.json")
     assert "Intel" in r["machine"]["cpu"] and len(r["config"]["prompts"]) == 24
@@ -979,7 +979,7 @@ def test_the_draft_prefix_reuse_figures_are_those_of_bench_scheduler():
 
 
 def test_the_fresh_auto_figures_are_those_of_its_run():
-    from osd.bench.speed import decode_speedup_by_domain
+    from osd_bench.speed import decode_speedup_by_domain
 
     r = result("bench-speed-intel-fresh-auto.json")
     assert "Intel" in r["machine"]["cpu"] and len(r["config"]["prompts"]) == 24

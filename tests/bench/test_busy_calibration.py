@@ -2,9 +2,9 @@
 outlive the calibration (the decoding runs on a quiet machine)."""
 from contextlib import contextmanager
 
-import osd.bench.neighbours as neighbours
-from osd.bench.neighbours import busy_neighbours
-from osd.bench.speed import _calibrated_arm
+import osd_bench.neighbours as neighbours
+from osd_bench.neighbours import busy_neighbours
+from osd_bench.speed import _calibrated_arm
 
 
 def test_busy_neighbours_spin_for_the_block_and_are_gone_after_it():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from osd.bench.feature_head import FeatureHead, agreement, draft_chains, examples, head_agreement, train_head
+from osd_bench.feature_head import FeatureHead, agreement, draft_chains, examples, head_agreement, train_head
 
 H = 8
 
@@ -80,7 +80,7 @@ def test_the_draft_is_scored_at_the_same_positions():
 def test_sources_name_their_split_and_slice_and_a_held_out_slice_may_not_meet_a_training_one():
     import pytest
 
-    from osd.bench.feature_head import check_disjoint, source_slices
+    from osd_bench.feature_head import check_disjoint, source_slices
     from osd.errors import InvalidArgument
 
     assert source_slices(["code", "multilingual_qa@de:test[100:130]"], "train", 40) == [
@@ -120,7 +120,7 @@ class StubHead:
 
 
 def test_the_head_chain_reads_its_own_predicted_feature_and_proposed_token():
-    from osd.bench.feature_head import head_chains, sample_features
+    from osd_bench.feature_head import head_chains, sample_features
 
     # start t = 0 (prompt [1]): proposal 0 = (token 2 + feature of 1) = 3, then (3 + 3) = 6, then (6 + 6) % 8 = 4
     samples = [([1], [2, 3, 6, 4])]
@@ -147,7 +147,7 @@ def test_the_head_chain_reads_its_own_predicted_feature_and_proposed_token():
 def test_draft_chains_count_teacher_forced_hits_from_each_start():
     import pytest
 
-    from osd.bench.feature_head import accepted_by_depth, leading_hits, paired_mean_difference
+    from osd_bench.feature_head import accepted_by_depth, leading_hits, paired_mean_difference
 
     seq = [1, 2, 3, 4, 5, 6]
     samples = [([1, 2], [3, 4, 5, 6])]
@@ -156,7 +156,7 @@ def test_draft_chains_count_teacher_forced_hits_from_each_start():
     assert chains.tolist() == [[True, False, True], [False, True, False], [True, False, False]]
     assert chains[:, 0].tolist() == draft_first_hits(Oracle(seq), samples)  # a longer chain keeps the first column
     assert leading_hits(chains).tolist() == [1, 0, 1]
-    from osd.bench.feature_head import head_then_draft
+    from osd_bench.feature_head import head_then_draft
 
     head = torch.tensor([[False, True, True], [True, False, False], [True, True, True]])
     mixed = head_then_draft(head, chains)  # the head's first column, the draft's others

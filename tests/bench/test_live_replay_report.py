@@ -1,8 +1,8 @@
 """The live replay's side-by-side speed report: llama.cpp target-only refused off a GGUF, and the start-vs-end line."""
 import pytest
 
-from osd.bench.replay import llama_cpp_gguf
-from osd.bench.report import report_replay, start_vs_end
+from osd_bench.replay import llama_cpp_gguf
+from osd_bench.report import report_replay, start_vs_end
 from osd.config import ModelConfig
 from osd.errors import InvalidArgument
 
@@ -81,7 +81,7 @@ def test_replay_serves_at_a_fixed_k_unless_asked():
 def test_warm_up_runs_every_arm_once_unseen_by_the_learner():
     from types import SimpleNamespace
 
-    from osd.bench.replay import _warm_up
+    from osd_bench.replay import _warm_up
     from osd.config import SamplingConfig
     calls = []
     learner_observer = lambda *a: calls.append("learner saw it")
@@ -99,7 +99,7 @@ def test_warm_up_runs_every_arm_once_unseen_by_the_learner():
 
 
 def test_a_request_without_proposals_has_no_alpha_not_an_alpha_of_zero(tmp_path):
-    from osd.bench.plots import moving_average
+    from osd_bench.plots import moving_average
 
     rows = _rows(8, 20.0, 20.0)
     for r in rows[:2]:
@@ -118,7 +118,7 @@ def test_a_request_without_proposals_has_no_alpha_not_an_alpha_of_zero(tmp_path)
 def test_live_replay_with_compare_every_runs_the_other_arms_on_every_nth_request_only(tmp_path):
     from conftest import save_tiny_pair
 
-    from osd.bench.replay import run_replay
+    from osd_bench.replay import run_replay
     from osd.config import SpeculationConfig
     from osd.learn.online import LearnConfig
 
@@ -146,7 +146,7 @@ def _live_result(rows: list[dict]) -> dict:
 
 
 def test_speed_plot_draws_every_arm_on_the_requests_they_all_decoded(tmp_path, monkeypatch):
-    import osd.bench.report as report
+    import osd_bench.report as report
 
     rows = _rows(6, 20.0, 40.0)
     for r in rows[1::2]:  # --compare-every 2: the other arms skipped the odd requests
@@ -167,7 +167,7 @@ def test_speed_plot_draws_every_arm_on_the_requests_they_all_decoded(tmp_path, m
 def test_from_result_re_renders_the_report_with_the_recorded_command_and_measures_nothing(tmp_path, monkeypatch):
     import json
 
-    import osd.bench.replay as replay
+    import osd_bench.replay as replay
     from osd.cli import main
 
     monkeypatch.setattr(replay, "run_replay", lambda *a, **k: pytest.fail("--from-result must not measure"))
@@ -198,7 +198,7 @@ def test_from_result_refuses_a_file_that_is_not_a_live_replay(tmp_path, capsys):
 def test_ratio_interval_pairs_requests_decoded_by_both_arms():
     """Online = 1.5x the control on every request, request speeds spread 10-40 tok/s: pairing the same requests
     gives exactly 1.5; resampling each arm on its own (what unpaired would do) spreads around it."""
-    from osd.bench.report import ratio_interval
+    from osd_bench.report import ratio_interval
 
     control = [10.0 + 30.0 * (i % 7) / 6 for i in range(21)]
     online = [1.5 * c for c in control]

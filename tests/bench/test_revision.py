@@ -1,5 +1,5 @@
 """A result records the revision its command started with, and the one at the end when commits landed meanwhile."""
-import osd.bench.revision as revision
+import osd.revision as revision
 from osd.cli import main
 
 

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-import osd.bench.llama_server as llama_server
-import osd.bench.serve_compare as serve_compare
-from osd.bench.serve_report import build_lines, prefill_lines, vs_rows, vs_table
+import osd_bench.llama_server as llama_server
+import osd_bench.serve_compare as serve_compare
+from osd_bench.serve_report import build_lines, prefill_lines, vs_rows, vs_table
 
 
 class FakeRunning:
@@ -23,9 +23,9 @@ class FakeRunning:
 
 def test_a_native_build_is_cached_per_cpu_feature_set_and_the_portable_one_where_it_always_was(monkeypatch):
     monkeypatch.setattr(llama_server, "llama_cpp_version", lambda: "0.3.36")
-    monkeypatch.setattr("osd.bench.record.all_cpu_flags", lambda: "avx2 avx512f fma")
+    monkeypatch.setattr("osd.records.all_cpu_flags", lambda: "avx2 avx512f fma")
     amd = llama_server.server_binary(Path("/c"), build="native")
-    monkeypatch.setattr("osd.bench.record.all_cpu_flags", lambda: "amx_int8 avx2 avx512f fma")
+    monkeypatch.setattr("osd.records.all_cpu_flags", lambda: "amx_int8 avx2 avx512f fma")
     intel = llama_server.server_binary(Path("/c"), build="native")
     assert llama_server.server_binary(Path("/c")) == Path("/c/llama-server/0.3.36/llama-server")
     assert amd != intel and amd.parent.name.startswith("0.3.36-native-") and amd.name == "llama-server"
@@ -91,7 +91,7 @@ def test_an_arm_whose_server_does_not_start_is_recorded_and_the_others_still_run
     other arms instead of losing them all."""
     import os
 
-    from osd.bench.serve_report import failed_lines
+    from osd_bench.serve_report import failed_lines
 
     crashing = tmp_path / "native" / "llama-server"
     crashing.parent.mkdir()

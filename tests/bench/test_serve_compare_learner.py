@@ -3,7 +3,7 @@ import asyncio
 
 import httpx
 
-from osd.bench.serve_compare import learner_steps
+from osd_bench.serve_compare import learner_steps
 
 
 def steps_of(handler) -> int | None:
@@ -22,8 +22,8 @@ def test_learner_steps_read_from_the_learner_route_and_none_without_a_learner():
 
 
 def test_a_level_keeps_each_request_in_prompt_order_so_a_tail_can_be_read():
-    from osd.bench.serve_compare import summarise_level
-    from osd.bench.serve_load import Sample, percentile
+    from osd_bench.serve_compare import summarise_level
+    from osd_bench.serve_load import Sample, percentile
 
     samples = [Sample(ok=True, ttft=t, seconds=t + 2.0, completion_tokens=64, prompt_tokens=p)
                for t, p in [(0.4, 120), (2.5, 900), (0.6, 150)]] + [Sample(ok=False, error="HTTP 500")]

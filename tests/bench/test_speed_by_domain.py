@@ -1,7 +1,7 @@
 """`osd bench speed`'s per-domain table: decode tokens/s of each arm over the baseline's, prompt time left out."""
 import pytest
 
-from osd.bench.speed import decode_speedup_by_domain
+from osd_bench.speed import decode_speedup_by_domain
 
 
 def _timed(tokens, seconds, prompt_seconds):
@@ -25,7 +25,7 @@ def test_each_domain_sums_its_own_prompts_and_leaves_the_prompt_time_out():
 
 
 def test_spider_prompts_carry_their_schema_and_others_stay_as_they_are():
-    from osd.bench.speed import bench_prompts
+    from osd_bench.speed import bench_prompts
 
     spider = bench_prompts(2, domains=("spider",))
     for record in spider:

@@ -5,8 +5,8 @@ import pytest
 
 from conftest import require_q4, tiny_qwen2, tiny_tokenizer
 
-from osd.bench.speed import _copy_arm
-from osd.bench.tiny_pair import write_tiny_pair
+from osd_bench.speed import _copy_arm
+from osd_bench.tiny_pair import write_tiny_pair
 from osd.build import build_system
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.errors import InvalidArgument

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from osd.bench.speed import _learned_arm, bench_prompts, build_arms
-from osd.bench.tiny_pair import write_tiny_pair
+from osd_bench.speed import _learned_arm, bench_prompts, build_arms
+from osd_bench.tiny_pair import write_tiny_pair
 from osd.build import build_system
 from osd.config import ModelConfig, SpeculationConfig
 from osd.errors import CheckpointMismatch, InvalidArgument

@@ -8,9 +8,9 @@ import pytest
 import torch
 from test_replay_resume import comparable, replay, stream  # noqa: F401  (the tiny stream fixture)
 
-import osd.bench.replay_fast as replay_fast
-from osd.bench.baselines import ARRIVAL, arrival_batches, train_equal_steps
-from osd.bench.replay_fast_report import _notes, heldout_rows
+import osd_bench.replay_fast as replay_fast
+from osd_bench.baselines import ARRIVAL, arrival_batches, train_equal_steps
+from osd_bench.replay_fast_report import _notes, heldout_rows
 from osd.distill.trainer import DistillTrainer
 
 

@@ -134,7 +134,7 @@ def test_bad_average():
 
 def test_the_offline_baseline_averages_its_steps_the_same_way(tasks):
     """Equal-step baselines take the online learner's averaging too: the recipes then differ only in the data."""
-    from osd.bench.baselines import train_equal_steps
+    from osd_bench.baselines import train_equal_steps
     from osd.distill.trainer import DistillConfig, DistillTrainer
 
     items = [item(tasks[0][i], i) for i in range(16)]

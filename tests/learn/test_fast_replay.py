@@ -6,8 +6,8 @@ import torch
 from conftest import EOS, tiny_qwen2
 from helpers import make_engine
 
-from osd.bench.replay_fast import drift_order, fast_replay, frozen_trunk_copy, learn_item
-from osd.bench.replay_fast_report import (LABELS, baselines_note, forgetting_rows, heldout_rows, recovery, recovery_notes,
+from osd_bench.replay_fast import drift_order, fast_replay, frozen_trunk_copy, learn_item
+from osd_bench.replay_fast_report import (LABELS, baselines_note, forgetting_rows, heldout_rows, recovery, recovery_notes,
                                           recovery_verdict, report_fast_replay, summary)
 from osd.config import SamplingConfig
 from osd.distill.cache import DecodeSettings, TargetCache
@@ -166,7 +166,7 @@ def test_without_offline_baselines_the_control_row_stays():
 
 
 def test_stream_parts_let_a_dataset_name_its_split():
-    from osd.bench.replay_fast import stream_parts
+    from osd_bench.replay_fast import stream_parts
 
     assert stream_parts("gsm8k, spider,finance:test", "train") == [("gsm8k", "train"), ("spider", "train"),
                                                                     ("finance", "test")]
@@ -187,7 +187,7 @@ def test_recovery_is_applied_to_the_control_too():
 
 
 def test_paired_difference_counts_gained_and_lost_positions():
-    from osd.bench.replay_fast import paired_difference
+    from osd_bench.replay_fast import paired_difference
 
     base, other = [True, True, False, False, True], [True, False, True, True, True]
     assert paired_difference(base, other) == {"gained": 2, "lost": 1, "z": 1 / 3 ** 0.5}
@@ -203,7 +203,7 @@ def test_the_report_header_names_offline_baselines_only_when_the_run_measured_th
 
 def test_evidence_reads_a_replays_json_and_pairs_every_number_with_its_source(replayed, tmp_path):
     """`osd bench evidence` re-measures nothing: its rows are the replay JSON's held-out figures and paired z."""
-    from osd.bench.evidence import ARMS, report_evidence
+    from osd_bench.evidence import ARMS, report_evidence
 
     result, tmp = replayed[0], replayed[4]
     out = report_evidence([str(tmp / "replay.json")], str(tmp_path / "ev.json"), str(tmp_path / "B.md"))
@@ -223,7 +223,7 @@ def test_evidence_reads_a_replays_json_and_pairs_every_number_with_its_source(re
 
 
 def test_evidence_verdicts_apply_the_issues_targets():
-    from osd.bench.evidence import Evidence, verdicts
+    from osd_bench.evidence import Evidence, verdicts
 
     def row(stream, control, online, offline, z):
         return Evidence("r", stream, "d", 500, stream, {"original": control, "offline_10pct": None,
@@ -239,7 +239,7 @@ def test_evidence_verdicts_apply_the_issues_targets():
 
 
 def test_evidence_pairs_the_online_draft_with_the_arrival_order_draft_when_the_replay_trained_it(tmp_path):
-    from osd.bench.evidence import evidence_of, evidence_table, verdicts
+    from osd_bench.evidence import evidence_of, evidence_table, verdicts
 
     def result(arrival, z):
         alpha = {"original": 0.24, "offline_10pct": 0.44, "offline_100pct": 0.61, "online": 0.58,

@@ -62,7 +62,7 @@ def test_fast_replay_cli_resumes_a_cut_run_and_removes_its_state(workspace, monk
     uncut = json.loads((root / "uncut.json").read_text())
     assert not (root / "uncut.state.pt").exists()  # finished: the state is gone
 
-    import osd.bench.replay_fast as replay_fast
+    import osd_bench.replay_fast as replay_fast
 
     online_row = replay_fast._online_row
 
@@ -91,7 +91,7 @@ def test_a_kept_state_adds_a_baseline_without_replaying_the_stream(workspace, mo
     first = json.loads((root / "kept.json").read_text())
     assert (root / "kept.state.pt").exists()  # kept: a later run can add a draft to it
 
-    import osd.bench.replay_fast as replay_fast
+    import osd_bench.replay_fast as replay_fast
 
     def no_replay(*args):
         raise AssertionError("the stream was replayed instead of read from the kept state")

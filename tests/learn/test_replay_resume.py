@@ -4,8 +4,8 @@ import random
 import pytest
 from conftest import EOS, tiny_qwen2
 
-import osd.bench.replay_fast as replay_fast
-from osd.bench.replay_fast import EPOCHS_RECIPE, fast_replay
+import osd_bench.replay_fast as replay_fast
+from osd_bench.replay_fast import EPOCHS_RECIPE, fast_replay
 from osd.distill.cache import DecodeSettings, TargetCache
 from osd.distill.target_outputs import target_samples
 from osd.errors import InvalidArgument

@@ -128,7 +128,7 @@ def test_the_proposer_drafts_on_the_glue_runner_the_tokens_the_transformers_runn
 
 
 def test_draft_cost_times_either_runner_and_refuses_an_unknown_one(serving):
-    from osd.bench.draft_cost import draft_token_seconds, run_draft_cost
+    from osd.distill.draft_cost import draft_token_seconds, run_draft_cost
     from osd.errors import InvalidArgument
 
     for runner in ("glue", "transformers"):

@@ -3,7 +3,7 @@ import pytest
 from conftest import kernels_required
 import torch
 
-from osd.bench import kernel as bench
+from osd_bench import kernel as bench
 from osd.models import q4
 
 

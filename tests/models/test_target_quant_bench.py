@@ -8,7 +8,7 @@ from conftest import skip_or_fail
 import torch
 from conftest import save_tiny_pair
 
-from osd.bench.target_quant import agreement, rates, teacher_forced_logits
+from osd_bench.target_quant import agreement, rates, teacher_forced_logits
 from osd.cli import main
 from osd.errors import KernelUnavailable
 from osd.models import kernels

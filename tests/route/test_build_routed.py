@@ -1,7 +1,7 @@
 """`--drafts a,b` wiring: build_system makes adapter drafts and a routed proposer; attach_learner one learner per draft."""
 import pytest
 
-from osd.bench.tiny_pair import write_tiny_pair
+from osd_bench.tiny_pair import write_tiny_pair
 from osd.build import attach_learner, build_system
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.errors import InvalidArgument

@@ -5,8 +5,8 @@ import random
 import pytest
 from conftest import EOS, ToyTokenizer, tiny_qwen2
 
-from osd.bench.replay_routed import label_map, mixed_order, router_accuracy, routed_replay
-from osd.bench.replay_routed_report import label_curves, report_routed_replay
+from osd_bench.replay_routed import label_map, mixed_order, router_accuracy, routed_replay
+from osd_bench.replay_routed_report import label_curves, report_routed_replay
 from osd.distill.cache import DecodeSettings, TargetCache
 from osd.distill.target_outputs import target_samples
 from osd.errors import InvalidArgument

@@ -537,7 +537,7 @@ def test_target_only_k0_has_no_proposer_and_never_runs_the_draft(tmp_path):
     """`osd serve --k 0` (the target-only arm): the engine gets no proposer, so admission feeds no draft prefill and
     no step runs a draft forward; by default the draft is not even loaded (nor its copies timed). Asked for (a learner
     needs its master: `osd serve --k 0 --learn`), it is loaded and still never runs. With k > 0 the draft runs."""
-    from osd.bench.tiny_pair import write_tiny_pair
+    from osd_bench.tiny_pair import write_tiny_pair
     from osd.build import build_system
     from osd.config import ModelConfig, SpeculationConfig
 

@@ -149,7 +149,7 @@ def test_a_paused_learner_publishes_nothing_while_serving_goes_on_and_resumes_fr
 
 
 def test_paired_learning_bench_alternates_a_running_and_a_paused_learner_on_one_server(model_dirs, tmp_path):
-    from osd.bench.serve_load import run_paired_learning
+    from osd_bench.serve_load import run_paired_learning
 
     with real_server(model_dirs, tmp_path / "ckpt") as (http, system, learner, steps, results):
         url = str(http.base_url).rstrip("/")
@@ -167,7 +167,7 @@ def test_paired_learning_bench_alternates_a_running_and_a_paused_learner_on_one_
 
 
 def test_paired_ratio_is_the_geometric_mean_of_the_round_ratios_with_a_t_interval():
-    from osd.bench.serve_load import paired_ratio
+    from osd_bench.serve_load import paired_ratio
 
     same = paired_ratio([1.1, 2.2, 0.55], [1.0, 2.0, 0.5])  # every round 10% slower: no spread
     assert same["ratio"] == pytest.approx(1.1) and same["ci95"] == pytest.approx([1.1, 1.1])

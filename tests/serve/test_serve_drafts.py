@@ -113,8 +113,8 @@ def test_a_server_with_one_draft_takes_its_name_as_a_pin_and_refuses_others():
 def test_bench_serve_reads_a_routing_servers_seconds_and_drafts_memory(served, tmp_path, monkeypatch):
     """`osd bench serve` against a routing server: routing and scoring seconds per level from /metrics (what the
     router's own counters say the level cost) and the drafts' bytes against one draft's; a plain server has neither."""
-    from osd.bench.serve_load import run_load
-    from osd.bench.serve_report import report_load
+    from osd_bench.serve_load import run_load
+    from osd_bench.serve_report import report_load
 
     url, _, routing = served
     before = routing.feedback.stats()["score_seconds"] + routing.router.stats()["route_seconds"]

@@ -8,9 +8,9 @@ from serve_testing import MODEL, tiny_server
 
 from osd.errors import ContextTooLong, InvalidArgument
 from osd.serve import errors
-from osd.bench.serve_load import percentile, run_load
+from osd_bench.serve_load import percentile, run_load
 from osd.serve.prom import ServeMetrics, kernel_families, learner_families
-from osd.bench.serve_report import load_table
+from osd_bench.serve_report import load_table
 from osd.serve.schemas import ChatCompletionRequest, CompletionRequest
 from osd.serve.settings import ServeSettings
 from osd.serve.translate import sampling_from
@@ -202,7 +202,7 @@ def test_percentile():
 def test_load_generator_against_live_server(tmp_path, monkeypatch):
     import json
 
-    from osd.bench.serve_report import report_load
+    from osd_bench.serve_report import report_load
 
     with tiny_server(api_key="k") as served:
         result = run_load(served.url, ["abc", "defg", "hij"], max_tokens=8, concurrency=(1, 2), api_key="k")
@@ -223,7 +223,7 @@ def test_load_generator_against_live_server(tmp_path, monkeypatch):
 
 
 def test_recorded_command_hides_the_api_key():
-    from osd.bench.record import redacted_command
+    from osd.records import redacted_command
 
     cmd = redacted_command(["bench", "serve", "--api-key", "s3cret", "--api-key=s3cret", "--limit", "2"])
     assert "s3cret" not in cmd and cmd.endswith("--limit 2")

@@ -5,9 +5,9 @@ import pytest
 from conftest import save_tiny_pair
 from serve_testing import MODEL, FakeLearner, learning_server, tiny_server
 
-from osd.bench.soak import (Case, GreedyKey, Outcome, SoakConfig, build_cases, error_body_ok, greedy_mismatches,
+from osd_bench.soak import (Case, GreedyKey, Outcome, SoakConfig, build_cases, error_body_ok, greedy_mismatches,
                             run_soak, summarise)
-from osd.bench.soak_server import target_only_references
+from osd_bench.soak_server import target_only_references
 from osd.engine import SpeculativeEngine
 
 KEY = "soak-key"
@@ -129,8 +129,8 @@ def test_case_expectations_cover_the_issue():
 
 
 def test_tiny_pair_on_disk_loads_as_osd_serve_would(tmp_path):
-    from osd.bench.soak_server import ServerProcess
-    from osd.bench.tiny_pair import write_tiny_pair
+    from osd_bench.soak_server import ServerProcess
+    from osd_bench.tiny_pair import write_tiny_pair
     from osd.data import chat_ids
     from osd.models.loading import load_model, load_tokenizer
     from osd.models.tokenizer import check_same_tokenizer
@@ -151,7 +151,7 @@ def test_tiny_pair_on_disk_loads_as_osd_serve_would(tmp_path):
 
 
 def test_rss_plot_is_drawn_from_the_series(soaked, tmp_path):
-    from osd.bench.soak_report import plot_rss
+    from osd_bench.soak_report import plot_rss
 
     _, _, result = soaked
     path = plot_rss(result, str(tmp_path / "rss.png"))

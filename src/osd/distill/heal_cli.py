@@ -112,9 +112,9 @@ def cmd_widen(args) -> None:
 
 
 def cmd_cost(args) -> None:
-    from osd.bench.draft_cost import run_draft_cost
-    from osd.bench.report import table
-    from osd.bench.record import emit_report, machine, redacted_command, write_result
+    from osd.distill.draft_cost import run_draft_cost
+    from osd.records import table
+    from osd.records import emit_report, machine, redacted_command, write_result
     from osd.build import set_threads
     from osd.distill.heal import open_target
 

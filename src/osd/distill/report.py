@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import sys
 
-from osd.bench.record import emit_report, machine, redacted_command, write_result
-from osd.bench.report import table
+from osd.records import emit_report, machine, redacted_command, write_result
+from osd.records import table
 
 COLUMNS = [("alpha greedy", "alpha_greedy"), ("tokens/step greedy", "tokens_per_step_greedy"),
            ("alpha T=1", "alpha_sampling_t1"), ("implied speedup greedy", "implied_speedup_greedy"),

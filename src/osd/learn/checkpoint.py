@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_model, save_file, save_model
 
-from osd.bench.revision import git_revision
+from osd.revision import git_revision
 from osd.errors import CheckpointMismatch, OptimizerStateError
 
 PAUSE_ENV = "OSD_TEST_CHECKPOINT_PAUSE"  # test hook (tests/serve/test_real_learner.py): see _pause_if_asked

@@ -1,4 +1,4 @@
-"""CLI entries for serving: `osd serve` and `osd bench serve`. Parse -> config -> call the library."""
+"""CLI entry for serving: `osd serve`. Parse -> config -> call the library."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +8,8 @@ from osd.flags import add_config_flags, config_from
 from osd.serve.settings import ServeSettings
 
 
-def register(sub, bench) -> None:
-    """Add the serving subcommands to the `osd` parser (sub) and the `osd bench` parser (bench)."""
+def register(sub) -> None:
+    """Add `osd serve` to the `osd` parser (sub)."""
     from osd.config import ModelConfig, SpeculationConfig
     from osd.learn.online import LearnConfig
     from osd.route.config import RouteConfig
@@ -38,44 +38,6 @@ def register(sub, bench) -> None:
     p.set_defaults(busy_share=0.05)
     p.set_defaults(schedule="background", checkpoint_dir="runs/draft-checkpoint", score_schedule="background")  # serving: learn in idle windows, resume on restart
     p.set_defaults(func=cmd_serve)
-
-    p = bench.add_parser("serve", help="load a running server: throughput, TTFT, TPOT at several concurrencies")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of a running `osd serve`")
-    p.add_argument("--prompts", default="chat", help="dataset name (shared/datasets) or JSONL path")
-    p.add_argument("--split", default="test")
-    p.add_argument("--limit", type=int, default=8, help="prompts per concurrency level")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--raw", action="store_true", help="use /v1/completions instead of the chat endpoint")
-    p.add_argument("--pair-learning", type=int, default=0, metavar="ROUNDS",
-                   help="measure what online learning costs on one learning server: ROUNDS round pairs of the prompts, "
-                        "learner running vs paused (POST /v1/osd/learner), alternating order; the first --concurrency "
-                        "level only (default 0: off)")
-    p.add_argument("--api-key", default=os.environ.get("OSD_API_KEY"))
-    p.add_argument("--out", default="benchmarks/bench-serve.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
-    p.set_defaults(func=cmd_bench_serve)
-
-    p = bench.add_parser("serve-vs", help="osd serve against llama-server (-np N --cont-batching) under load, "
-                         "side by side in one run: aggregate tokens/s, TTFT, e2e latency, peak RSS per level")
-    p.add_argument("--target", default="bundled:qwen2.5-coder-1.5b", help="the GGUF both servers serve")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    p.add_argument("--per-level", type=int, default=16, help="requests per concurrency level (a new slice of prompts each)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--port", type=int, default=8791)
-    p.add_argument("--arms", nargs="+", default=["llama-server", "osd", "osd-learning", "osd-target-only"],
-                   choices=["llama-server", "llama-server-native", "osd", "osd-learning", "osd-target-only"],
-                   help="llama-server: built with the portable AVX2 flags of llama-cpp-python's wheel; "
-                        "llama-server-native: built for this CPU (-DGGML_NATIVE=ON, AVX-512 where it has it), as "
-                        "llama.cpp builds by default; both once per machine, cached")
-    p.add_argument("--osd-args", default="--lookup", help="more `osd serve` flags for every osd arm (one string)")
-    p.add_argument("--prefill-chars", type=int, default=4000,
-                   help="also time each server's prefill of one long prompt of about this many characters (~1,000 "
-                        "tokens of code test prompts; 0 = skip)")
-    p.add_argument("--out", default="benchmarks/bench-serve-vs.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
-    p.set_defaults(func=cmd_bench_serve_vs)
 
 
 def default_model_name(target: str) -> str:
@@ -144,48 +106,3 @@ def serve(engine, tokenizer, model_name: str, settings: ServeSettings, learner=N
         server.should_exit = True
         http.join(60)
         app.state.lifecycle.stop()  # idempotent: normally done already by the lifespan shutdown
-
-
-def cmd_bench_serve_vs(args) -> None:
-    import shlex
-
-    from osd.bench.serve_compare import CompareConfig, interleaved_prompts, long_prompt, run_compare
-    from osd.bench.serve_report import report_vs
-    from osd.errors import InvalidArgument
-    from osd.models.loading import gguf_file
-
-    gguf = gguf_file(args.target)
-    if gguf is None:
-        raise InvalidArgument(f"serve-vs compares servers of one GGUF; {args.target!r} is not one")
-    levels = tuple(args.concurrency)
-    config = CompareConfig(gguf, interleaved_prompts(1 + args.per_level * len(levels)), levels, args.per_level,
-                           args.max_tokens, args.threads, args.port, arms=tuple(args.arms),
-                           osd_args=tuple(shlex.split(args.osd_args)) + ("--target", args.target))
-    config.long_prompt = long_prompt(args.prefill_chars) if args.prefill_chars else None
-    result = run_compare(config)
-    result["config"] = {"target": args.target, "gguf": str(gguf), "levels": list(levels), "per_level": args.per_level,
-                        "max_tokens": args.max_tokens, "threads": args.threads, "arms": list(args.arms),
-                        "osd_args": args.osd_args, "temperature": 0, "prefill_chars": args.prefill_chars}
-    report_vs(result, args.out, args.markdown)
-
-
-def cmd_bench_serve(args) -> None:
-    from osd.data import load_records
-    from osd.errors import InvalidArgument
-    from osd.bench.serve_load import run_load
-    from osd.bench.serve_report import report_load
-
-    prompts = [r["prompt"] for r in load_records(args.prompts, split=args.split or None, limit=args.limit)]
-    if not prompts or min(args.concurrency) < 1:
-        raise InvalidArgument("bench serve needs at least one prompt and concurrency levels >= 1")
-    if args.pair_learning:
-        from osd.bench.serve_load import run_paired_learning
-        from osd.bench.serve_report import print_round, report_paired
-
-        result = run_paired_learning(args.url, prompts, args.pair_learning, args.max_tokens, args.concurrency[0],
-                                     chat=not args.raw, api_key=args.api_key, progress=print_round)
-        report_paired(result, args.out, args.markdown)
-        return
-    result = run_load(args.url, prompts, args.max_tokens, tuple(args.concurrency), chat=not args.raw,
-                      api_key=args.api_key)
-    report_load(result, args.out, args.markdown)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import sys
 
-from osd.bench.record import emit_report, machine, redacted_command, write_result
-from osd.bench.serve_load import optimizer_steps
+from osd.records import emit_report, machine, redacted_command, write_result
+from osd_bench.serve_load import optimizer_steps
 
 COLUMNS = [("concurrency", "concurrency"), ("requests", "requests"), ("errors", "errors"),
            ("tokens_per_second", "tokens/s"), ("requests_per_second", "req/s"), ("ttft_p50", "TTFT p50 s"),
@@ -13,7 +13,7 @@ COLUMNS = [("concurrency", "concurrency"), ("requests", "requests"), ("errors", 
 
 
 def load_table(result: dict) -> str:
-    from osd.bench.report import table
+    from osd_bench.report import table
 
     rows = [[level[key] for key, _ in COLUMNS] for level in result["levels"]]
     return table(rows, [title for _, title in COLUMNS])
@@ -56,7 +56,7 @@ def print_round(row: dict) -> None:
 
 
 def paired_table(result: dict) -> str:
-    from osd.bench.report import table
+    from osd_bench.report import table
 
     rows = []
     for r in result["rounds"]:
@@ -123,7 +123,7 @@ def vs_rows(records: list[dict]) -> list[dict]:
 
 def vs_table(result: dict) -> str:
     """The table, without the ratio column of a llama-server build that did not run."""
-    from osd.bench.report import table
+    from osd_bench.report import table
 
     rows = vs_rows(result["records"])
     columns = [(key, title) for key, title in VS_COLUMNS
@@ -164,7 +164,7 @@ def identity_lines(result: dict) -> list[str]:
 
 
 def plot_vs(result: dict, path: str) -> str | None:
-    from osd.bench.plots import _pyplot, _save
+    from osd_bench.plots import _pyplot, _save
 
     plt = _pyplot()
     if plt is None:

@@ -28,8 +28,8 @@ from dataclasses import asdict, replace
 
 import torch
 
-from osd.bench.replay_fast import EXACTNESS, _alpha_columns, learn_item, paired_difference, stream_parts
-from osd.bench.baselines import draft_copy
+from osd_bench.replay_fast import EXACTNESS, _alpha_columns, learn_item, paired_difference, stream_parts
+from osd_bench.baselines import draft_copy
 from osd.distill.evaluate import position_stats, sample_item
 from osd.errors import InvalidArgument
 from osd.learn.online import LearnConfig, OnlineLearner

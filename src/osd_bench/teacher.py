@@ -69,8 +69,8 @@ def run_teacher(target: str, datasets: str, per_dataset: int, max_tokens: int, s
 def report_teacher(result: dict, out: str, markdown: str | None) -> None:
     import sys
 
-    from osd.bench.record import emit_report, machine, redacted_command, write_result
-    from osd.bench.report import table
+    from osd.records import emit_report, machine, redacted_command, write_result
+    from osd_bench.report import table
 
     path = write_result(result, out)
     rows = [[label, a["tokens"], round(a["seconds"], 1), round(a["tokens_per_second"], 1), round(a["vs_first_arm"], 2),

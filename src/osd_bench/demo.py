@@ -1,7 +1,7 @@
 """`osd demo`: the main job on the bundled pair. A few real prompts, target-only vs osd, with stats."""
 from __future__ import annotations
 
-from osd.bench.report import table
+from osd_bench.report import table
 from osd.build import build_system
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.data import load_records, prompt_ids, with_context

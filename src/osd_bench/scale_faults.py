@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from osd.bench.llama_server import wait_healthy
-from osd.bench.serve_load import _client
+from osd_bench.llama_server import wait_healthy
+from osd_bench.serve_load import _client
 
 FAULTS = ("none", "replica", "learner", "front")
 
@@ -109,7 +109,7 @@ def run_faults(osd_args: list[str], prompts: list[str], per_phase: int, concurre
 def _load(url: str, prompts: list[str], concurrency: int, max_tokens: int, timeout: float) -> dict:
     """Streaming clients; a client that cannot connect (the front is down) retries every second, as one behind a
     load balancer would, until its timeout; every other failure is the request's answer (an error)."""
-    from osd.bench.serve_load import _request_body, one_request
+    from osd_bench.serve_load import _request_body, one_request
 
     todo, samples = list(prompts), []
 

@@ -87,7 +87,7 @@ def verdicts(rows: list[Evidence]) -> dict:
 
 
 def evidence_table(rows: list[Evidence]) -> str:
-    from osd.bench.report import table
+    from osd_bench.report import table
 
     header = ["run", "draft", "requests", "held-out", "control", "online", "online - control (z)", "offline 10%",
               "offline 100%", "online - offline 100% (z)", "offline arrival", "online - offline arrival (z)",
@@ -104,7 +104,7 @@ def evidence_table(rows: list[Evidence]) -> str:
 def plot_evidence(rows: list[Evidence], path: str) -> str | None:
     """Grouped bars per (run, held-out dataset): control, online, offline 100% (equal steps), and offline in arrival
     order where any run measured it."""
-    from osd.bench.plots import plot_grouped_bars
+    from osd_bench.plots import plot_grouped_bars
 
     groups = [f"{r.dataset}\n{r.requests} req" + ("\n(shift)" if "," in r.stream else "") for r in rows]
     series = {label: [r.alpha[arm] for r in rows] for arm, label in (
@@ -115,7 +115,7 @@ def plot_evidence(rows: list[Evidence], path: str) -> str | None:
 
 
 def report_evidence(paths: list[str], out: str, markdown: str | None) -> dict:
-    from osd.bench.record import emit_report, read_result, write_result
+    from osd.records import emit_report, read_result, write_result
     from osd.errors import InvalidArgument
 
     rows: list[Evidence] = []

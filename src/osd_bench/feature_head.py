@@ -242,7 +242,7 @@ def seconds_per_token(fn, repeats: int = 20) -> float:
 def run_feature_head(target: str, draft: str, train_domains, train_per_domain: int, heldout_domains,
                      heldout_per_domain: int, max_new_tokens: int, epochs: int, lr: float, batch: int, inter: int,
                      progress=None, depth: int = 4, feature_weight: float = 1.0) -> dict:
-    from osd.bench.replay_fast import paired_difference
+    from osd_bench.replay_fast import paired_difference
     from osd.models.loading import gguf_file, load_model, load_tokenizer
     from osd.models.q4_batch import greedy_many
     from osd.models.q4_runner import Q4Runner
@@ -346,8 +346,8 @@ def _cmd(args) -> None:
 
     from tqdm import tqdm
 
-    from osd.bench.record import emit_report, redacted_command, write_result
-    from osd.bench.report import table
+    from osd.records import emit_report, redacted_command, write_result
+    from osd_bench.report import table
 
     split = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
     result = run_feature_head(args.target, args.draft, split(args.train_domains), args.train_per_domain,

@@ -4,19 +4,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from osd.bench.plots import domain_boundaries, plot_alpha_curves
-from osd.bench.record import emit_report, machine, redacted_command, write_result
-
-
-def table(rows: list[list], header: list[str]) -> str:
-    cells = [header] + [[("-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)) for v in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
-    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells[1:]])
+from osd_bench.plots import domain_boundaries, plot_alpha_curves
+from osd.records import emit_report, machine, redacted_command, table, write_result  # noqa: F401 - table: re-exported
 
 
 def report_speed(result: dict, out: str, markdown: str) -> None:
-    from osd.bench.speed import COPY_ARMS, decode_speedup_by_domain, work_by_domain
+    from osd_bench.speed import COPY_ARMS, decode_speedup_by_domain, work_by_domain
 
     path = write_result(result, out)
     decode, e2e = result["decode_tokens_per_second"], result["end_to_end_tokens_per_second"]

@@ -6,9 +6,9 @@ import math
 import sys
 from pathlib import Path
 
-from osd.bench.plots import domain_boundaries, moving_average, plot_alpha_curves
-from osd.bench.record import emit_report, machine, redacted_command, write_result
-from osd.bench.report import table
+from osd_bench.plots import domain_boundaries, moving_average, plot_alpha_curves
+from osd.records import emit_report, machine, redacted_command, write_result
+from osd_bench.report import table
 
 CONTROL = "original"
 LABELS = {"original": "control (never trained)", "online": "online", "offline_10pct": "offline 10% (equal steps)",

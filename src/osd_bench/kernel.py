@@ -252,8 +252,8 @@ def run_kernel(target: str, max_rows: int = 8, repeats: int = 5, isa: str | None
 
 # ------------------------------------------------------------------------------------------ report and CLI
 def report_kernel(result: dict, out: str, markdown: str) -> None:
-    from osd.bench.record import emit_report, machine, redacted_command, write_result
-    from osd.bench.report import table
+    from osd.records import emit_report, machine, redacted_command, write_result
+    from osd_bench.report import table
 
     path = write_result(result, out)
     rows_n = result["config"]["max_rows"]
@@ -314,7 +314,7 @@ def register(bench) -> None:
     p.set_defaults(func=cmd_bench_kernel)
 
 
-if __name__ == "__main__":  # python -m osd.bench.kernel [flags]
+if __name__ == "__main__":  # python -m osd_bench.kernel [flags]
     import argparse
 
     parser = argparse.ArgumentParser(prog="osd")

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from osd.bench.baselines import SHARES, draft_copy, offline_trainer, train_equal_steps
-from osd.bench.record import emit_report
-from osd.bench.replay_fast import TEACHER_FORCED, paired_difference, stream_parts
-from osd.bench.report import measured_command, table
-from osd.bench.speed import llama_cpp_target_arm
+from osd_bench.baselines import SHARES, draft_copy, offline_trainer, train_equal_steps
+from osd.records import emit_report
+from osd_bench.replay_fast import TEACHER_FORCED, paired_difference, stream_parts
+from osd_bench.report import measured_command, table
+from osd_bench.speed import llama_cpp_target_arm
 from osd.build import attach_learner, build_system
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.data import load_records, prompt_ids
@@ -239,7 +239,7 @@ def _heldout(engine, tokenizer, variants, stream, split, per_segment, heldout, h
 def report_live_comparison(result: dict, out: str, markdown: str, window: int = 10) -> None:
     """The fair-comparison block of a live replay: every draft against the control on the same positions (per segment,
     recovery side by side, held-out with z) and the figure of the four drafts."""
-    from osd.bench.replay_fast_report import heldout_rows, plot, recovery_notes, summary
+    from osd_bench.replay_fast_report import heldout_rows, plot, recovery_notes, summary
 
     rows = [r for r in result["requests"] if "original_alpha" in r and "online_alpha" in r]
     if not rows:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from osd.bench.serve_load import percentile
+from osd_bench.serve_load import percentile
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ERROR_KEYS = {"message", "type", "param", "code"}

@@ -12,9 +12,9 @@ import dataclasses
 import time
 from pathlib import Path
 
-from osd.bench.record import emit_report, write_result
-from osd.bench.serve_compare import run_level, summarise_level
-from osd.bench.serve_load import _client, _request_body, one_request
+from osd.records import emit_report, write_result
+from osd_bench.serve_compare import run_level, summarise_level
+from osd_bench.serve_load import _client, _request_body, one_request
 from osd.flags import add_config_flags, config_from
 from osd.serve.threaded import serve_in_thread
 
@@ -81,9 +81,9 @@ def run_plain_arm(config: ScaleConfig, threads: int) -> tuple[dict, list]:
     import sys
     import tempfile
 
-    from osd.bench.llama_server import running
-    from osd.bench.serve_compare import peak_rss_bytes
-    from osd.bench.soak_server import free_port
+    from osd_bench.llama_server import running
+    from osd_bench.serve_compare import peak_rss_bytes
+    from osd_bench.soak_server import free_port
 
     port, logs = free_port(), Path(tempfile.mkdtemp(prefix="osd-scale-plain-"))
     osd = shutil.which("osd", path=str(Path(sys.executable).parent)) or "osd"
@@ -196,7 +196,7 @@ def _cmd(args) -> None:
     import shlex
     import tempfile
 
-    from osd.bench.serve_compare import interleaved_prompts
+    from osd_bench.serve_compare import interleaved_prompts
     from osd.config import ModelConfig, SpeculationConfig
     from osd.errors import InvalidArgument
     from osd.learn.online import LearnConfig
@@ -231,7 +231,7 @@ def _cmd(args) -> None:
 def _cmd_replay(args, models, learn) -> None:
     from tqdm import tqdm
 
-    from osd.bench.scale_replay import run_split_replay
+    from osd_bench.scale_replay import run_split_replay
 
     models = dataclasses.replace(models, threads=0)  # the replay runs in this process, on every core
     result = run_split_replay(models, learn, args.replay_dataset, args.per_replica, args.replay, progress=tqdm)
@@ -257,8 +257,8 @@ def _cmd_replay(args, models, learn) -> None:
 def _cmd_faults(args) -> None:
     import shlex
 
-    from osd.bench.scale_faults import FAULTS, run_faults
-    from osd.bench.serve_compare import interleaved_prompts
+    from osd_bench.scale_faults import FAULTS, run_faults
+    from osd_bench.serve_compare import interleaved_prompts
 
     result = run_faults(shlex.split(args.osd_args), interleaved_prompts(args.requests * len(FAULTS) + 1)[1:],
                         args.requests, args.concurrency, args.max_tokens)

@@ -1,4 +1,6 @@
-"""Recording benchmark results: JSON with config, git revision and machine; a row in BENCHMARKS.md."""
+"""Recording results: JSON with config, git revision and machine; console tables; a block in a markdown file.
+
+A leaf below both the product (checkpoints, `osd draft build` reports) and the evidence harness (osd_bench)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from osd.bench.revision import git_revision
+from osd.revision import git_revision
 
 
 def all_cpu_flags() -> str:
@@ -119,3 +121,10 @@ def emit_report(section: str, description: str, blocks: list[str], path: Path, m
         for block in blocks:
             lines += ["", block]
         append_markdown(section, lines, markdown)
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    cells = [header] + [[("-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)) for v in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells[1:]])

@@ -35,9 +35,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from osd.bench.baselines import (ARRIVAL, EPOCHS_RECIPE, SHARES, draft_copy, frozen_trunk_copy, load_trainable_weights,  # noqa: F401
+from osd_bench.baselines import (ARRIVAL, EPOCHS_RECIPE, SHARES, draft_copy, frozen_trunk_copy, load_trainable_weights,  # noqa: F401
                                  offline_trainer, train_equal_steps, trainable_weights)
-from osd.bench.replay_state import fingerprint, learner_state, load_state, restore_learner, save_state
+from osd_bench.replay_state import fingerprint, learner_state, load_state, restore_learner, save_state
 from osd.config import ModelConfig
 from osd.distill.cache import DecodeSettings
 from osd.distill.evaluate import greedy_steps, position_stats, sample_item

@@ -131,8 +131,8 @@ def run_target_quant(target: str, datasets=DATASETS, split: str = "test", limit:
 
 
 def report_target_quant(result: dict, out: str, markdown: str) -> None:
-    from osd.bench.record import emit_report, machine, redacted_command, write_result
-    from osd.bench.report import table
+    from osd.records import emit_report, machine, redacted_command, write_result
+    from osd_bench.report import table
 
     path = write_result(result, out)
     parts = {**result["per_dataset"], "all": result["overall"]}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from osd.bench.plots import plot_alpha_panels
-from osd.bench.record import emit_report, machine, redacted_command, write_result
-from osd.bench.report import table
+from osd_bench.plots import plot_alpha_panels
+from osd.records import emit_report, machine, redacted_command, write_result
+from osd_bench.report import table
 
 LABELS = {"control": "control (never trained)", "shared": "one shared online draft",
           "shared_steps": "one shared draft, the residual system's optimizer steps",

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import httpx
 
-from osd.bench.llama_server import ServerStartError, build_features, ensure_llama_server, llama_server_command, running
-from osd.bench.serve_load import Sample, _client, _request_body, one_request, percentile
-from osd.bench.speed import bench_prompts
+from osd_bench.llama_server import ServerStartError, build_features, ensure_llama_server, llama_server_command, running
+from osd_bench.serve_load import Sample, _client, _request_body, one_request, percentile
+from osd_bench.speed import bench_prompts
 from osd.data import load_records
 
 OSD_ARMS = {  # arm -> extra `osd serve` flags

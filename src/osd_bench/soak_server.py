@@ -123,7 +123,7 @@ def model_pair(models: str) -> tuple[str, str]:
     from osd.config import ModelConfig
 
     if models == "tiny":
-        from osd.bench.tiny_pair import write_tiny_pair
+        from osd_bench.tiny_pair import write_tiny_pair
 
         return write_tiny_pair()
     if models == "bundled":
@@ -145,7 +145,7 @@ def run_soak_command(models: str, prompts: list[str], max_tokens: int, config, u
     drive the soak, stop the server. -> the soak's result."""
     from contextlib import nullcontext
 
-    from osd.bench.soak import build_cases, run_soak
+    from osd_bench.soak import build_cases, run_soak
     from osd.build import build_system
     from osd.config import ModelConfig, SpeculationConfig
 

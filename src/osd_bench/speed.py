@@ -89,7 +89,7 @@ def _engine_arm(engine: SpeculativeEngine, max_new: int):
 def _calibrated_arm(engine: SpeculativeEngine, max_new: int, busy: int = 0):
     """An osd arm whose engine measured its costs first (`calibration`: c and the verify costs, reported per arm);
     busy: that many processes spin beside the calibration (bench/neighbours.py), none beside the decoding."""
-    from osd.bench.neighbours import busy_neighbours
+    from osd_bench.neighbours import busy_neighbours
 
     run = _engine_arm(engine, max_new)
     with busy_neighbours(busy):

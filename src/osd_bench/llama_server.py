@@ -46,7 +46,7 @@ def build_folder(build: str) -> str:
         raise ValueError(f"unknown llama-server build {build!r}; one of {sorted(BUILDS)}")
     if build == "portable":
         return llama_cpp_version()
-    from osd.bench.record import all_cpu_flags
+    from osd.records import all_cpu_flags
 
     return f"{llama_cpp_version()}-native-{hashlib.sha256(all_cpu_flags().encode()).hexdigest()[:10]}"
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from osd.bench.record import emit_report, machine, redacted_command, write_result
+from osd.records import emit_report, machine, redacted_command, write_result
 
 
 def kinds_table(result: dict) -> str:
-    from osd.bench.report import table
+    from osd_bench.report import table
 
     rows = [[kind, k["expected"], k["sent"], k["ok"], ", ".join(f"{s}: {n}" for s, n in sorted(k["got"].items()))]
             for kind, k in result["kinds"].items()]
@@ -65,7 +65,7 @@ def summary_lines(result: dict) -> str:
 
 def plot_rss(result: dict, path: str) -> str | None:
     """The server's RSS over the soak, with the median of each half (a leak shows as a rising level)."""
-    from osd.bench.plots import plot_series
+    from osd_bench.plots import plot_series
 
     s, cfg = result["server"], result["config"]
     marks = {f"median, {h} half": s[f"rss_median_{h}_half_bytes"] / 2**20 for h in ("first", "second")

@@ -10,7 +10,7 @@ same positions). Updates are synchronous here (the fast path): a live cluster's 
 training time and a publish-to-swap latency (measured by `osd bench scale`)."""
 from __future__ import annotations
 
-from osd.bench.replay_fast import _matches, fast_replay, paired_difference
+from osd_bench.replay_fast import _matches, fast_replay, paired_difference
 from osd.distill.cache import DecodeSettings
 from osd.distill.evaluate import sample_item
 from osd.distill.target_outputs import dataset_samples
