@@ -7,7 +7,7 @@ README = (ROOT / "README.md").read_text()
 
 
 def result(name: str) -> dict:
-    return json.loads((ROOT / "benchmarks" / name).read_text())
+    return json.loads(next((ROOT / "benchmarks").rglob(name)).read_text())
 
 
 def serve_vs(name: str):
@@ -454,7 +454,7 @@ def test_the_intel_llama_cpp_decode_and_q4_target_ranges_are_those_of_the_intel_
 
 def test_the_amd_q4_target_range_is_that_of_the_amd_speed_runs():
     q4 = [r["decode_speedup_vs_baseline"]["osd_q4_target"]
-          for r in map(result, sorted(p.name for p in (ROOT / "benchmarks").glob("bench-speed-*.json")))
+          for r in map(result, sorted(p.name for p in (ROOT / "benchmarks").rglob("bench-speed-*.json")))
           if r["machine"]["cpu"] == "AMD EPYC" and r.get("baseline") == "llama_cpp_target"
           and "osd_q4_target" in r.get("decode_speedup_vs_baseline", {})
           and not r["command"].count("-x16")]  # the runs before the columns were interleaved
@@ -465,7 +465,7 @@ def test_the_amd_q4_target_range_is_that_of_the_amd_speed_runs():
 
 def test_the_best_amd_learned_draft_range_is_that_of_its_speed_runs():
     runs = {}
-    for path in sorted((ROOT / "benchmarks").glob("bench-speed-*.json")):
+    for path in sorted((ROOT / "benchmarks").rglob("bench-speed-*.json")):
         r = result(path.name)
         if r["machine"]["cpu"] == "AMD EPYC" and "osd_q4_learned" in r.get("decode_speedup_vs_baseline", {}):
             runs.setdefault(r["config"]["learned_draft"], []).append(r["decode_speedup_vs_baseline"]["osd_q4_learned"])

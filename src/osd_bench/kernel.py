@@ -210,7 +210,7 @@ def llama_cpp_costs(gguf: Path | None, max_rows: int, repeats: int, context: int
             "ms": ms, "cost_vs_one_row": [t / ms[0] for t in ms]}
 
 
-def llama_cpp_rows(path: str | Path = "benchmarks/bench-rows.json") -> dict | None:
+def llama_cpp_rows(path: str | Path = "benchmarks/kernel/bench-rows.json") -> dict | None:
     """llama.cpp's whole-forward seconds per row count, from a stored `osd bench rows` result (None if absent)."""
     path = Path(path)
     if not path.exists():
