@@ -186,8 +186,8 @@ def register(bench) -> None:
                         "(bench/scale_replay.py; --replay-dataset, --per-replica)")
     p.add_argument("--replay-dataset", default="gsm8k")
     p.add_argument("--per-replica", type=int, default=80, help="--replay: requests each simulated replica serves")
-    p.add_argument("--out", default="benchmarks/bench-scale.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.add_argument("--out", default="benchmarks/scale/bench-scale.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=_cmd)
 
 
