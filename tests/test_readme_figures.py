@@ -25,8 +25,8 @@ def check(readme_path=ROOT / "README.md", index=BENCH / "index.json", index_md=B
                                          check=not write))
 
 
-def field(result: dict, dotted: str):
-    for key in dotted.split("."):
+def field(result: dict, path: str):
+    for key in path.split("/"):
         result = result[int(key)] if isinstance(result, list) else result[key]
     return result
 
@@ -52,9 +52,11 @@ def test_every_docs_figure_is_its_file_s_value(doc):
         assert readme.kind_of(result["machine"], INDEX["kinds"]) == doc["kind"]
     page = " ".join((ROOT / doc["page"]).read_text().split())
     assert doc["file"] in page, f"{doc['page']} must name the file behind '{doc['claim']}'"
-    for dotted, fmt in doc["fields"].items():
-        shown = fmt.format(field(result, dotted))
-        assert shown in page, f"{doc['page']}: '{doc['claim']}' should show {shown} ({dotted} of {doc['file']})"
+    for path, fmt in doc["fields"].items():
+        fmt, scale = fmt if isinstance(fmt, list) else (fmt, 1)
+        value = field(result, path)
+        shown = fmt.format(value * scale if scale != 1 else value)
+        assert shown in page, f"{doc['page']}: '{doc['claim']}' should show {shown} ({path} of {doc['file']})"
 
 
 def test_a_result_file_that_changes_fails_the_check_until_the_readme_is_regenerated(tmp_path):
