@@ -2,7 +2,7 @@
 
 Both arms load the same cache file (~/.cache/osd/q4) into a Q4Runner; the same prompts are decoded greedily by
 each (k = 0, no draft), alternating arm order over rounds, one warm-up request per arm not counted. Decode
-tokens/s excludes the prompt's prefill. Writes JSON and a BENCHMARKS.md block.
+tokens/s excludes the prompt's prefill. Writes JSON and prints its table (--markdown FILE: also appends it).
 
     python scripts/bench_q4_weights.py --rounds 3 --prompts 3 --max-new-tokens 48
 """

@@ -5,7 +5,7 @@
 Every run starts from the original draft with the same data, steps and learning rate; only the loss (teacher
 samples) or the sample source (forward KL) changes. Teacher runs share the frozen-trunk features (computed
 once), so the sweep costs little more than one run per loss. Writes each draft under --out, a JSON with every
-run's metrics, and a table in BENCHMARKS.md (alpha on the held-out split before/after, implied speedup).
+run's metrics, and a table (alpha on the held-out split before/after, implied speedup; --markdown FILE appends it).
 """
 from __future__ import annotations
 

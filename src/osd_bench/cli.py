@@ -245,7 +245,7 @@ def register(sub) -> None:
                    "--llama-cpp-target decode every Nth request only (the online draft serves every one), so that a long "
                    "stream fits in an hour; ratios to them use the online tok/s on the same requests")
     p.add_argument("--from-result", default="", metavar="JSON", help="live: measure nothing; re-render a finished "
-                   "replay's report, plots and BENCHMARKS.md blocks from its JSON (the recorded command, revision and "
+                   "replay's report, plots (and, with --markdown, blocks) from its JSON (the recorded command, revision and "
                    "machine are kept)")
     p.add_argument("--fast", action="store_true", help="greedy fast path from the target-output cache (exact; hundreds of requests)")
     p.add_argument("--route", action="store_true", help="--fast on an interleaved stream: one shared online draft, per-mode "
