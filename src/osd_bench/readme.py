@@ -109,7 +109,7 @@ def render_results(index: dict, root: Path = ROOT) -> str:
         lines += ["", f"**{k['label']}**" + ("" if entries else ": no current result file yet."), ""]
         if not entries:
             continue
-        lines += ["| measure (learning: never trained -> online) | result | file |", "|---|---|---|"]
+        lines += ["| measure | result | file |", "|---|---|---|"]
         refs = []
         for e in entries:
             rows, stems = figure_rows(e, root), [f"[{Path(f).stem}]" for f in e["files"]]
