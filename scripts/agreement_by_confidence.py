@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=40)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--checkpoint", action="append", default=[], help="name=dir of an online checkpoint")
-    p.add_argument("--out", default="benchmarks/agreement-by-confidence.json")
+    p.add_argument("--out", default="benchmarks/learning/agreement-by-confidence.json")
     args = p.parse_args(argv)
     models = ModelConfig()
     drafts = {"original": load_model(models.draft, models.draft_dtype)}

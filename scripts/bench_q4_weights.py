@@ -2,7 +2,7 @@
 
 Both arms load the same cache file (~/.cache/osd/q4) into a Q4Runner; the same prompts are decoded greedily by
 each (k = 0, no draft), alternating arm order over rounds, one warm-up request per arm not counted. Decode
-tokens/s excludes the prompt's prefill. Writes JSON and a BENCHMARKS.md block.
+tokens/s excludes the prompt's prefill. Writes JSON and prints its table (--markdown FILE: also appends it).
 
     python scripts/bench_q4_weights.py --rounds 3 --prompts 3 --max-new-tokens 48
 """
@@ -30,8 +30,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=3, help="code test prompts per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--out", default="benchmarks/q4-weights-mmap-vs-read.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md")
+    p.add_argument("--out", default="benchmarks/kernel/q4-weights-mmap-vs-read.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     args = p.parse_args(argv)
     gguf = gguf_file(args.target)
     tokenizer = load_tokenizer(args.target)

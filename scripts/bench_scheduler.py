@@ -7,7 +7,7 @@ warm-up per arm at each level's load not counted (the first prompt, c copies at 
 turn, the order reversed every other level. Per level: output tokens/s, steps, rows (prompt, reused prompt, decode),
 sequence steps (JSON), proposals and acceptances, the seconds in propose, the target pass (feed) and commit, and
 (JSON) the row costs the allocation read at the level's end beside the decode-only passes it timed, by rows. A level
-given more than once is also pooled. Run it alone on the machine. Writes JSON and a BENCHMARKS.md block.
+given more than once is also pooled. Run it alone on the machine. Writes JSON and prints its table (--markdown FILE: also appends it).
 
     python scripts/bench_scheduler.py --levels 1 2 4 8 --arms spec target-only
     python scripts/bench_scheduler.py --levels 1 8 --arms spec spec-q4 target-only   # + the whole 0.5B's Q4 copy
@@ -217,8 +217,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="benchmarks/bench-scheduler.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md")
+    p.add_argument("--out", default="benchmarks/serve/bench-scheduler.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     args = p.parse_args(argv)
     tokenizer = load_tokenizer(args.target)
     texts = interleaved_prompts(1 + args.per_level * len(args.levels))

@@ -10,17 +10,17 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PORT=${PORT:-8765}
 TAG=${TAG:-}                # suffix of the JSON file names (keeps earlier results)
-MARKDOWN=${MARKDOWN:-BENCHMARKS.md}
+MARKDOWN=${MARKDOWN:-}         # a markdown file to append each table to (default: none)
 ARGS=${BENCH_ARGS:---prompts code --limit 4 --max-tokens 32 --concurrency 1 2 4}
 run() {  # name, serve flags...
   local name=$1; shift
   .venv/bin/osd serve --port "$PORT" --checkpoint-dir "runs/bench-serve-ckpt-$name" ${SERVE_ARGS:-} "$@" > "runs/serve-$name.log" 2>&1 &
   local pid=$!
   for _ in $(seq 1 600); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
-  .venv/bin/osd bench serve --url "http://127.0.0.1:$PORT" $ARGS --out "benchmarks/bench-serve-$name$TAG.json" --markdown "$MARKDOWN"
+  .venv/bin/osd bench serve --url "http://127.0.0.1:$PORT" $ARGS --out "benchmarks/serve/bench-serve-$name$TAG.json" --markdown "$MARKDOWN"
   kill -INT "$pid"; wait "$pid" || true
 }
-mkdir -p runs benchmarks
+mkdir -p runs benchmarks/serve
 rm -rf runs/bench-serve-ckpt-*
 if [ -n "${PAIR_ROUNDS:-}" ]; then  # one learning server, its learner running vs paused in alternating rounds
   ARGS="$ARGS --pair-learning $PAIR_ROUNDS"

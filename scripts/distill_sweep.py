@@ -5,7 +5,7 @@
 Every run starts from the original draft with the same data, steps and learning rate; only the loss (teacher
 samples) or the sample source (forward KL) changes. Teacher runs share the frozen-trunk features (computed
 once), so the sweep costs little more than one run per loss. Writes each draft under --out, a JSON with every
-run's metrics, and a table in BENCHMARKS.md (alpha on the held-out split before/after, implied speedup).
+run's metrics, and a table (alpha on the held-out split before/after, implied speedup; --markdown FILE appends it).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def main() -> None:
     p.add_argument("--keep-drafts", action="store_true", help="keep each run's draft directory (~2.4 GB each for the "
                    "0.5B draft in fp32); by default only its metrics.json and osd_config.json stay")
     p.add_argument("--json", default="")
-    p.add_argument("--markdown", default="BENCHMARKS.md")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     args = p.parse_args()
 
     models, settings = ModelConfig(), DecodeSettings(max_new_tokens=args.max_new_tokens)
@@ -88,7 +88,7 @@ def main() -> None:
     t = table(rows, header)
     print(t)
     out = {"config": vars(args), "calibration": calibration, "runs": results}
-    path = write_result(out, args.json or f"benchmarks/distill-sweep-{args.dataset}.json")
+    path = write_result(out, args.json or f"benchmarks/learning/distill-sweep-{args.dataset}.json")
     if args.markdown:
         m = machine()
         notes = (f"{args.dataset}: train first {args.limit} prompts, {args.epochs} epoch(s) for the losses, "

@@ -90,8 +90,9 @@ def read_result(path: str | Path, needs: tuple[str, ...] = ()) -> dict:
     return result
 
 
-def append_markdown(section: str, lines: list[str], path: str | Path = "BENCHMARKS.md") -> None:
-    """Append a dated block under a section heading of BENCHMARKS.md."""
+def append_markdown(section: str, lines: list[str], path: str | Path) -> None:
+    """Append a dated block under a section heading of the markdown file `path` (only when a command is asked to:
+    every `--markdown` defaults to none; current figures are regenerated from benchmarks/index.json instead)."""
     path = Path(path)
     text = path.read_text() if path.exists() else "# Benchmarks\n\nEvery figure here was produced by the command shown with it.\n"
     block = "\n".join(lines) + "\n"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from osd.config import ModelConfig, SpeculationConfig
 from osd.flags import add_config_flags, config_from
+from osd_bench.readme import add_arguments as readme_arguments, run as readme_run
 
 
 def cmd_demo(args) -> None:
@@ -213,6 +214,12 @@ def cmd_bench_serve(args) -> None:
     report_load(result, args.out, args.markdown)
 
 
+def cmd_bench_readme(args) -> None:
+    code = readme_run(args)
+    if code:
+        raise SystemExit(code)
+
+
 def register(sub) -> None:
     """Add `osd demo`, `osd replay` and `osd bench ...` to the `osd` parser (sub)."""
     p = sub.add_parser("demo", help="the main job on the bundled pair: a few real prompts, osd vs target-only")
@@ -238,7 +245,7 @@ def register(sub) -> None:
                    "--llama-cpp-target decode every Nth request only (the online draft serves every one), so that a long "
                    "stream fits in an hour; ratios to them use the online tok/s on the same requests")
     p.add_argument("--from-result", default="", metavar="JSON", help="live: measure nothing; re-render a finished "
-                   "replay's report, plots and BENCHMARKS.md blocks from its JSON (the recorded command, revision and "
+                   "replay's report, plots (and, with --markdown, blocks) from its JSON (the recorded command, revision and "
                    "machine are kept)")
     p.add_argument("--fast", action="store_true", help="greedy fast path from the target-output cache (exact; hundreds of requests)")
     p.add_argument("--route", action="store_true", help="--fast on an interleaved stream: one shared online draft, per-mode "
@@ -272,9 +279,9 @@ def register(sub) -> None:
     p.add_argument("--residual", action="store_true", help="--route: the per-label and per-mode drafts are residuals "
                    "on the shared draft (each = the shared draft plus its own steps on its traffic; learn/residual.py); "
                    "adds one shared draft with the same total optimizer steps as a control")
-    p.add_argument("--out", default="benchmarks/replay.json", help="result JSON (and PNG beside it); --fast also writes "
+    p.add_argument("--out", default="benchmarks/replay/replay.json", help="result JSON (and PNG beside it); --fast also writes "
                    "each request's row to <out>.rows.jsonl as it is measured, so a run cut short keeps them")
-    p.add_argument("--markdown", default="BENCHMARKS.md")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     from osd.route.config import RouteConfig
 
     for cls in (ModelConfig, SpeculationConfig, LearnConfig, RouteConfig):
@@ -299,8 +306,8 @@ def register(sub) -> None:
     p.add_argument("--busy-calibration", type=int, default=0, metavar="N", help="N processes spin on the CPU while "
                    "each osd_q4* arm calibrates (none while anything decodes): does the k policy recover from costs "
                    "measured on a busy machine?")
-    p.add_argument("--out", default="benchmarks/bench-speed.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.add_argument("--out", default="benchmarks/speed/bench-speed.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     for cls in (ModelConfig, SpeculationConfig):
         add_config_flags(p, cls)
     p.set_defaults(func=cmd_bench_speed)
@@ -311,14 +318,14 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backends", default="llama.cpp,llama.cpp-norepack,osd",
                    help="comma-separated: llama.cpp (repacked Q4_K), llama.cpp-norepack, osd (own Q4_K kernel)")
-    p.add_argument("--out", default="benchmarks/bench-rows.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.add_argument("--out", default="benchmarks/kernel/bench-rows.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=cmd_bench_rows)
     p = bench.add_parser("evidence", help="held-out table of finished fast replays (control, online, equal-step offline "
                          "drafts, paired z) with the learning targets' verdicts and a bar chart; re-measures nothing")
     p.add_argument("results", nargs="+", help="result JSON files of `osd replay --fast --heldout N`")
-    p.add_argument("--out", default="benchmarks/evidence.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.add_argument("--out", default="benchmarks/learning/evidence.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=cmd_bench_evidence)
     p = bench.add_parser("train-step", help="seconds per draft distillation step: whole last layer vs rows only")
     p.add_argument("--dataset", default="spider")
@@ -331,8 +338,8 @@ def register(sub) -> None:
     p.add_argument("--trainable", default="no_embeddings")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default="benchmarks/bench-train-step.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.add_argument("--out", default="benchmarks/learning/bench-train-step.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     add_config_flags(p, ModelConfig)
     p.set_defaults(func=cmd_bench_train_step)
     from osd_bench.kernel import register as register_bench_kernel  # `osd bench kernel`
@@ -375,8 +382,8 @@ def register(sub) -> None:
     p.add_argument("--warmup-updates", type=int, default=1, help="... and more such rounds until the server's learner "
                    "has published this many updates, so RSS start holds its training working set (0 = do not wait)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/bench-soak.json", help="result JSON (the server's log beside it)")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.add_argument("--out", default="benchmarks/soak/bench-soak.json", help="result JSON (the server's log beside it)")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=cmd_bench_soak)
     p = bench.add_parser("serve", help="load a running server: throughput, TTFT, TPOT at several concurrencies")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of a running `osd serve`")
@@ -391,8 +398,8 @@ def register(sub) -> None:
                         "learner running vs paused (POST /v1/osd/learner), alternating order; the first --concurrency "
                         "level only (default 0: off)")
     p.add_argument("--api-key", default=os.environ.get("OSD_API_KEY"))
-    p.add_argument("--out", default="benchmarks/bench-serve.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.add_argument("--out", default="benchmarks/serve/bench-serve.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=cmd_bench_serve)
 
     p = bench.add_parser("serve-vs", help="osd serve against llama-server (-np N --cont-batching) under load, "
@@ -412,6 +419,10 @@ def register(sub) -> None:
     p.add_argument("--prefill-chars", type=int, default=4000,
                    help="also time each server's prefill of one long prompt of about this many characters (~1,000 "
                         "tokens of code test prompts; 0 = skip)")
-    p.add_argument("--out", default="benchmarks/bench-serve-vs.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.add_argument("--out", default="benchmarks/serve/bench-serve-vs.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=cmd_bench_serve_vs)
+    p = bench.add_parser("readme", help="rewrite the README's results block and benchmarks/INDEX.md from the result "
+                         "files benchmarks/index.json names (--check: exit 1 where they differ)")
+    readme_arguments(p)
+    p.set_defaults(func=cmd_bench_readme)

@@ -336,8 +336,8 @@ def register(bench) -> None:
                    "its own predicted feature past the first proposal)")
     p.add_argument("--feature-weight", type=float, default=1.0,
                    help="weight of the smooth-L1 fit of the predicted feature to the target's next one (0 = tokens only)")
-    p.add_argument("--out", default="benchmarks/feature-head.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.add_argument("--out", default="benchmarks/drafts/feature-head.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=_cmd)
 
 

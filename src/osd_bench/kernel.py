@@ -210,7 +210,7 @@ def llama_cpp_costs(gguf: Path | None, max_rows: int, repeats: int, context: int
             "ms": ms, "cost_vs_one_row": [t / ms[0] for t in ms]}
 
 
-def llama_cpp_rows(path: str | Path = "benchmarks/bench-rows.json") -> dict | None:
+def llama_cpp_rows(path: str | Path = "benchmarks/kernel/bench-rows.json") -> dict | None:
     """llama.cpp's whole-forward seconds per row count, from a stored `osd bench rows` result (None if absent)."""
     path = Path(path)
     if not path.exists():
@@ -309,8 +309,8 @@ def register(bench) -> None:
                    "cpu: CPU time of one thread (torch set to 1 thread; robust to other processes' load)")
     p.add_argument("--context", type=int, default=512, help="cached positions attended to in the glue estimate")
     p.add_argument("--no-model-pass", action="store_true", help="skip the whole-model pass (allocates ~1 GB)")
-    p.add_argument("--out", default="benchmarks/bench-kernel.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.add_argument("--out", default="benchmarks/kernel/bench-kernel.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=cmd_bench_kernel)
 
 

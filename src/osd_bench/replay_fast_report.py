@@ -1,5 +1,5 @@
 """`osd replay --fast` results -> per-segment table (every draft against the control), recovery after shifts
-(online and control side by side), forgetting, held-out table with paired z, PNG, BENCHMARKS.md."""
+(online and control side by side), forgetting, held-out table with paired z, PNG, a markdown block with --markdown."""
 from __future__ import annotations
 
 import math

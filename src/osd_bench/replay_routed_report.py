@@ -1,5 +1,5 @@
 """`osd replay --fast --route` results -> tables (stream and held-out alpha per arm and label, router accuracy, the
-issue's targets), JSON, BENCHMARKS.md."""
+issue's targets), JSON, a markdown block with --markdown."""
 from __future__ import annotations
 
 import sys

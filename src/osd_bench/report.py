@@ -1,4 +1,4 @@
-"""Turning benchmark results into JSON files, console tables and BENCHMARKS.md blocks."""
+"""Turning benchmark results into JSON files, console tables and, when asked (--markdown), markdown blocks."""
 from __future__ import annotations
 
 import sys

@@ -186,8 +186,8 @@ def register(bench) -> None:
                         "(bench/scale_replay.py; --replay-dataset, --per-replica)")
     p.add_argument("--replay-dataset", default="gsm8k")
     p.add_argument("--per-replica", type=int, default=80, help="--replay: requests each simulated replica serves")
-    p.add_argument("--out", default="benchmarks/bench-scale.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.add_argument("--out", default="benchmarks/scale/bench-scale.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=_cmd)
 
 
@@ -207,7 +207,7 @@ def _cmd(args) -> None:
     for cls in (ModelConfig, SpeculationConfig, LearnConfig):
         add_config_flags(flags, cls)
     flags.set_defaults(max_batch=8, busy_share=0.05, schedule="background")  # as `osd serve`
-    if args.replay:  # the evidence table's recipe (BENCHMARKS.md), synchronous updates
+    if args.replay:  # the evidence table's recipe (docs/learning.md), synchronous updates
         flags.set_defaults(schedule="sync", mode="all", lr=1e-4, train_layers=2, rehearsal=0.5, average=0.98)
     osd = flags.parse_args(shlex.split(args.osd_args))
     if args.replay:

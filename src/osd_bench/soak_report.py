@@ -1,4 +1,4 @@
-"""`osd bench soak` results: JSON (with git revision and machine), a console table, a BENCHMARKS.md block."""
+"""`osd bench soak` results: JSON (with git revision and machine), a console table (a markdown block with --markdown)."""
 from __future__ import annotations
 
 import sys

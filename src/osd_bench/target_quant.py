@@ -179,6 +179,6 @@ def register(bench) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--allow-kernel-fallback", action="store_true", help="torch's dynamic int8 where osd's kernels "
                    "cannot be built (not row-invariant)")
-    p.add_argument("--out", default="benchmarks/bench-target-quant.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.add_argument("--out", default="benchmarks/speed/bench-target-quant.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=cmd_bench_target_quant)

@@ -94,8 +94,8 @@ def register(bench) -> None:
     p.add_argument("--slots", default="4,8,16", help="prompts decoded together by the osd arms (1 always runs)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp arm")
-    p.add_argument("--out", default="benchmarks/bench-teacher.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.add_argument("--out", default="benchmarks/speed/bench-teacher.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=_cmd)
 
 

@@ -47,8 +47,8 @@ def register(sub) -> None:
     p.add_argument("--calibration", default="", help="an `osd bench speed` JSON for c and verify costs, or 'none' "
                    "(default: of benchmarks/bench-speed-*.json with the same draft settings, the newest by the date "
                    "recorded inside it)")
-    p.add_argument("--out", default="benchmarks/eval.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.add_argument("--out", default="benchmarks/learning/eval.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     for cls in (ModelConfig, DecodeSettings):
         add_config_flags(p, cls)
     p.set_defaults(func=cmd_eval)

@@ -134,7 +134,7 @@ CALIBRATION_KEYS = ("draft_quantize", "draft_vocab")  # settings a calibration m
 def newest_calibration(path: str = "", models=None, root: str = "benchmarks") -> dict | None:
     """c and verify costs from an `osd bench speed` JSON (plus its "source" and "recorded_at").
 
-    path: that file (it must hold a calibration; "none": no calibration). Else, among <root>/bench-speed-*.json
+    path: that file (it must hold a calibration; "none": no calibration). Else, among <root>/**/bench-speed-*.json
     whose draft settings match `models`, the one with the newest date recorded inside it ("timestamp", written by
     bench/record.py); file modification times are not used (a fresh clone gives every file the same one), and a
     file without a recorded date is only used when given. None when no file fits.
@@ -142,7 +142,7 @@ def newest_calibration(path: str = "", models=None, root: str = "benchmarks") ->
     if path:
         return None if path == "none" else _calibration_in(Path(path))
     found = []
-    for f in Path(root).glob("bench-speed-*.json"):
+    for f in Path(root).glob("**/bench-speed-*.json"):  # benchmarks/speed/ and any other topic folder
         try:
             data = json.loads(f.read_text())
         except (OSError, json.JSONDecodeError):

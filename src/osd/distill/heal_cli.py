@@ -65,8 +65,8 @@ def register(sub) -> None:
                    "--threads 1 on a busy machine)")
     p.add_argument("--runners", default="glue", help="draft runners to time, comma list: glue (the one the engine "
                    "uses where the copy qualifies, models/glue_draft.py), transformers (the reference forward)")
-    p.add_argument("--out", default="benchmarks/draft-cost.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.add_argument("--out", default="benchmarks/drafts/draft-cost.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=cmd_cost)
 
 
