@@ -68,7 +68,8 @@ SPEC_COUNTERS = {  # SpecCounters field -> help
 }
 LEARNER_GAUGES = {"version", "training", "paused", "parked", "buffer_positions", "requests_since_update", "rehearsal_items",
                   "memory_optimizer_bytes", "memory_versions_bytes", "memory_average_bytes", "memory_trainable_bytes",
-                  "memory_buffers_bytes"}  # levels, not running counts
+                  "memory_buffers_bytes", "buffer_unused_positions", "busy_share_measured", "chunk_seconds_max",
+                  "busy_share_now"}  # levels, not running counts
 
 
 class ServeMetrics:
