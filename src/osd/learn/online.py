@@ -180,6 +180,7 @@ class OnlineLearner:
                          "rollbacks": 0, "resets": 0,  # drift guard: back to the best version / to the base
                          "parked_seconds": 0.0}  # updates parked by pause() (train_seconds, their wall time, includes it)
         self.last_update: dict = {}
+        self.heldout: dict = {}  # the drift guard's latest same-positions comparison: serving draft vs the base
         self.history: list[dict] = []  # one summary per update (bounded)
         self._lock = threading.RLock()  # one update (or checkpoint) at a time
         self._restore_point: RestorePoint | None = None  # during an update: what a failure or a rejection returns to
@@ -346,6 +347,8 @@ class OnlineLearner:
         best = None if self.versions.best is None else (
             serving if self.versions.best["version"] == self.version else self.versions.correct_of("best", holdout, evaluate))
         action = drift_action(base, serving, best, self.config.drift_z)
+        self.heldout = {"heldout_agreement_base": sum(base) / len(base),  # same positions: what learning gained
+                        "heldout_agreement_serving": sum(serving) / len(serving), "heldout_positions": len(base)}
         lost, gained = paired_flips(base, serving)
         report["vs_base"] = {"gained": gained, "lost": lost, "z": paired_z(base, serving), "action": action,
                              "z_vs_best": paired_z(best, serving) if best is not None else None}
@@ -536,4 +539,4 @@ class OnlineLearner:
                 "rehearsal_items": len(self.reservoir) if self.reservoir is not None else 0,
                 "training": int(self.training), "paused": int(self.paused),
                 "parked": int(self._parked.is_set()), **self.counters,
-                **self.idle.stats()}  # background: the learner's seconds under load and idle, serving's (budget.py)
+                **self.heldout, **self.idle.stats()}  # background: the learner's seconds under load and idle, serving's (budget.py)
