@@ -73,7 +73,9 @@ def load_stream(stream: str, split: str, n: int, offset: int = 0) -> list[dict]:
     from osd.data import load_records
     from osd.errors import InvalidArgument
 
-    records = load_records(stream, None if stream.endswith(".jsonl") else split, n, offset)
+    from pathlib import Path
+
+    records = load_records(stream, None if Path(stream).is_file() else split, n, offset)  # a file: every record
     if len(records) < n:
         raise InvalidArgument(f"stream {stream!r} has {len(records)} prompts past offset {offset}, {n} asked")
     return records
