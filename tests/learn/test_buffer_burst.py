@@ -72,3 +72,20 @@ def test_the_background_learner_uses_every_sample_of_a_burst():
     learner.update()
     learner.update()
     assert all(item.used for item in burst) and learner.stats()["buffer_evicted_unused"] == 0
+
+
+def test_interleaved_steps_of_batched_requests_merge_per_request():
+    """Under continuous batching the steps of several requests interleave; each request still ends as one item (one
+    draft forward for all its positions), as when requests ran one at a time."""
+    g = torch.Generator().manual_seed(0)
+    buffer = ReplayBuffer(capacity=1000)
+    contexts = {r: torch.randint(2, 40, (6,), generator=g).tolist() for r in ("a", "b", "c")}
+    for _ in range(4):  # four steps of each request, interleaved a, b, c, a, b, c, ...
+        for r, context in contexts.items():
+            step = StepRecord(r, ("draft", 0), list(context), [5, 7], 2, 0, torch.randn(3, 48, generator=g), None,
+                              [], 0.0, 0.0, 0.0)
+            buffer.add(item_from_step(step, "all", top_k=8))  # all accepted: 3 positions
+            context += [5, 7, 9]  # the step's accepted tokens and its bonus token
+    items = buffer.snapshot()
+    assert sorted(it.request_id for it in items) == ["a", "b", "c"] and len(buffer) == 4 * 3 * 3
+    assert all(len(it.positions) == 12 for it in items)

@@ -7,8 +7,8 @@ Eviction: FIFO by position count (oldest items go first when capacity is exceede
 learner's), an item no optimizer step has used yet stays past the capacity until it is used or `keep_unused` seconds
 old (up to `hard_cap` positions), so a burst of requests larger than what the learner takes in per update loses no
 sample that has not aged out: used items go first, then the aged ones, the oldest first.
-Consecutive items of one request are merged (their contexts nest), so one draft forward trains on all
-of a request's positions instead of one forward per step.
+Items of one request are merged (their contexts nest), so one draft forward trains on all of a request's positions
+instead of one forward per step; also when other requests' steps came between (continuous batching).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import torch
 from osd.learn.compact import CompactDist, compress
 
 MODES = ("mismatch", "all")
+MERGE_WINDOW = 64  # newest items searched for an earlier step of the same request (ReplayBuffer.add)
 
 
 @dataclass
@@ -119,8 +120,10 @@ class ReplayBuffer:
     def add(self, item: ReplayItem) -> None:
         with self._lock:
             new_positions = len(item.positions)
-            if self._items and item.extends(self._items[-1]):
-                earlier = self._items.pop()
+            at = self._earlier_step_of(item)
+            if at is not None:
+                earlier = self._items[at]
+                del self._items[at]
                 self._positions -= len(earlier.positions)
                 item = item.merged_into(earlier)
             self._items.append(item)
@@ -131,6 +134,15 @@ class ReplayBuffer:
                 return
             while self._positions > self.capacity and len(self._items) > 1:
                 self._remove(0)
+
+    def _earlier_step_of(self, item: ReplayItem) -> int | None:
+        """The index of the item this one extends (an earlier step of the same request), searched among the newest
+        MERGE_WINDOW items: under continuous batching the steps of several requests interleave, and merging only with
+        the newest item would leave one item per step, each a forward over the whole context for a few positions."""
+        for i in range(len(self._items) - 1, max(-1, len(self._items) - 1 - MERGE_WINDOW), -1):
+            if self._items[i].request_id == item.request_id:
+                return i if item.extends(self._items[i]) else None
+        return None
 
     def _evict_used_first(self) -> None:
         """Over capacity: evict used or aged-out items, oldest first; unused ones only past hard_cap."""
