@@ -9,7 +9,7 @@ takes, which the learner bounds by its busy share (learn/budget.py), earned from
 to its `listeners`.
 
 A background job that asks for the cores gets them at the next step boundary, ahead of the step loop (it asks only
-once its idle-window budget lets it); it gives them back before it waits again. Steps and admissions take `serving()`
+once its budget lets it: learn/budget.py); it gives them back before it waits again. Steps and admissions take `serving()`
 and never nest in it.
 
 Giving the cores back also ends the background thread's OpenMP team (`end_thread_team`). libgomp counts the threads of
