@@ -91,6 +91,11 @@ def test_idle_time_is_free_and_credit_is_capped():
         budget.release()
     assert budget.idle_chunks == 10 and budget.idle_seconds == pytest.approx(10.0) and budget.waited_total == 0.0
     assert budget.busy_seconds == 0.0
+    busy[0] = True  # a request arrived during the last idle chunk: its step runs before the next chunk
+    budget.credit = budget.expected  # (credit enough for a chunk)
+    assert not budget._may_start_busy()
+    budget.served(0.1)
+    assert budget._may_start_busy()
     for _ in range(1000):  # a long busy stretch with the learner away: the credit stops at the cap
         budget.served(0.1)
     assert budget.credit <= max(0.5, 2 * budget.expected)

@@ -16,7 +16,7 @@ benchmarks/bench-scale-noray-48-steps.json).
 
 A chunk starts while requests decode only when
   - the credit covers the chunk's expected cost (the mean of the measured chunks), and
-  - a serving step has run since the last chunk that ran under load: a scheduler step waits for one chunk at most.
+  - a serving step has run since the last chunk (idle or not): a scheduler step waits for one chunk at most.
 Credit is capped at `burst` (at least two expected chunks): a learner with nothing to do does not hoard a long busy
 stretch's share and then hold the cores for it. Idle (no request decoding) a chunk starts at once and is not
 charged: idle time is free; a request that arrives meanwhile waits for that one chunk.
@@ -138,11 +138,11 @@ class LearnBudget:
                     0.8 * self.expected + 0.2 * seconds
                 self.longest = max(self.longest, seconds)
                 self.over_limit += seconds > self.max_chunk
+                self.steps_since_chunk = 0  # (an idle chunk too: a request that arrived during it steps next)
                 if under_load:
                     self.credit -= seconds
                     self.busy_seconds += seconds
                     self.busy_chunks += 1
-                    self.steps_since_chunk = 0
                 else:
                     self.idle_seconds += seconds
                     self.idle_chunks += 1
