@@ -355,8 +355,10 @@ def register(sub) -> None:
 
     register_bench_feature_head(bench)
     from osd_bench.scale import register as register_bench_scale  # `osd bench scale` (imports Ray when run)
+    from osd_bench.live import register as register_bench_live  # `osd bench live`
 
     register_bench_scale(bench)
+    register_bench_live(bench)
 
     p = bench.add_parser("soak", help="N concurrent clients for M minutes against a live `osd serve`: valid and invalid "
                          "requests, disconnects; every answer checked (greedy = target-only), RSS, threads, learner")

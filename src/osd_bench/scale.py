@@ -206,7 +206,7 @@ def _cmd(args) -> None:
     flags = argparse.ArgumentParser(add_help=False)
     for cls in (ModelConfig, SpeculationConfig, LearnConfig):
         add_config_flags(flags, cls)
-    flags.set_defaults(max_batch=8, busy_share=0.05, schedule="background")  # as `osd serve`
+    flags.set_defaults(max_batch=8, busy_share=0.1, schedule="background")  # as `osd serve`
     if args.replay:  # the evidence table's recipe (docs/learning.md), synchronous updates
         flags.set_defaults(schedule="sync", mode="all", lr=1e-4, train_layers=2, rehearsal=0.5, average=0.98)
     osd = flags.parse_args(shlex.split(args.osd_args))

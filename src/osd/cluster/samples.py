@@ -2,7 +2,7 @@
 full logits: learn/buffer.py items_of_step) is built where the step ran and shipped to the one learner in batches,
 one pickled payload per finished request, per `flush_items` items, or when the oldest waiting sample is
 `flush_seconds` old, counted in items and bytes. The last keeps samples flowing while a long request decodes: the
-learner reads that flow as "the replicas are busy" (its idle windows, learn/idle.py); without it the gaps between
+learner reads that flow as "the replicas are busy" (its idle windows, learn/budget.py); without it the gaps between
 finished requests looked idle, and the learner trained at full speed beside decoding (measured: a Ray replica with
 the learner at 22.4 tokens/s against 37.4 for one process with its own). Shipping never
 blocks serving: a payload is fire-and-forget, and one that the learner never received (it was down) is counted

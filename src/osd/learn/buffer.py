@@ -3,9 +3,12 @@
 An item is one step's training signal: the token sequence the draft saw and, at chosen positions P,
 the target's distribution for the token at P (compact top-K + tail). The draft logits that produced
 the proposal at P sit at index P-1 of a forward over `tokens`: the loss is aligned there.
-Eviction: FIFO by position count (oldest items go first when capacity is exceeded).
-Consecutive items of one request are merged (their contexts nest), so one draft forward trains on all
-of a request's positions instead of one forward per step.
+Eviction: FIFO by position count (oldest items go first when capacity is exceeded); with `keep_unused` (the serving
+learner's), an item no optimizer step has used yet stays past the capacity until it is used or `keep_unused` seconds
+old (up to `hard_cap` positions), so a burst of requests larger than what the learner takes in per update loses no
+sample that has not aged out: used items go first, then the aged ones, the oldest first.
+Items of one request are merged (their contexts nest), so one draft forward trains on all of a request's positions
+instead of one forward per step; also when other requests' steps came between (continuous batching).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 from osd.learn.compact import CompactDist, compress
 
 MODES = ("mismatch", "all")
+MERGE_WINDOW = 64  # newest items searched for an earlier step of the same request (ReplayBuffer.add)
 
 
 @dataclass
@@ -30,6 +34,7 @@ class ReplayItem:
     draft_version: int
     created_at: float
     features: torch.Tensor | None = None  # frozen-trunk hidden states for `tokens` (see learn/trainable.py)
+    used: int = 0  # optimizer steps whose batch held this item
 
     def extends(self, earlier: "ReplayItem") -> bool:
         """Same request, and `earlier`'s context is a prefix of this one's (a later step of it)."""
@@ -66,6 +71,15 @@ def item_from_step(record, mode: str = "mismatch", top_k: int = 64, max_context:
                       record.draft[1], time.monotonic() if now is None else now)
 
 
+def fresh_first(rng, items: list, n: int) -> list:
+    """Up to n distinct items: those no optimizer step has used yet, oldest first (the nearest to ageing out), then a
+    random sample of the rest."""
+    fresh = [it for it in items if not it.used][:n]
+    taken = {id(it) for it in fresh}
+    rest = [it for it in items if id(it) not in taken]
+    return fresh + rng.sample(rest, min(len(rest), n - len(fresh)))
+
+
 def mismatch_from_all(every: ReplayItem | None, record) -> ReplayItem | None:
     """The "mismatch" item of a step, cut from its "all" item (the same context; the rejected row is the last row of
     "all"), so one step's top-k is computed once when both are wanted (the guard's every-position item and the
@@ -90,31 +104,72 @@ def items_of_step(record, mode: str, top_k: int, max_context: int, guard: bool,
 class ReplayBuffer:
     """Thread-safe FIFO of ReplayItems bounded by the number of supervised positions."""
 
-    def __init__(self, capacity: int = 4096, clock=time.monotonic, on_evict=None):
+    def __init__(self, capacity: int = 4096, clock=time.monotonic, on_evict=None, keep_unused: float = 0.0,
+                 hard_cap: int | None = None):
         self.capacity, self.clock = capacity, clock
+        self.keep_unused = keep_unused  # seconds an unused item outlives the capacity (0: plain FIFO)
+        self.hard_cap = hard_cap if hard_cap is not None else 4 * capacity  # positions, unused items included
         self.on_evict = on_evict  # called with each evicted item (learn/rehearsal.py keeps a sample of them)
         self._items: deque[ReplayItem] = deque()
         self._positions = 0
         self._lock = threading.Lock()
         self.added = 0  # monotonic counters
         self.evicted = 0
+        self.evicted_unused = 0  # positions evicted before any optimizer step used them (aged out, or past hard_cap)
 
     def add(self, item: ReplayItem) -> None:
         with self._lock:
             new_positions = len(item.positions)
-            if self._items and item.extends(self._items[-1]):
-                earlier = self._items.pop()
+            at = self._earlier_step_of(item)
+            if at is not None:
+                earlier = self._items[at]
+                del self._items[at]
                 self._positions -= len(earlier.positions)
                 item = item.merged_into(earlier)
             self._items.append(item)
             self._positions += len(item.positions)
             self.added += new_positions
+            if self.keep_unused:
+                self._evict_used_first()
+                return
             while self._positions > self.capacity and len(self._items) > 1:
-                old = self._items.popleft()
-                self._positions -= len(old.positions)
-                self.evicted += len(old.positions)
-                if self.on_evict is not None:
-                    self.on_evict(old)
+                self._remove(0)
+
+    def _earlier_step_of(self, item: ReplayItem) -> int | None:
+        """The index of the item this one extends (an earlier step of the same request), searched among the newest
+        MERGE_WINDOW items: under continuous batching the steps of several requests interleave, and merging only with
+        the newest item would leave one item per step, each a forward over the whole context for a few positions."""
+        for i in range(len(self._items) - 1, max(-1, len(self._items) - 1 - MERGE_WINDOW), -1):
+            if self._items[i].request_id == item.request_id:
+                return i if item.extends(self._items[i]) else None
+        return None
+
+    def _evict_used_first(self) -> None:
+        """Over capacity: evict used or aged-out items, oldest first; unused ones only past hard_cap."""
+        now, i = self.clock(), 0
+        while self._positions > self.capacity and i < len(self._items) - 1:
+            item = self._items[i]
+            if item.used or now - item.created_at >= self.keep_unused or self._positions > self.hard_cap:
+                self._remove(i)
+            else:
+                i += 1
+        if self._positions > self.capacity:  # all unused and fresh: kept, up to hard_cap
+            while self._positions > self.hard_cap and len(self._items) > 1:
+                self._remove(0)
+
+    def _remove(self, index: int) -> None:
+        old = self._items[index]
+        del self._items[index]
+        self._positions -= len(old.positions)
+        self.evicted += len(old.positions)
+        self.evicted_unused += 0 if old.used else len(old.positions)
+        if self.on_evict is not None:
+            self.on_evict(old)
+
+    def unused(self) -> int:
+        """Positions no optimizer step has used yet."""
+        with self._lock:
+            return sum(len(it.positions) for it in self._items if not it.used)
 
     def __len__(self) -> int:
         """Supervised positions held."""

@@ -5,9 +5,9 @@ logits) and it publishes new draft weights with a version through a `publish(mas
 callable. Training runs on its own fp32 master copy of the draft; serving uses published snapshots.
 
 Schedules: "sync" trains inside `after_request` (deterministic; stream replay, tests); "background"
-trains in its own thread, taking optimizer steps only while the engine is idle ("idle windows") so
-that serving latency suffers least on a 2-core CPU; under constant load it trains anyway, for about
-`busy_share` of the time (learn/idle.py), so that updates still publish on a saturated server.
+trains in its own thread, in chunks (one item's forward/backward) between the scheduler's steps: freely while the
+engine is idle, and while requests decode within `busy_share` of the busy time, earned from the measured seconds of
+the serving steps (learn/budget.py), so that a busy server learns too and pays a stated share for it.
 A rejected update restores the weights and the optimizer's state (its Adam moments) as they were
 (learn/restore.py RestorePoint); so does an update that an exception cuts short: the master is never left
 half-updated (it returns to its state when the update began, or when this update last published).
@@ -42,11 +42,11 @@ import torch
 from osd.errors import InvalidArgument
 from osd.learn.average import WeightAverage
 from osd.learn.batch import acceptance_on, items_loss
-from osd.learn.buffer import MODES, ReplayBuffer, items_of_step
+from osd.learn.buffer import MODES, ReplayBuffer, fresh_first, items_of_step
 from osd.learn.checkpoint import load_checkpoint, load_extra, save_checkpoint
 from osd.learn.drift import VersionStore
 from osd.learn.guard import drift_action, is_worse, paired_flips, paired_z
-from osd.learn.idle import IdleWindows
+from osd.learn.budget import LearnBudget
 from osd.learn.losses import LOSSES
 from osd.learn.memory import items_bytes, optimizer_state_bytes, reserve_optimizer_state, tensor_bytes
 from osd.learn.rehearsal import Reservoir, Sweeps, history_share, mixed_batch
@@ -80,6 +80,10 @@ class LearnConfig:
         "share of each training batch drawn from a uniform sample of older traffic (what the buffer evicted; "
         "learn/rehearsal.py), against forgetting after a shift (cheap draft, gsm8k -> spider -> code: gsm8k held-out "
         "-0.103 below the never-trained draft without it, +0.043 with 0.5; BENCHMARKS.md); 0 = the buffer alone")})
+    keep_unused_seconds: float = field(default=600.0, metadata={"help": (
+        "background schedule: a sample no optimizer step has used yet stays in the buffer past --capacity until a "
+        "step uses it or it is this many seconds old (up to 4x --capacity), and batches take unused samples first, "
+        "oldest first: a burst of requests loses none that has not aged out (learn/buffer.py); 0 = plain FIFO")})
     rehearsal_capacity: int = 256  # items (about one request each) kept in that sample
     rehearsal_uniform: bool = field(default=False, metadata={"help": (
         "the older traffic's share of each batch follows its share of all traffic seen, at most --rehearsal: "
@@ -104,10 +108,10 @@ class LearnConfig:
     drift_z: float = 1.64  # "significantly below": paired z < -drift_z
     schedule: str = "sync"  # sync | background
     busy_share: float = field(default=0.2, metadata={"help": (
-        "background schedule: the learner waits for idle windows (no request decoding) before each micro-batch, "
-        "but under constant load it waits at most (1 - share) / share x the seconds it has worked in the update, "
-        "then trains between their steps: saturated, it takes about this share of the time and an update about "
-        "its working time / share. In (0, 1]; 1 = never wait")})
+        "background schedule: the learner's share of the time while requests decode. Each second of serving steps "
+        "earns it share / (1 - share) seconds, spent in chunks (one item's forward/backward) between two steps, at "
+        "most one chunk per step (learn/budget.py); idle windows (no request decoding) are free. In (0, 1]; "
+        "1 = a chunk after every step")})
     average: float = field(default=0.98, metadata={"help": (
         "serve an exponential moving average of the learner's weights over its optimizer steps (this decay per "
         "step; learn/average.py) instead of the last step's weights: held-out alpha +0.012 online, +0.017 offline "
@@ -138,6 +142,8 @@ class LearnConfig:
             raise InvalidArgument(f"guard_holdout must be in [0, 1), got {self.guard_holdout}")
         if not 0.0 < self.busy_share <= 1.0:
             raise InvalidArgument(f"busy_share must be in (0, 1], got {self.busy_share}")
+        if self.keep_unused_seconds < 0:
+            raise InvalidArgument(f"keep_unused_seconds must be >= 0, got {self.keep_unused_seconds}")
         if self.schedule not in ("sync", "background"):
             raise InvalidArgument(f"schedule must be sync or background, got {self.schedule!r}")
 
@@ -149,8 +155,9 @@ class OnlineLearner:
         self.master, self.publish, self.engine_busy, self.clock = master, publish, engine_busy, clock
         # older traffic the buffer evicts, sampled uniformly and mixed into batches (None: rehearsal off)
         self.reservoir = Reservoir(self.config.rehearsal_capacity, self.config.seed) if self.config.rehearsal else None
+        self.keep_unused = self.config.keep_unused_seconds if self.config.schedule == "background" else 0.0
         self.buffer = ReplayBuffer(self.config.capacity, clock,  # the training signal (mismatches, or all)
-                                   self.reservoir.offer if self.reservoir is not None else None)
+                                   self.reservoir.offer if self.reservoir is not None else None, self.keep_unused)
         # The guard judges acceptance, so it needs every position (accepted ones too), not only
         # the mismatches: on those alone agreement is ~0 before any update and can only look better after.
         self.guard_buffer = ReplayBuffer(self.config.guard_capacity, clock)
@@ -173,14 +180,17 @@ class OnlineLearner:
                          "rollbacks": 0, "resets": 0,  # drift guard: back to the best version / to the base
                          "parked_seconds": 0.0}  # updates parked by pause() (train_seconds, their wall time, includes it)
         self.last_update: dict = {}
+        self.heldout: dict = {}  # the drift guard's latest same-positions comparison: serving draft vs the base
         self.history: list[dict] = []  # one summary per update (bounded)
         self._lock = threading.RLock()  # one update (or checkpoint) at a time
         self._restore_point: RestorePoint | None = None  # during an update: what a failure or a rejection returns to
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # background: before each chunk of work, wait for an idle engine (engine_busy, set by attach), within budget
-        self.idle = IdleWindows(self.config.busy_share, lambda: self.engine_busy(), clock, sleep, stop=self._stop)
+        # background: before each chunk of work, wait for an idle engine (engine_busy, set by attach) or for credit
+        # earned by the serving steps (learn/budget.py)
+        self.idle = LearnBudget(self.config.busy_share, lambda: self.engine_busy(), clock,
+                                None if sleep is time.sleep else sleep, stop=self._stop)
         self.training = False
         self.paused = False  # an operator's switch (pause / unpause): no update starts, one in flight parks
         self._unpaused, self._parked = threading.Event(), threading.Event()
@@ -271,9 +281,10 @@ class OnlineLearner:
             share = cfg.rehearsal if not cfg.rehearsal_uniform or self.reservoir is None else \
                 history_share(self.reservoir.offered, len(train), cfg.rehearsal)
             for _ in range(cfg.steps_per_update):
-                batch = mixed_batch(self.rng, train, older, cfg.batch_size, share, stochastic=cfg.rehearsal_uniform,
-                                    sweeps=self.sweeps)
+                batch = self._batch(train, older, share)
                 loss = self._accumulate_gradients(batch)
+                for item in batch:
+                    item.used += 1
                 if loss is None:
                     self.counters["steps_skipped_nonfinite"] += 1
                     continue
@@ -308,6 +319,17 @@ class OnlineLearner:
         self._checkpoint()
         return report
 
+    def _batch(self, train: list, older: list, share: float) -> list:
+        """One step's items: mixed_batch's recent / older mix; keeping unused samples (background), the recent part
+        takes the ones no step has used yet first (learn/buffer.py fresh_first)."""
+        cfg = self.config
+        if not self.keep_unused:
+            return mixed_batch(self.rng, train, older, cfg.batch_size, share, stochastic=cfg.rehearsal_uniform,
+                               sweeps=self.sweeps)
+        n_old = min(len(older), round(cfg.batch_size * share))
+        recent = fresh_first(self.rng, train, cfg.batch_size - n_old)
+        return recent + self.rng.sample(older, min(len(older), cfg.batch_size - len(recent)))
+
     def _checkpoint(self) -> None:
         """An update's checkpoint (where configured), written without the cores: serving goes on meanwhile."""
         if self.config.checkpoint_dir:
@@ -325,6 +347,8 @@ class OnlineLearner:
         best = None if self.versions.best is None else (
             serving if self.versions.best["version"] == self.version else self.versions.correct_of("best", holdout, evaluate))
         action = drift_action(base, serving, best, self.config.drift_z)
+        self.heldout = {"heldout_agreement_base": sum(base) / len(base),  # same positions: what learning gained
+                        "heldout_agreement_serving": sum(serving) / len(serving), "heldout_positions": len(base)}
         lost, gained = paired_flips(base, serving)
         report["vs_base"] = {"gained": gained, "lost": lost, "z": paired_z(base, serving), "action": action,
                              "z_vs_best": paired_z(best, serving) if best is not None else None}
@@ -406,8 +430,8 @@ class OnlineLearner:
         return set(fresh[-n_hold:]) if n_hold else set()
 
     def _wait_idle(self) -> None:
-        """In background mode, before a chunk of work: park while paused, then let in-flight decoding finish (within
-        the busy_share budget)."""
+        """In background mode, before a chunk of work: park while paused, then wait for an idle engine or the credit
+        for a chunk under load (busy_share of the serving steps' seconds, learn/budget.py)."""
         if self.config.schedule == "background":
             self.idle.release()  # (never parked holding the cores)
             self._park_while_paused()
@@ -511,8 +535,8 @@ class OnlineLearner:
     def stats(self) -> dict:
         return {**self.memory(), "version": self.version, "buffer_positions": len(self.buffer),
                 "buffer_added": self.buffer.added, "buffer_evicted": self.buffer.evicted,
+                "buffer_evicted_unused": self.buffer.evicted_unused, "buffer_unused_positions": self.buffer.unused(),
                 "rehearsal_items": len(self.reservoir) if self.reservoir is not None else 0,
                 "training": int(self.training), "paused": int(self.paused),
                 "parked": int(self._parked.is_set()), **self.counters,
-                "idle_wait_seconds": self.idle.waited_total,  # background: waiting for idle windows
-                "chunks_under_load": self.idle.forced}  # ... and chunks run while requests decode once the wait budget was spent
+                **self.heldout, **self.idle.stats()}  # background: the learner's seconds under load and idle, serving's (budget.py)

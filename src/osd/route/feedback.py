@@ -190,7 +190,7 @@ class RouteFeedback:
             while not self._stop.is_set() and self.pending:
                 poll = IDLE_POLL
                 while self.engine_busy() and not self._stop.is_set():  # idle windows only; each wake takes the GIL
-                    self._stop.wait(poll)  # from the serving thread: backed off as learn/idle.py does
+                    self._stop.wait(poll)  # from the serving thread: backed off as learn/budget.py does
                     poll = min(2 * poll, MAX_IDLE_POLL)
                 job = self._take_job()
                 if job is not None:

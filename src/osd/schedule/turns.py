@@ -5,10 +5,11 @@ On a 2-core machine the model's kernels and torch each run an OpenMP team of one
 loses far more than the other's share: a background learner that worked ~14% of the wall time cost serving 31% of its
 tokens/s at 8 clients (AMD EPYC, in-process), and the learner's chunks inflated the step costs that the goodput
 allocation reads. So a chunk runs between two steps, never beside one: serving then loses about the time the chunk
-takes, which the learner bounds by its busy share (learn/idle.py).
+takes, which the learner bounds by its busy share (learn/budget.py), earned from the steps' seconds that Turns reports
+to its `listeners`.
 
 A background job that asks for the cores gets them at the next step boundary, ahead of the step loop (it asks only
-once its idle-window budget lets it); it gives them back before it waits again. Steps and admissions take `serving()`
+once its budget lets it: learn/budget.py); it gives them back before it waits again. Steps and admissions take `serving()`
 and never nest in it.
 
 Giving the cores back also ends the background thread's OpenMP team (`end_thread_team`). libgomp counts the threads of
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from contextlib import contextmanager
 from functools import cache
 
@@ -32,6 +34,7 @@ class Turns:
         self._serving = 0  # steps (or admissions) in flight
         self._background = None  # the owner of the chunk that holds the cores (None: no chunk holds them)
         self._asking = 0  # background jobs waiting for the cores
+        self.listeners: list = []  # called with each serving section's seconds as it ends (learn/budget.py's credit)
 
     @contextmanager
     def serving(self):
@@ -40,12 +43,16 @@ class Turns:
             while self._background is not None or self._asking:
                 self._cond.wait()
             self._serving += 1
+        start = time.perf_counter()
         try:
             yield
         finally:
+            seconds = time.perf_counter() - start
             with self._cond:
                 self._serving -= 1
                 self._cond.notify_all()
+            for listener in list(self.listeners):
+                listener(seconds)
 
     def take(self, owner, stop: threading.Event | None = None) -> bool:
         """Take the cores for `owner`'s background work once no step (and no other owner's chunk) is in flight -> True,

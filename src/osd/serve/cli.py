@@ -31,11 +31,11 @@ def register(sub) -> None:
     for cls in (ModelConfig, SpeculationConfig, LearnConfig, RouteConfig):
         add_config_flags(p, cls)
     p.set_defaults(max_batch=8)  # serving: continuous batching of up to 8 sequences per step
-    # serving under load: the learner's share of a saturated machine, what learning costs there on top of observing
-    # (bench serve-vs at 8 clients, AMD EPYC, arms alternating: 0.1 cost 13.8% of the aggregate tokens/s, 0.05 10.3%,
-    # and 2.8% once the learner's OpenMP team no longer outlived its chunks; benchmarks/bench-serve-vs-learning-abba*.json).
-    # Idle windows are not limited by it.
-    p.set_defaults(busy_share=0.05)
+    # serving under load: the learner's share of the busy time (learn/budget.py: earned from the serving steps' seconds),
+    # what learning costs there on top of observing. Under the old idle-window rule 0.05 let a 75 s load at 8 clients
+    # take 0 optimizer steps (benchmarks/bench-scale-noray-48-steps.json); 0.1 runs an update (~90 chunks) in ~15 s
+    # of learner time, so a busy server publishes within tens of requests. Idle windows are not limited by it.
+    p.set_defaults(busy_share=0.1)
     p.set_defaults(schedule="background", checkpoint_dir="runs/draft-checkpoint", score_schedule="background")  # serving: learn in idle windows, resume on restart
     p.set_defaults(func=cmd_serve)
 

@@ -14,6 +14,10 @@ scraper's to derive:
   osd_spec_{proposed,accepted}_at_total{draft,draft_version,position}   per-position acceptance
   osd_spec_{draft,target}_seconds_total
   osd_spec_{rows,tree_steps,tree_tokens}_total{draft,draft_version}   rows verified; token-tree steps and their extra tokens
+  osd_learning_{acceptance,tokens_per_step}{draft,draft_version}   gauges, derived at scrape from the counters above:
+                                                    each served version's acceptance rate and tokens per step
+  osd_learning_{acceptance,tokens_per_step}_vs_first{draft}   the newest version with enough steps against the
+                                                    draft's first version (learning_effect: what the stats line shows)
   osd_learner_<stat>                                the learner's stats: LEARNER_GAUGES are gauges, every other
                                                     numeric stat is a counter, osd_learner_<stat>_total
   osd_kernel_info{path,fallback,avx512_vnni,error}  osd.models.kernels.status(): path is "compiled" (osd's
@@ -68,7 +72,8 @@ SPEC_COUNTERS = {  # SpecCounters field -> help
 }
 LEARNER_GAUGES = {"version", "training", "paused", "parked", "buffer_positions", "requests_since_update", "rehearsal_items",
                   "memory_optimizer_bytes", "memory_versions_bytes", "memory_average_bytes", "memory_trainable_bytes",
-                  "memory_buffers_bytes"}  # levels, not running counts
+                  "memory_buffers_bytes", "buffer_unused_positions", "busy_share_measured", "chunk_seconds_max",
+                  "heldout_agreement_base", "heldout_agreement_serving", "heldout_positions"}  # levels, not running counts
 
 
 class ServeMetrics:
@@ -131,7 +136,9 @@ class _LiveCollector:
         self.spec_metrics, self.learner, self.kernel_status = spec_metrics, learner, kernel_status
 
     def collect(self):
-        yield from spec_families(self.spec_metrics.counters())
+        counters = self.spec_metrics.counters()
+        yield from spec_families(counters)
+        yield from learning_families(learning_effect(counters))
         yield from kernel_families(self.kernel_status())
         if self.learner is not None:
             try:
@@ -217,6 +224,76 @@ def spec_families(counters: dict) -> list:
                 family.add_metric([draft, str(version), str(i)], n)
         families.append(family)
     return families
+
+
+MIN_STEPS = 32  # a version's figures count once it served this many verification steps
+
+
+def learning_effect(counters: dict, min_steps: int = MIN_STEPS) -> dict:
+    """Learning's effect as it happens, per draft: {draft: {"versions": {version: {"acceptance", "tokens_per_step",
+    "steps"}}, "first", "latest", "acceptance_vs_first", "tokens_per_step_vs_first"}}.
+
+    counters: SpecMetrics.counters(), {(draft, version): SpecCounters}. "first" is the draft's lowest version served,
+    "latest" the newest with at least `min_steps` steps (the newest at all when none has): the ratios are latest /
+    first (None while either is missing). Each version's figures are on the traffic it served (the first version's
+    on the earliest requests); the guard's held-out comparison on the same positions is the learner's
+    `heldout_agreement_{base,serving}`."""
+    by_draft: dict[str, dict] = {}
+    for (draft, version), c in sorted(counters.items()):
+        by_draft.setdefault(draft, {})[version] = {
+            "acceptance": c.accepted / c.proposed if c.proposed else None,
+            "tokens_per_step": c.emitted / c.steps if c.steps else None, "steps": c.steps}
+    out = {}
+    for draft, versions in by_draft.items():
+        first = min(versions)
+        ripe = [v for v in versions if versions[v]["steps"] >= min_steps]
+        latest = max(ripe) if ripe else max(versions)
+        ratio = lambda key: (versions[latest][key] / versions[first][key]
+                             if versions[latest][key] is not None and versions[first][key] else None)
+        out[draft] = {"versions": versions, "first": first, "latest": latest,
+                      "acceptance_vs_first": ratio("acceptance"), "tokens_per_step_vs_first": ratio("tokens_per_step")}
+    return out
+
+
+def learning_families(effect: dict) -> list:
+    """learning_effect() -> gauges per (draft, version), and each draft's latest-vs-first ratios."""
+    acceptance = GaugeMetricFamily("osd_learning_acceptance", "Acceptance rate of each served draft version.",
+                                   labels=["draft", "draft_version"])
+    per_step = GaugeMetricFamily("osd_learning_tokens_per_step", "Tokens per verification step of each draft version.",
+                                 labels=["draft", "draft_version"])
+    vs_acc = GaugeMetricFamily("osd_learning_acceptance_vs_first", "Latest version's acceptance / the first's.",
+                               labels=["draft"])
+    vs_tps = GaugeMetricFamily("osd_learning_tokens_per_step_vs_first", "Latest version's tokens per step / the first's.",
+                               labels=["draft"])
+    for draft, e in effect.items():
+        for version, v in e["versions"].items():
+            if v["acceptance"] is not None:
+                acceptance.add_metric([draft, str(version)], v["acceptance"])
+            if v["tokens_per_step"] is not None:
+                per_step.add_metric([draft, str(version)], v["tokens_per_step"])
+        if e["acceptance_vs_first"] is not None:
+            vs_acc.add_metric([draft], e["acceptance_vs_first"])
+        if e["tokens_per_step_vs_first"] is not None:
+            vs_tps.add_metric([draft], e["tokens_per_step_vs_first"])
+    return [acceptance, per_step, vs_acc, vs_tps]
+
+
+def learning_summary(effect: dict) -> str:
+    """One short phrase for the periodic stats line, e.g. "draft v3 acc 0.61 (1.18x v0) tok/step 2.41 (1.12x)"."""
+    parts = []
+    for draft, e in effect.items():
+        latest, first = e["versions"][e["latest"]], e["first"]
+        text = f"{draft} v{e['latest']}"
+        if latest["acceptance"] is not None:
+            text += f" acc {latest['acceptance']:.2f}"
+            if e["acceptance_vs_first"] is not None and e["latest"] != first:
+                text += f" ({e['acceptance_vs_first']:.2f}x v{first})"
+        if latest["tokens_per_step"] is not None:
+            text += f" tok/step {latest['tokens_per_step']:.2f}"
+            if e["tokens_per_step_vs_first"] is not None and e["latest"] != first:
+                text += f" ({e['tokens_per_step_vs_first']:.2f}x)"
+        parts.append(text)
+    return "; ".join(parts)
 
 
 def learner_families(stats: dict) -> list:

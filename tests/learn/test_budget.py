@@ -1,9 +1,11 @@
-"""Background training under load (learn/idle.py): it prefers idle windows, but a server that is never idle still
-gets its draft updated, the learner taking about `busy_share` of the time.
+"""The learner's time under load (learn/budget.py): idle windows are free; while requests decode it earns
+busy_share / (1 - busy_share) seconds per second of serving steps, spent one chunk at a time between two steps. A
+server that is never idle still gets its draft updated, and the learner never takes more than its share.
 
-Clocks are injected: sleeping advances a virtual clock, so no test sleeps and none asserts on real durations.
+Clocks are injected: a fake scheduler advances a virtual clock, so no test sleeps and none asserts on real durations.
 """
 import copy
+import threading
 import time
 
 import pytest
@@ -12,87 +14,112 @@ from helpers import make_engine
 
 from osd.config import SamplingConfig
 from osd.errors import InvalidArgument
-from osd.learn.idle import IdleWindows
+from osd.learn.budget import LearnBudget
 from osd.learn.online import LearnConfig, OnlineLearner
 
-POLL = 0.005
+class FakeTurns:
+    """Stands for the engine's Turns: only its listeners matter here (the fake scheduler runs on the same thread)."""
+
+    def __init__(self):
+        self.listeners = []
+
+    def take(self, owner, stop=None):
+        return True
+
+    def give_back(self, owner):
+        pass
 
 
-class VirtualClock:
-    """Real time plus what the code under test has 'slept' (sleep advances it and returns at once)."""
+class BusyScheduler:
+    """A server that is never idle: while the learner sleeps, steps of `step` seconds run back to back on a virtual
+    clock, each reported to the budget as Turns reports a real step; `events` records steps and learner chunks."""
 
-    def __init__(self, real=time.monotonic):
-        self.real, self.slept = real, 0.0
+    def __init__(self, share, step=0.1, **budget):
+        self.now, self.step, self.events = 0.0, step, []
+        self.budget = LearnBudget(share, busy=lambda: True, clock=lambda: self.now, sleep=self.run, **budget)
+        self.budget.turns = FakeTurns()
 
-    def __call__(self) -> float:
-        return self.real() + self.slept
+    def run(self, seconds):
+        end = self.now + seconds
+        while self.now < end:  # whole steps: a step that starts runs to its end
+            self.now += self.step
+            self.events.append("step")
+            self.budget.served(self.step)
 
-    def sleep(self, seconds: float) -> None:
-        self.slept += seconds
+    def chunk(self, seconds):
+        self.budget.wait()
+        self.events.append("chunk")
+        self.now += seconds
+        self.budget.release()
 
 
-def _saturated(share, chunks, work=1.0):
-    """`chunks` chunks of `work` seconds each under permanent load, on a purely virtual clock."""
+@pytest.mark.parametrize("share,step,chunk", [(0.1, 0.1, 0.15), (0.25, 0.05, 0.1), (0.05, 0.3, 0.2), (1.0, 0.1, 0.1)])
+def test_under_permanent_load_the_learner_takes_its_share_and_none_beyond(share, step, chunk):
+    sched = BusyScheduler(share, step)
+    for _ in range(200):
+        sched.chunk(chunk)
+    b = sched.budget
+    assert b.busy_chunks == 200 and b.idle_chunks == 0 and b.busy_seconds == pytest.approx(200 * chunk)
+    if share < 1.0:  # within the share, one chunk of slack; and not starved: within two chunks of it
+        assert b.busy_seconds <= b.rate() * b.serving_seconds + chunk + 1e-9
+        assert b.busy_seconds >= b.rate() * b.serving_seconds - 2 * max(chunk, step * b.rate()) - 1e-9
+        assert b.stats()["busy_share_measured"] == pytest.approx(share, abs=0.03)
+    # a step waits for one chunk at most: never two chunks without a step between them
+    assert all(not (a == c == "chunk") for a, c in zip(sched.events, sched.events[1:]))
+
+
+def test_the_grant_follows_the_measured_cost_of_serving():
+    """Steps four times as long earn four times the learner time per step: the same learner work costs the same
+    serving seconds, and its share of the busy time stays the same."""
+    light, heavy = BusyScheduler(0.2, step=0.05), BusyScheduler(0.2, step=0.2)
+    for sched in (light, heavy):
+        for _ in range(100):
+            sched.chunk(0.1)
+    assert light.budget.serving_seconds == pytest.approx(heavy.budget.serving_seconds, rel=0.05)
+    assert light.events.count("step") == pytest.approx(4 * heavy.events.count("step"), rel=0.05)
+
+
+def test_idle_time_is_free_and_credit_is_capped():
     now = [0.0]
-    clock = VirtualClock(real=lambda: now[0])
-    idle = IdleWindows(share, busy=lambda: True, clock=clock, sleep=clock.sleep, poll=POLL)
-    idle.begin()
-    waits = []
-    for _ in range(chunks):
-        before = idle.waited
-        idle.wait()
-        waits.append(idle.waited - before)
-        now[0] += work  # the chunk's work
-    return idle, waits, clock()
+    busy = [False]
+    budget = LearnBudget(0.1, busy=lambda: busy[0], clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s),
+                         burst=0.5)
+    budget.turns = FakeTurns()
+    for _ in range(10):  # idle: each chunk starts at once, nothing charged
+        budget.wait()
+        now[0] += 1.0
+        budget.release()
+    assert budget.idle_chunks == 10 and budget.idle_seconds == pytest.approx(10.0) and budget.waited_total == 0.0
+    assert budget.busy_seconds == 0.0
+    busy[0] = True  # a request arrived during the last idle chunk: its step runs before the next chunk
+    budget.credit = budget.expected  # (credit enough for a chunk)
+    assert not budget._may_start_busy()
+    budget.served(0.1)
+    assert budget._may_start_busy()
+    for _ in range(1000):  # a long busy stretch with the learner away: the credit stops at the cap
+        budget.served(0.1)
+    assert budget.credit <= max(0.5, 2 * budget.expected)
 
 
-def test_under_permanent_load_each_update_finishes_within_its_work_over_the_share():
-    idle, waits, wall = _saturated(share=0.2, chunks=10)
-    assert idle.forced == 10  # every chunk ran beside "decoding" in the end
-    assert waits[0] == 0.0  # nothing worked yet: no budget
-    assert all(abs(w - 4.0) <= POLL + 1e-9 for w in waits[1:])  # (1 - 0.2) / 0.2 = 4 s per second worked, one poll
-    assert idle.waited <= 4.0 * 9 + 10 * POLL  # 9 chunks' work (the 10th runs after the last wait)
-    assert wall <= 10 / 0.2 + 10 * POLL  # the bound: work / share
-    never, waits, wall = _saturated(share=1.0, chunks=5)
-    assert waits == [0.0] * 5 and never.forced == 5 and wall == 5.0
-
-
-def test_an_idle_engine_ends_the_wait_and_a_stop_ends_it_at_once():
-    now, busy_polls = [0.0], [3]
-    clock = VirtualClock(real=lambda: now[0])
-
-    def busy():
-        busy_polls[0] -= 1
-        return busy_polls[0] >= 0
-
-    idle = IdleWindows(0.2, busy=busy, clock=clock, sleep=clock.sleep, poll=POLL)
-    idle.begin()
-    now[0] += 10.0  # worked 10 s: budget 40 s
-    idle.wait()
-    # returned as soon as the engine was idle: three busy polls, each twice as long as the one before
-    assert idle.forced == 0 and idle.waited == pytest.approx(POLL + 2 * POLL + 4 * POLL)
-    idle.stop.set()
-    busy_polls[0] = 10**6
-    idle.wait()
-    assert idle.forced == 0 and idle.waited == pytest.approx(7 * POLL)
-
-
-def test_under_constant_load_the_poll_backs_off_to_max_poll_and_never_sleeps_past_the_budget():
+def test_a_stop_ends_the_wait_at_once():
     now = [0.0]
-    clock = VirtualClock(real=lambda: now[0])
-    sleeps = []
+    budget = LearnBudget(0.1, busy=lambda: True, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    budget.turns = FakeTurns()  # steps report nothing: no credit ever
+    budget.stop.set()
+    budget.wait()
+    assert now[0] == 0.0
 
-    def sleep(seconds):
-        sleeps.append(seconds)
-        clock.sleep(seconds)
 
-    idle = IdleWindows(0.2, busy=lambda: True, clock=clock, sleep=sleep, poll=POLL, max_poll=0.1)
-    idle.begin()
-    now[0] += 1.0  # worked 1 s: budget 4 s
-    idle.wait()
-    assert idle.forced == 1 and idle.waited == pytest.approx(4.0)  # the budget exactly, not one poll more
-    assert sleeps[:5] == pytest.approx([POLL, 2 * POLL, 4 * POLL, 8 * POLL, 16 * POLL])
-    assert max(sleeps) == pytest.approx(0.1) and len(sleeps) <= 4.0 / 0.1 + 6  # ~45 wakes, not 4 / POLL = 800
+def test_without_step_reports_busy_wall_time_earns_the_credit():
+    """A learner with no Turns (a cluster's, serving elsewhere) earns its share from the wall time while busy."""
+    now = [0.0]
+    budget = LearnBudget(0.2, busy=lambda: True, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    for _ in range(50):
+        budget.wait()
+        now[0] += 0.1
+        budget.release()
+    assert budget.busy_chunks == 50
+    assert budget.busy_seconds <= budget.rate() * budget.serving_seconds + 0.1 + 1e-9
 
 
 def test_busy_share_is_validated_and_a_cli_flag_with_its_help():
@@ -104,17 +131,19 @@ def test_busy_share_is_validated_and_a_cli_flag_with_its_help():
     parser = build_parser()
     assert config_from(parser.parse_args(["serve", "--busy-share", "0.5"]), LearnConfig).busy_share == 0.5
     serve = next(a for a in parser._subparsers._group_actions[0].choices["serve"]._actions if a.dest == "busy_share")
-    assert "constant load" in serve.help and "(default 0.2)" in serve.help
+    assert "serving steps" in serve.help and "(default" in serve.help
 
 
 def test_the_background_learner_publishes_on_a_server_that_is_never_idle(target_model, tokenizer):
+    """Requests decode all the time (the engine never reads idle): the learner's chunks run between the real steps,
+    on the credit those steps earn, and an update publishes; its time under load stays within its share."""
     draft = tiny_qwen2(seed=1, layers=1)
     engine, registry = make_engine(target_model, copy.deepcopy(draft), tokenizer, k=3)
     publish = lambda master, version=None: registry.publish("draft", copy.deepcopy(master).eval(), None, version)
-    clock, share = VirtualClock(), 0.25
+    share = 0.25
     config = LearnConfig(mode="all", every_requests=4, schedule="background", trainable="all", guard=False, lr=1e-2,
                          steps_per_update=3, batch_size=4, busy_share=share)
-    learner = OnlineLearner(draft, publish, config, clock=clock, sleep=clock.sleep).attach(engine)
+    learner = OnlineLearner(draft, publish, config).attach(engine)
     learner.engine_busy = lambda: True  # permanent load: the engine is never idle
     learner.start()
     try:
@@ -123,19 +152,17 @@ def test_the_background_learner_publishes_on_a_server_that_is_never_idle(target_
         deadline = time.monotonic() + 120  # a guard against hanging, not a timing assertion
         while learner.counters["updates_published"] < 1 and learner.counters["update_errors"] == 0:
             assert time.monotonic() < deadline, "no update under permanent load"
-            time.sleep(0.01)
+            engine.generate([7, 8, 9], SamplingConfig(max_new_tokens=12))  # the load goes on: steps earn the credit
     finally:
         learner.stop()
     stats = learner.stats()
     assert stats["updates_published"] == 1 and stats["update_errors"] == 0 and registry.get("draft").version == 1
-    chunks = 3 * 4  # steps x micro-batches of one item
-    assert stats["chunks_under_load"] == chunks  # each ran once its wait budget was spent
-    assert stats["idle_wait_seconds"] > 0  # it did wait for idle windows first
-    assert stats["idle_wait_seconds"] <= (1 - share) * stats["train_seconds"] + chunks * POLL  # within the bound
+    assert stats["chunks_under_load"] == 3 * 4 and stats["chunks_idle"] == 0  # steps x micro-batches of one item
+    rate = share / (1 - share)
+    assert stats["learner_busy_seconds"] <= rate * stats["serving_seconds"] + stats["chunk_seconds_max"] + 1e-6
 
 
 def test_a_pause_parks_an_update_in_flight_between_micro_batches_and_the_resume_finishes_it(target_model, tokenizer):
-    import threading
 
     draft = tiny_qwen2(seed=1, layers=1)
     engine, registry = make_engine(target_model, copy.deepcopy(draft), tokenizer, k=3)
@@ -176,7 +203,6 @@ def test_no_learner_chunk_runs_beside_a_serving_step(target_model, tokenizer):
     """Background learning with no idle waits at all (busy_share 1) while requests decode: the learner's forwards
     (training and the guard's evaluations) and the scheduler's steps never overlap (schedule/turns.py); on 2 cores two
     OpenMP teams at once cost serving far more than the learner's share."""
-    import threading
 
     draft = tiny_qwen2(seed=1, layers=1)
     engine, registry = make_engine(target_model, copy.deepcopy(draft), tokenizer, k=3)
@@ -240,7 +266,6 @@ def test_the_background_learners_openmp_team_ends_with_each_update(target_model,
     thread ends its team (`end_thread_team` in `_run`'s finally): counted as the process's threads, the team that the
     update started is gone once it returns, though the thread lives on."""
     import os
-    import threading
 
     import torch
     from conftest import skip_or_fail

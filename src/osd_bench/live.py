@@ -1,0 +1,342 @@
+"""`osd bench live`: does a serving osd get faster on the traffic it serves, and what does learning cost meanwhile?
+
+Two `osd serve` processes started the same way except learning (on / off) are fed the same timestamped request
+stream, one after the other on the same machine, each alone (arms: `--order`). Arrivals are Poisson at
+`load` x capacity requests/s (seeded: `arrival_schedule`), capacity measured first by a short closed-loop run on a
+learning-off server (`--capacity-requests` requests from past the stream's end, `max_batch` clients) or given by
+`--capacity`. Every request is a streamed greedy chat completion; the client records its TTFT, its decode tokens/s
+(tokens after the first / seconds after the first) and the server's own `osd` figures for it (acceptance, steps,
+tokens per step, draft version); /metrics is scraped every `--scrape-every` seconds for the learner's optimizer
+steps, versions and seconds (learn/budget.py: under load and idle) against serving's.
+
+Per window of `--window` requests (in arrival order) and arm: mean per-request decode tokens/s, TTFT p50, aggregate
+tokens/s (window's tokens over its first arrival -> last completion), acceptance, tokens per step, mean k, the newest
+draft version served, the learner's optimizer steps and CPU share in the window's span. The headline is the ratio
+learning-on / learning-off of the mean decode tokens/s per window (the same requests in both arms), its first and
+last quarter, and whether every greedy answer is identical between the arms; a PNG plots both curves and the ratio.
+The stream is a dataset name (shared/datasets, `--split`) or a JSONL file of {"prompt": ...} records (`--stream
+FILE`); records that all carry "arrival_s" are replayed at those times instead of Poisson arrivals.
+Limitations: the capacity is a closed-loop rate at `max_batch` clients on the first arm's configuration (learning
+off): an open-loop stream at load 1.0 would queue without bound. Windows overlap in time when requests do.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+from osd_bench.serve_load import _client, _request_body, one_request, percentile
+
+WARM_UP_PROMPT = "Write a haiku about the sea."  # not from any stream
+LEARNER_SERIES = {  # /metrics sample -> short name (learn/online.py stats, learn/budget.py counters)
+    "osd_learner_optimizer_steps_total": "optimizer_steps", "osd_learner_updates_published_total": "published",
+    "osd_learner_updates_rejected_total": "rejected", "osd_learner_version": "version",
+    "osd_learner_learner_busy_seconds_total": "learner_busy_seconds",
+    "osd_learner_learner_idle_seconds_total": "learner_idle_seconds",
+    "osd_learner_serving_seconds_total": "serving_seconds",
+    "osd_learner_buffer_evicted_unused_total": "evicted_unused", "osd_schedule_step_seconds_total": "step_seconds"}
+
+
+@dataclass
+class LiveConfig:
+    models: str = "bundled"  # tiny | bundled (osd_bench/soak_server.py model_pair)
+    stream: str = "code"  # dataset name or JSONL path
+    split: str = "test"
+    requests: int = 300
+    offset: int = 0
+    loads: tuple[float, ...] = (0.5,)  # arrival rate as a fraction of the capacity
+    capacity: float = 0.0  # requests/s; 0 = measure
+    capacity_requests: int = 16
+    window: int = 25
+    max_tokens: int = 128
+    seed: int = 0
+    osd_args: tuple[str, ...] = ()  # `osd serve` flags for both arms
+    learn_args: tuple[str, ...] = ()  # ... for the learning arm only (e.g. --busy-share 0.1)
+    order: str = "off-on"  # off-on | on-off: which arm runs first at each load
+    scrape_every: float = 5.0
+    max_batch: int = 8  # the servers' --max-batch (osd serve's default): the capacity run's clients
+    arms_run: tuple[str, ...] = field(default=("off", "on"))
+
+
+def arrival_schedule(n: int, rate: float, seed: int) -> list[float]:
+    """n Poisson arrival times (seconds from the start) at `rate` requests/s: the same seed, the same schedule."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def load_stream(stream: str, split: str, n: int, offset: int = 0) -> list[dict]:
+    """n records {"prompt", optional "arrival_s"} from a dataset name or a JSONL file (osd/data.py load_records)."""
+    from osd.data import load_records
+    from osd.errors import InvalidArgument
+
+    from pathlib import Path
+
+    records = load_records(stream, None if Path(stream).is_file() else split, n, offset)  # a file: every record
+    if len(records) < n:
+        raise InvalidArgument(f"stream {stream!r} has {len(records)} prompts past offset {offset}, {n} asked")
+    return records
+
+
+def decode_tps(sample) -> float | None:
+    """A request's decode speed: tokens after the first over the seconds after the first."""
+    if not sample.ok or sample.ttft is None or sample.completion_tokens < 2 or sample.seconds <= sample.ttft:
+        return None
+    return (sample.completion_tokens - 1) / (sample.seconds - sample.ttft)
+
+
+async def scrape(client) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = await client.get("/metrics")
+        r.raise_for_status()
+    except Exception:  # a failed scrape is a gap, not a failed run
+        return {}
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            if s.name in LEARNER_SERIES:
+                out[LEARNER_SERIES[s.name]] = s.value
+    return out
+
+
+async def replay_async(url: str, api_key: str | None, prompts: list[str], arrivals: list[float], max_tokens: int,
+                       scrape_every: float) -> dict:
+    """Send prompt i at arrivals[i] (seconds after the start), all streamed and greedy -> per-request rows and the
+    /metrics scrapes (t: seconds after the start)."""
+    async with _client(url, api_key, 3600.0, 256) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        await one_request(client, *_request_body(model, WARM_UP_PROMPT, 8, True))  # not counted
+        rows: list[dict | None] = [None] * len(prompts)
+        scrapes: list[dict] = []
+        start = time.perf_counter()
+
+        async def send(i: int) -> None:
+            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+            sent = time.perf_counter() - start
+            s = await one_request(client, *_request_body(model, prompts[i], max_tokens, True))
+            o = s.osd or {}
+            rows[i] = {"index": i, "arrival": arrivals[i], "sent": sent, "done": time.perf_counter() - start,
+                       "ok": s.ok, "error": s.error, "ttft": s.ttft, "seconds": s.seconds,
+                       "completion_tokens": s.completion_tokens, "decode_tps": decode_tps(s), "text": s.text,
+                       **{k: o.get(k) for k in ("accepted", "proposed", "steps", "tokens_per_step", "draft_version")}}
+
+        async def scraper(done: asyncio.Event) -> None:
+            while not done.is_set():
+                scrapes.append({"t": time.perf_counter() - start, **await scrape(client)})
+                try:
+                    await asyncio.wait_for(done.wait(), scrape_every)
+                except asyncio.TimeoutError:
+                    pass
+            scrapes.append({"t": time.perf_counter() - start, **await scrape(client)})
+
+        done = asyncio.Event()
+        scraping = asyncio.create_task(scraper(done))
+        await asyncio.gather(*(send(i) for i in range(len(prompts))))
+        done.set()
+        await scraping
+    return {"rows": rows, "scrapes": scrapes, "wall_seconds": time.perf_counter() - start}
+
+
+async def capacity_async(url: str, api_key: str | None, prompts: list[str], max_tokens: int, clients: int) -> dict:
+    """Closed loop: `clients` clients, each sending its next prompt when its last one ends -> requests/s."""
+    async with _client(url, api_key, 3600.0, clients + 2) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        await one_request(client, *_request_body(model, WARM_UP_PROMPT, 8, True))
+        todo = list(prompts)
+        samples = []
+
+        async def loop():
+            while todo:
+                samples.append(await one_request(client, *_request_body(model, todo.pop(0), max_tokens, True)))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(loop() for _ in range(clients)))
+        wall = time.perf_counter() - start
+    ok = [s for s in samples if s.ok]
+    return {"requests_per_s": len(ok) / wall, "requests": len(samples), "errors": len(samples) - len(ok),
+            "wall_seconds": wall, "tokens_per_s": sum(s.completion_tokens for s in ok) / wall, "clients": clients}
+
+
+def _at(scrapes: list[dict], t: float, key: str) -> float | None:
+    """A counter's value at time t, linearly between the scrapes around it (None without data)."""
+    points = [(s["t"], s[key]) for s in scrapes if key in s]
+    if not points:
+        return None
+    if t <= points[0][0]:
+        return points[0][1]
+    for (t0, v0), (t1, v1) in zip(points, points[1:]):
+        if t <= t1:
+            return v0 + (v1 - v0) * ((t - t0) / (t1 - t0) if t1 > t0 else 1.0)
+    return points[-1][1]
+
+
+def _delta(scrapes, t0, t1, key) -> float | None:
+    a, b = _at(scrapes, t0, key), _at(scrapes, t1, key)
+    return None if a is None or b is None else b - a
+
+
+def summarise_rows(rows: list[dict], scrapes: list[dict]) -> dict:
+    """One window's (or a quarter's) figures from its requests' rows and the scrapes over its span."""
+    ok = [r for r in rows if r and r["ok"]]
+    tps = [r["decode_tps"] for r in ok if r["decode_tps"] is not None]
+    proposed, accepted = sum(r["proposed"] or 0 for r in ok), sum(r["accepted"] or 0 for r in ok)
+    steps, tokens = sum(r["steps"] or 0 for r in ok), sum(r["completion_tokens"] for r in ok)
+    t0, t1 = min((r["arrival"] for r in rows if r), default=0.0), max((r["done"] for r in ok), default=0.0)
+    span = t1 - t0
+    learner = [_delta(scrapes, t0, t1, k) for k in ("learner_busy_seconds", "learner_idle_seconds")]
+    serving = _delta(scrapes, t0, t1, "serving_seconds")
+    learner_seconds = sum(x for x in learner if x is not None) if any(x is not None for x in learner) else None
+    return {"requests": len(rows), "errors": len(rows) - len(ok),
+            "decode_tps_mean": sum(tps) / len(tps) if tps else None, "decode_tps_p50": percentile(tps, 50),
+            "ttft_p50": percentile([r["ttft"] for r in ok if r["ttft"] is not None], 50),
+            "aggregate_tps": tokens / span if span > 0 else None,
+            "acceptance": accepted / proposed if proposed else None, "tokens_per_step": tokens / steps if steps else None,
+            "mean_k": proposed / steps if steps else None,
+            "draft_version": max((r["draft_version"] or 0 for r in ok), default=None),
+            "optimizer_steps": _delta(scrapes, t0, t1, "optimizer_steps"),
+            "learner_cpu_share": learner_seconds / span if learner_seconds is not None and span > 0 else None,
+            "learner_busy_share": (learner[0] / (learner[0] + serving) if learner[0] is not None and serving
+                                   else None), "span_seconds": span}
+
+
+def windows(rows: list[dict], scrapes: list[dict], size: int) -> list[dict]:
+    return [{"first": i, **summarise_rows(rows[i:i + size], scrapes)} for i in range(0, len(rows), size)]
+
+
+def first_publish(rows: list[dict], scrapes: list[dict]) -> dict:
+    """When the learner first published: the scrape time, the requests arrived by then, and the first request served
+    by a version > 0."""
+    t = next((s["t"] for s in scrapes if (s.get("published") or 0) >= 1), None)
+    served = next((r["index"] for r in rows if r and (r["draft_version"] or 0) > 0), None)
+    return {"seconds": t, "requests_arrived": None if t is None else sum(r["arrival"] <= t for r in rows if r),
+            "first_request_served_by_a_new_version": served}
+
+
+def compare(on: dict, off: dict, window: int) -> dict:
+    """Learning on / off: the headline ratios per window and quarter, and greedy identity request by request."""
+    n = len(on["rows"])
+    ratio = lambda a, b: a / b if a is not None and b else None
+    per_window = [{"first": w_on["first"], "decode_tps_ratio": ratio(w_on["decode_tps_mean"], w_off["decode_tps_mean"]),
+                   "aggregate_tps_ratio": ratio(w_on["aggregate_tps"], w_off["aggregate_tps"])}
+                  for w_on, w_off in zip(on["windows"], off["windows"])]
+    q = max(1, n // 4)
+    quarter = lambda arm, lo, hi: summarise_rows(arm["rows"][lo:hi], arm["scrapes"])["decode_tps_mean"]
+    first_q, last_q = ratio(quarter(on, 0, q), quarter(off, 0, q)), ratio(quarter(on, n - q, n), quarter(off, n - q, n))
+    paired = [a["decode_tps"] / b["decode_tps"] for a, b in zip(on["rows"], off["rows"])
+              if a and b and a["decode_tps"] and b["decode_tps"]]
+    same = sum(a is not None and b is not None and a["ok"] and b["ok"] and a["text"] == b["text"]
+               for a, b in zip(on["rows"], off["rows"]))
+    later = [w["decode_tps_ratio"] for w in per_window[1:] if w["decode_tps_ratio"] is not None]
+    return {"windows": per_window, "first_quarter_ratio": first_q, "last_quarter_ratio": last_q,
+            "min_ratio_after_first_window": min(later) if later else None,
+            "paired_ratio_p50": percentile(paired, 50), "greedy_identical": {"same": same, "of": n}}
+
+
+def run_arm(target: str, draft: str, config: LiveConfig, learning: bool, prompts: list[str], arrivals: list[float],
+            log_path: str) -> dict:
+    from osd_bench.soak_server import ServerProcess
+
+    args = [*config.osd_args, *(config.learn_args if learning else ["--no-learn"])]
+    with ServerProcess(target, draft, 10_000_000, args, log_path) as server:
+        started = time.perf_counter()
+        result = asyncio.run(replay_async(server.url, server.api_key, prompts, arrivals, config.max_tokens,
+                                          config.scrape_every))
+        command = " ".join(server.command()[2:])
+    result["server_command"] = command
+    result["arm_seconds"] = time.perf_counter() - started
+    result["windows"] = windows(result["rows"], result["scrapes"], config.window)
+    result["first_publish"] = first_publish(result["rows"], result["scrapes"]) if learning else None
+    return result
+
+
+def measure_capacity(target: str, draft: str, config: LiveConfig, log_path: str) -> dict:
+    from osd_bench.soak_server import ServerProcess
+
+    from osd.errors import InvalidArgument
+
+    try:  # prompts from past the stream's end, so that neither arm's server saw them; else the stream's first ones
+        extra = load_stream(config.stream, config.split, config.capacity_requests, config.offset + config.requests)
+    except InvalidArgument:
+        extra = load_stream(config.stream, config.split, config.capacity_requests, config.offset)
+    with ServerProcess(target, draft, 10_000_000, [*config.osd_args, "--no-learn"], log_path) as server:
+        return asyncio.run(capacity_async(server.url, server.api_key, [r["prompt"] for r in extra],
+                                          config.max_tokens, config.max_batch))
+
+
+def run_live(config: LiveConfig, log_dir: str = "runs/bench-live", progress=print) -> dict:
+    from pathlib import Path
+
+    from osd_bench.soak_server import model_pair
+
+    target, draft = model_pair(config.models)
+    records = load_stream(config.stream, config.split, config.requests, config.offset)
+    prompts = [r["prompt"] for r in records]
+    given = [r.get("arrival_s") for r in records]
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    capacity = {"requests_per_s": config.capacity, "given": True} if config.capacity else \
+        measure_capacity(target, draft, config, f"{log_dir}/capacity.log")
+    progress(f"capacity: {capacity['requests_per_s']:.3f} requests/s")
+    loads = []
+    for load in config.loads:
+        rate = load * capacity["requests_per_s"]
+        arrivals = [float(t) for t in given] if all(t is not None for t in given) else \
+            arrival_schedule(len(prompts), rate, config.seed)
+        arms = {}
+        for arm in (("off", "on") if config.order == "off-on" else ("on", "off")):
+            if arm not in config.arms_run:
+                continue
+            progress(f"load {load}: learning {arm}, {len(prompts)} requests at {rate:.3f}/s ...")
+            arms[arm] = run_arm(target, draft, config, arm == "on", prompts, arrivals,
+                                f"{log_dir}/load{load}-{arm}.log")
+        entry = {"load": load, "rate_per_s": rate, "arrivals": arrivals, "arms": arms}
+        if "on" in arms and "off" in arms:
+            entry["comparison"] = compare(arms["on"], arms["off"], config.window)
+        loads.append(entry)
+    return {"config": {**asdict(config), "target": target, "draft": draft}, "capacity": capacity, "loads": loads}
+
+
+def register(bench) -> None:
+    p = bench.add_parser("live", help="learning on vs off: two `osd serve`s fed the same Poisson request stream at a "
+                         "fraction of capacity, one after the other; per window decode tokens/s, TTFT, acceptance, "
+                         "draft version, the learner's steps and CPU share; the on/off ratio and a plot")
+    p.add_argument("--stream", default="code", help="dataset name (shared/datasets) or a JSONL file of {\"prompt\"} "
+                   "records (all with \"arrival_s\": replayed at those times)")
+    p.add_argument("--split", default="test")
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--offset", type=int, default=0, help="skip this many prompts of the stream")
+    p.add_argument("--load", type=float, nargs="+", default=[0.5], help="arrival rate(s) as a fraction of capacity")
+    p.add_argument("--capacity", type=float, default=0.0, help="requests/s at saturation (0 = measure it first: "
+                   "--capacity-requests prompts from past the stream's end, --max-batch clients, learning off)")
+    p.add_argument("--capacity-requests", type=int, default=16)
+    p.add_argument("--window", type=int, default=25, help="requests per window")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0, help="the arrival schedule's seed")
+    p.add_argument("--models", default="bundled", choices=["bundled", "tiny"])
+    p.add_argument("--osd-args", default="", help="`osd serve` flags for both arms (one string)")
+    p.add_argument("--learn-args", default="", help="more flags for the learning arm only (one string)")
+    p.add_argument("--order", default="off-on", choices=["off-on", "on-off"])
+    p.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on"])
+    p.add_argument("--scrape-every", type=float, default=5.0)
+    p.add_argument("--max-batch", type=int, default=8, help="the capacity run's clients (osd serve's --max-batch)")
+    p.add_argument("--log-dir", default="runs/bench-live")
+    p.add_argument("--out", default="benchmarks/bench-live.json")
+    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args) -> None:
+    import shlex
+
+    from osd_bench.live_report import report_live
+
+    config = LiveConfig(args.models, args.stream, args.split, args.requests, args.offset, tuple(args.load),
+                        args.capacity, args.capacity_requests, args.window, args.max_tokens, args.seed,
+                        tuple(shlex.split(args.osd_args)), tuple(shlex.split(args.learn_args)), args.order,
+                        args.scrape_every, args.max_batch, tuple(args.arms))
+    result = run_live(config, args.log_dir)
+    report_live(result, args.out, args.markdown)

@@ -1,0 +1,79 @@
+"""`osd bench live` (osd_bench/live.py): the arrival schedule, the per-window figures and the on/off comparison, and
+a short end-to-end run of both arms on the tiny pair (real `osd serve` processes)."""
+import json
+
+import pytest
+
+from osd_bench.live import LiveConfig, arrival_schedule, compare, first_publish, run_live, windows
+
+
+def test_the_arrival_schedule_is_reproducible_from_its_seed():
+    a, b = arrival_schedule(500, 2.0, seed=7), arrival_schedule(500, 2.0, seed=7)
+    assert a == b and a != arrival_schedule(500, 2.0, seed=8)
+    assert all(x < y for x, y in zip(a, a[1:])) and a[0] > 0
+    assert a[-1] / 500 == pytest.approx(0.5, rel=0.15)  # mean gap 1 / rate
+    assert arrival_schedule(500, 4.0, seed=7) == pytest.approx([t / 2 for t in a])  # the rate only scales time
+
+
+def _rows(tps: list[float], texts=None, version_from=None):
+    rows = []
+    for i, v in enumerate(tps):
+        rows.append({"index": i, "arrival": float(i), "sent": float(i), "done": i + 1.0, "ok": True, "error": None,
+                     "ttft": 0.1, "seconds": 1.0, "completion_tokens": 10, "decode_tps": v,
+                     "text": (texts or {}).get(i, f"answer {i}"), "accepted": 4, "proposed": 8, "steps": 5,
+                     "tokens_per_step": 2.0, "draft_version": int(version_from is not None and i >= version_from)})
+    return rows
+
+
+def test_windows_the_headline_ratios_and_greedy_identity():
+    scrapes = [{"t": 0.0, "optimizer_steps": 0, "published": 0, "learner_busy_seconds": 0.0,
+                "learner_idle_seconds": 0.0, "serving_seconds": 0.0},
+               {"t": 8.0, "optimizer_steps": 16, "published": 1, "learner_busy_seconds": 0.8,
+                "learner_idle_seconds": 0.0, "serving_seconds": 7.2}]
+    on_rows = _rows([9.0] * 4 + [12.0] * 4, texts={7: "different"}, version_from=4)
+    off_rows = _rows([10.0] * 8)
+    on = {"rows": on_rows, "scrapes": scrapes, "windows": windows(on_rows, scrapes, 4)}
+    off = {"rows": off_rows, "scrapes": [], "windows": windows(off_rows, [], 4)}
+    w = on["windows"][0]
+    assert w["requests"] == 4 and w["decode_tps_mean"] == 9.0 and w["acceptance"] == 0.5 and w["mean_k"] == 1.6
+    assert w["tokens_per_step"] == 2.0 and w["optimizer_steps"] == pytest.approx(8.0)  # 0-4 s of the 0-8 s scrapes
+    assert w["learner_cpu_share"] == pytest.approx(0.1) and w["learner_busy_share"] == pytest.approx(0.1)
+    assert off["windows"][0]["optimizer_steps"] is None  # no learner series scraped
+    c = compare(on, off, 4)
+    assert [x["decode_tps_ratio"] for x in c["windows"]] == pytest.approx([0.9, 1.2])
+    assert c["first_quarter_ratio"] == pytest.approx(0.9) and c["last_quarter_ratio"] == pytest.approx(1.2)
+    assert c["min_ratio_after_first_window"] == pytest.approx(1.2)
+    assert c["greedy_identical"] == {"same": 7, "of": 8}
+    pub = first_publish(on_rows, scrapes)
+    assert pub["seconds"] == 8.0 and pub["requests_arrived"] == 8 and pub["first_request_served_by_a_new_version"] == 4
+
+
+def test_the_cli_registers_live():
+    from osd.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "live", "--stream", "my.jsonl", "--load", "0.5", "0.8",
+                                      "--requests", "40", "--capacity", "1.5"])
+    assert (args.stream, args.load, args.requests, args.capacity) == ("my.jsonl", [0.5, 0.8], 40, 1.5)
+
+
+def test_both_arms_on_the_tiny_pair_answer_identically_and_report_windows(tmp_path):
+    from osd_bench.live_report import report_live
+
+    stream = tmp_path / "stream.jsonl"
+    prompts = ["def add(a, b):", "Sort a list.", "Hello there", "x = 1\ny =", "for i in range(", "print('hi')"]
+    stream.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    config = LiveConfig(models="tiny", stream=str(stream), requests=6, loads=(0.5,), capacity=4.0, window=3,
+                        max_tokens=24, scrape_every=0.5, osd_args=("--threads", "1"),
+                        learn_args=("--every-requests", "2", "--busy-share", "0.5"))
+    result = run_live(config, str(tmp_path / "logs"), progress=lambda *_: None)
+    entry = result["loads"][0]
+    assert entry["arrivals"] == arrival_schedule(6, 2.0, 0)
+    on, off = entry["arms"]["on"], entry["arms"]["off"]
+    assert all(r["ok"] for r in on["rows"] + off["rows"])
+    assert len(on["windows"]) == len(off["windows"]) == 2
+    assert entry["comparison"]["greedy_identical"] == {"same": 6, "of": 6}
+    assert "--no-learn" in off["server_command"] and "--no-learn" not in on["server_command"]
+    assert any("optimizer_steps" in s for s in on["scrapes"])  # the learner's series were scraped
+    out = tmp_path / "live.json"
+    report_live(result, str(out), None)
+    assert json.loads(out.read_text())["loads"][0]["comparison"]["greedy_identical"]["of"] == 6
