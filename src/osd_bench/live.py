@@ -324,8 +324,8 @@ def register(bench) -> None:
     p.add_argument("--scrape-every", type=float, default=5.0)
     p.add_argument("--max-batch", type=int, default=8, help="the capacity run's clients (osd serve's --max-batch)")
     p.add_argument("--log-dir", default="runs/bench-live")
-    p.add_argument("--out", default="benchmarks/bench-live.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md", help="append a summary here ('' = no)")
+    p.add_argument("--out", default="benchmarks/live/bench-live.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=_cmd)
 
 
