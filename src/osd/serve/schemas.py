@@ -4,6 +4,7 @@
 Unknown fields are ignored, as OpenAI-compatible servers usually do; fields we know (OpenAI's and vLLM's) but do not
 honour are refused by name when they ask for anything (`UNSUPPORTED`: each with the values that ask nothing, which
 pass), so a client never gets output that silently ignored what it asked for.
+"""
 from __future__ import annotations
 
 from typing import Any
