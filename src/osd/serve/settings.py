@@ -15,7 +15,7 @@ class ServeSettings:
     # a request without max_tokens gets what the context has left after its prompt, at most this many
     default_max_tokens: int = 256
     # requests waiting for a place in the scheduler (beyond the running ones); past it a request gets 503 with
-    # Retry-After at once instead of an unbounded wait (0 = no bound)
+    # Retry-After at once instead of an unbounded wait (0 = no bound; one engine: --replicas fronts do not bound yet)
     max_queue: int = 64
     default_temperature: float = 1.0  # when a request gives no temperature (OpenAI's default)
     model_name: str | None = None  # the name clients send as `model`; None = the name given to create_app
