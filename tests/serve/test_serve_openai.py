@@ -269,3 +269,11 @@ def test_a_full_queue_is_a_503_with_retry_after_and_the_queued_requests_are_serv
         assert client.completions.create(model=MODEL, prompt="abc", temperature=0).choices[0].text == expected
     runner.join(60)
     assert not runner.is_alive()  # the lifespan's shutdown stopped the worker's loop
+
+
+def test_max_queue_is_validated_and_0_means_no_bound():
+    from osd.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="max_queue"):
+        ServeSettings(max_queue=-1)
+    assert ServeSettings().max_queue == 64 and ServeSettings(max_queue=0).max_queue == 0
