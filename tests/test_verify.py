@@ -75,3 +75,17 @@ def test_warp_probs_top_k_top_p():
     assert torch.allclose(warp_probs(logits, 1.0, top_p=0.7), torch.tensor([0.625, 0.375, 0, 0]), atol=1e-6)
     assert torch.allclose(warp_probs(logits, 1.0, top_p=0.5), torch.tensor([1.0, 0, 0, 0]), atol=1e-6)
     assert torch.allclose(warp_probs(logits, 1.0), torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=1e-6)
+
+
+def test_warp_probs_min_p_drops_tokens_below_a_share_of_the_likeliest():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    # 0.35 x 0.5 = 0.175: 0.15 and 0.05 go
+    assert torch.allclose(warp_probs(logits, 1.0, min_p=0.35), torch.tensor([0.625, 0.375, 0, 0]), atol=1e-6)
+    assert torch.allclose(warp_probs(logits, 1.0, min_p=0.25), torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95, atol=1e-6)
+    # after temperature (vLLM's order): at T = 0.5 the probabilities are 25:9:2.25:0.25, so 0.25 x 25 drops the last two
+    assert torch.allclose(warp_probs(logits, 0.5, min_p=0.25), torch.tensor([25, 9, 0, 0]) / 34, atol=1e-6)
+    # after top-k: the floor is a share of the likeliest kept token, the same before and after renormalising
+    assert torch.allclose(warp_probs(logits, 1.0, top_k=3, min_p=0.5), torch.tensor([0.625, 0.375, 0, 0]), atol=1e-6)
+    assert torch.equal(warp_probs(logits, 1.0, min_p=0.0), warp_probs(logits, 1.0))
+    tied = torch.zeros(4)
+    assert torch.allclose(warp_probs(tied, 1.0, min_p=0.99), torch.full((4,), 0.25))  # a tie at the top all stays

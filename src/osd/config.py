@@ -10,6 +10,9 @@ from dataclasses import asdict, dataclass, field
 from osd.errors import InvalidArgument
 
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per position (as OpenAI's top_logprobs)
+
+
 @dataclass
 class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy (token-identical to the target); > 0 = lossless sampling
@@ -18,6 +21,11 @@ class SamplingConfig:
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
     seed: int | None = None  # seed for sampling; None = nondeterministic
+    min_p: float = 0.0  # drop tokens below min_p x the likeliest one's probability (after top-k/top-p); 0 = off
+    ignore_eos: bool = False  # keep generating past EOS (it is then an ordinary token, up to max_new_tokens)
+    stop_token_ids: list[int] = field(default_factory=list)  # token ids that end generation as EOS does (not output)
+    logprobs: int | None = None  # None = off; N >= 0: each emitted token's log-probability under the target, and the
+    # N likeliest tokens' at its position (the target's raw log-softmax: verify/logprobs.py)
 
     def __post_init__(self):
         if self.temperature is None or self.temperature < 0:
@@ -34,6 +42,13 @@ class SamplingConfig:
             raise InvalidArgument("stop strings must be non-empty strings")
         if self.seed is not None and not -2**63 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
             raise InvalidArgument(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        if self.min_p is None or not (0.0 <= self.min_p < 1.0):
+            raise InvalidArgument(f"min_p must be in [0, 1), got {self.min_p}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidArgument("stop_token_ids must be non-negative token ids")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"logprobs (top tokens per position) must be in [0, {MAX_TOP_LOGPROBS}], "
+                                  f"got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

@@ -153,6 +153,8 @@ class SpeculativeEngine:
             raise InvalidArgument("prompt is empty: give at least one token")
         if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt_ids):
             raise InvalidArgument(f"prompt holds token ids outside the vocabulary [0, {self.vocab_size})")
+        if any(t >= self.vocab_size for t in sampling.stop_token_ids):
+            raise InvalidArgument(f"stop_token_ids holds token ids outside the vocabulary [0, {self.vocab_size})")
         if self.context_window and len(prompt_ids) + sampling.max_new_tokens > self.context_window:
             raise ContextTooLong(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the "

@@ -46,7 +46,8 @@ from conftest import EOS, ToyTokenizer, tiny_qwen2
 from osd.config import SamplingConfig, SpeculationConfig
 from osd.engine import SpeculativeEngine
 from osd.propose import Proposal
-from osd.verify import acceptance_beta, rejection_verify, sample_from, warp_probs
+from osd.verify import acceptance_beta, rejection_verify, sample_from
+from osd.verify.sampling import warp
 
 ALPHA = 1e-3  # reject "lossless" when p < ALPHA: a false alarm rate of 1e-3 per test
 POWER = 0.99  # probability of detecting a total-variation error of the stated size
@@ -359,7 +360,7 @@ class BigramDraft:
     def propose(self, tokens, k, sampling, generator=None) -> Proposal:
         last, proposed, rows = tokens[-1], [], []
         for _ in range(k):
-            row = warp_probs(self.logits[last], sampling.temperature, sampling.top_k, sampling.top_p)  # (V,)
+            row = warp(self.logits[last], sampling)  # (V,)
             last = sample_from(row, generator)
             proposed.append(last)
             rows.append(row)
@@ -388,7 +389,7 @@ def rejecting_draft(target_model, sampling: SamplingConfig) -> BigramDraft:
 @torch.inference_mode()
 def exact_next_law(target_model, prompt: list[int], sampling: SamplingConfig) -> torch.Tensor:
     logits = target_model(torch.tensor([prompt])).logits[0, -1]  # (V,)
-    return warp_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    return warp(logits, sampling)
 
 
 @torch.inference_mode()
@@ -402,7 +403,7 @@ def exact_first_tokens_law(target_model, prompt: list[int], sampling: SamplingCo
     pairs = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))  # (V^2, 2) rows (t1, t2)
     ids = torch.cat([torch.tensor(prompt).expand(vocab * vocab, -1), pairs], dim=1)  # (V^2, L + 2)
     logits = target_model(ids).logits[:, -3:]  # (V^2, 3, V)
-    probs = warp_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p).double()
+    probs = warp(logits, sampling).double()
     first = probs[0, 0]  # (V,) P(t1)
     second = probs[::vocab, 1]  # (V, V) P(t2 | t1)
     third = probs[:, 2].reshape(vocab, vocab, vocab)  # (V, V, V) P(t3 | t1, t2)
@@ -524,6 +525,9 @@ REAL_CASES = {
     "draft-model": SamplingConfig(temperature=0.8, top_k=3, top_p=0.9),
     "lookup-then-draft": SamplingConfig(temperature=0.8, top_k=3, top_p=0.9),
     "lookup": SamplingConfig(temperature=1.0),
+    # min-p goes through the same warp as top-k/top-p for target and draft: a draft warped differently (or not) would
+    # have its proposals judged against the wrong q and move the law
+    "draft-model-min_p": SamplingConfig(temperature=0.9, min_p=0.3),
 }
 
 

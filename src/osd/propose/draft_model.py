@@ -14,7 +14,7 @@ from osd.models.q4_runner import Q4Runner, feed_together as q4_feed_together
 from osd.notice import say
 from osd.propose.base import Proposal
 from osd.schedule.prefix import common_prefix
-from osd.verify.sampling import sample_from, warp_probs
+from osd.verify.sampling import sample_from, warp
 
 
 class DraftModelProposer:
@@ -179,7 +179,7 @@ class _Drafting:
             if p.runners_up:
                 self.runners_up.append(p._runners_up(logits, token))
         else:
-            q = warp_probs(p._full_vocab(logits), sampling.temperature, sampling.top_k, sampling.top_p)
+            q = warp(p._full_vocab(logits), sampling)
             token = sample_from(q, self.generator)
             self.probs.append(q)
             if p.runners_up:  # the likeliest other tokens under q (deterministic given the context)

@@ -39,6 +39,8 @@ class GenerationResult:
     seconds: float
     steps: list[tuple[int, int]] = field(default_factory=list)  # (k, n_accepted) per step
     prefill_seconds: float = 0.0  # of `seconds`: feeding the prompt before the first step
+    cached_tokens: int = 0  # prompt tokens served from a slot's cache (prefix reuse), not fed again
+    logprobs: list | None = None  # per token of token_ids: verify/logprobs.TokenLogprob (None: not asked for)
 
     @property
     def stats(self) -> dict:

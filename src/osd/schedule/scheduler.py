@@ -44,7 +44,8 @@ from osd.schedule.prefix import choose_slot, common_prefix
 from osd.schedule.sequence import LiveAlpha, Sequence
 from osd.stopping import StopChecker
 from osd.verify.acceptance import VerifyOutcome, acceptance_beta
-from osd.verify.sampling import warp_probs
+from osd.verify.logprobs import token_logprobs
+from osd.verify.sampling import warp
 from osd.verify.step import verify_proposal
 from osd.verify.tree import greedy_tree_verify, sampled_tree_verify
 
@@ -120,9 +121,11 @@ class Scheduler:
             start = e.clock()
             generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
             proposer = self._proposer(slot)
+            stop_ids = (set() if sampling.ignore_eos else e.eos_ids) | set(sampling.stop_token_ids)
             seq = Sequence(request_id or uuid.uuid4().hex[:12], list(prompt_ids), sampling, slot, proposer,
-                           StopChecker(e.tokenizer, e.eos_ids, sampling.max_new_tokens, sampling.stop), generator,
-                           on_text, start, list(prompt_ids))
+                           StopChecker(e.tokenizer, stop_ids, sampling.max_new_tokens, sampling.stop), generator,
+                           on_text, start, list(prompt_ids), cached_tokens=reused,
+                           logprobs=[] if sampling.logprobs is not None else None)
             self.slots.rollback(slot, reused) if reused else self.slots.reset(slot)
             if proposer is not None:
                 # the draft's snapshot (one version per request); its prompt prefill now only for a request that
@@ -393,8 +396,13 @@ class Scheduler:
             outcome, betas = verify_proposal(target_logits, proposal.tokens, proposal.draft_probs, seq.sampling,
                                              seq.generator)
             emitted = proposal.tokens[: outcome.n_accepted] + [outcome.next_token]
+            rows = list(range(len(emitted)))  # token i was emitted at row i (the bonus or recovered one last)
         else:
-            outcome, betas, emitted = self._verify_tree(seq, proposal, target_logits)
+            outcome, betas, emitted, rows = self._verify_tree(seq, proposal, target_logits)
+        scored = None  # the emitted tokens' logprobs, where asked for: before a tree's logits are cut to its chain's
+        if seq.logprobs is not None:
+            scored = token_logprobs(target_logits[rows], emitted, seq.sampling.logprobs)
+        if tree is not None:
             target_logits = target_logits[: k + 1]  # the chain's rows come first: the learner sees the chain's step
         if proposal.runners_up and outcome.n_accepted < k and e.runner_up_rates is not None:  # the draft's best missed
             e.runner_up_rates.observe(proposal.runners_up[outcome.n_accepted], outcome.next_token)
@@ -420,7 +428,10 @@ class Scheduler:
         self.stats.emitted += len(emitted)
         for observe in e.observers:
             observe(record)
+        taken = len(seq.stopper.token_ids)
         seq.stopper.extend(emitted)
+        if scored is not None:  # the tokens the output kept (not an EOS or stop token, nothing after the end)
+            seq.logprobs += scored[: max(0, len(seq.stopper.token_ids) - taken)]
         if seq.on_text is not None and len(text := seq.stopper.stable_text()) > len(seq.sent):
             seq.on_text(text[len(seq.sent):])
             seq.sent = text
@@ -429,12 +440,12 @@ class Scheduler:
     def _verify_tree(self, seq: Sequence, proposal: Proposal, target_logits):
         """Walk down the tree (verify/tree.py: greedy, or lossless recursive rejection sampling); the cache keeps the
         accepted path only -> (the outcome of the chain part, as a chain step would report it; its betas; the
-        emitted tokens)."""
+        emitted tokens; the logits row each was emitted at: the root's, then each accepted node's)."""
         tree, s = proposal.tree, seq.sampling
         if s.greedy:
             path, next_token = greedy_tree_verify(target_logits, tree)
         else:
-            target_probs = warp_probs(target_logits, s.temperature, s.top_k, s.top_p)
+            target_probs = warp(target_logits, s)
             path, next_token = sampled_tree_verify(target_probs, tree, proposal.draft_probs, seq.generator)
         emitted = [tree.tokens[j] for j in path] + [next_token]
         self.slots.keep_path(seq.slot, len(seq.tokens), path)
@@ -444,7 +455,7 @@ class Scheduler:
         on_path = min(agreed + 1, tree.chain)
         betas = [1.0] * agreed + [0.0] * (agreed < tree.chain) if s.greedy else acceptance_beta(
             target_probs[:on_path], proposal.draft_probs[:on_path]).tolist() if tree.chain else []
-        return VerifyOutcome(agreed, emitted[agreed]), betas, emitted
+        return VerifyOutcome(agreed, emitted[agreed]), betas, emitted, [0] + [1 + j for j in path]
 
     def _record(self, rows: int, decode_rows: int, seconds: float, alone: bool, plans) -> None:
         e, st = self.engine, self.stats
@@ -469,5 +480,6 @@ class Scheduler:
             self.engine.metrics.record(seq.draft, seq.counters)
             seq.result = GenerationResult(seq.request_id, seq.prompt, seq.stopper.token_ids, seq.stopper.text,
                                           seq.stopper.finish_reason, seq.draft, seq.counters,
-                                          self.engine.clock() - seq.started, seq.steps, seq.prefill_seconds)
+                                          self.engine.clock() - seq.started, seq.steps, seq.prefill_seconds,
+                                          seq.cached_tokens, seq.logprobs)
         return seq

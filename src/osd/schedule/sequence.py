@@ -47,6 +47,8 @@ class Sequence:
     steps: list[tuple[int, int]] = field(default_factory=list)  # (k, n_accepted) per step
     prefill_seconds: float = 0.0
     sent: str = ""  # text already streamed
+    cached_tokens: int = 0  # prompt tokens whose keys/values a slot held already (prefix reuse: not fed again)
+    logprobs: list | None = None  # one verify/logprobs.TokenLogprob per output token, where the request asked for them
     zero_steps: int = 0  # steps in a row at k = 0 (with company: probes, scheduler.PROBE_EVERY per sequence)
     result: object | None = None  # GenerationResult once finished
     error: BaseException | None = None  # set when it failed (alone: the others went on)

@@ -9,8 +9,14 @@ learner_not_running without --learn). Every completion carries an `osd` extensio
 with its own speculative decoding figures (accepted, proposed, alpha, tokens_per_step, draft, ...). A request
 may pin the draft that serves it with its own `osd` field, {"osd": {"draft": "<name>"}} (unknown: 404).
 
-Requests run together on the engine's scheduler (up to its capacity; the rest queue in arrival order).
-Limitations: n = 1; no logprobs, penalties or tools.
+Requests run together on the engine's scheduler (up to its capacity; the rest queue in arrival order, at most
+ServeSettings.max_queue of them: past it 503 queue_full with Retry-After). A request without max_tokens gets what the
+context has left after its prompt, at most ServeSettings.default_max_tokens. usage.prompt_tokens_details.cached_tokens
+counts the prompt tokens prefix reuse served from a slot's cache. logprobs (chat: logprobs + top_logprobs; completions:
+logprobs = N) are the target's raw log-softmax at each emitted position, as vLLM's default (serve/logprobs.py); a
+stream carries each chunk's tokens' figures with it. Sampling extensions as in vLLM: top_k, min_p, stop_token_ids,
+ignore_eos.
+Limitations: n = 1; no penalties, logit_bias, tools or structured output: refused by name (schemas.UNSUPPORTED).
 A request whose streaming client disconnects is aborted at its next text delta; its speculative
 counters are then not recorded.
 """
@@ -83,11 +89,13 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
     model_name = settings.model_name or model_name
     metrics = ServeMetrics()
     if pool is None:
-        worker = Worker(engine, own_thread=worker_thread)
+        worker = Worker(engine, own_thread=worker_thread, max_queue=settings.max_queue)
+        window = engine.context_window
         metrics.attach(engine.metrics, learner, lambda: worker.depth, engine=engine)
         drafts = lambda: _drafts(engine, routing)
     else:  # replicas on Ray: they bring their own metrics (relabelled) and drafts
         worker = pool
+        window = getattr(pool, "context_window", 0)
         metrics.attach_cluster(pool)
         drafts = pool.drafts
     if routing is not None:
@@ -115,20 +123,22 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
         req = await _parse(request, ChatCompletionRequest)
         check_common(req, model_name)
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-        sampling = sampling_from(req, settings, max_tokens)
+        prompt = chat_prompt(req, tokenizer)
+        sampling = sampling_from(req, settings, max_tokens, room=_room(window, prompt))
         draft = pinned_draft(req, drafts())
-        job = worker.submit(chat_prompt(req, tokenizer), sampling, stream=bool(req.stream), draft=draft)
-        return await _respond(job, req, Shapes(chat=True, model=model_name), metrics, arrived)
+        job = worker.submit(prompt, sampling, stream=bool(req.stream), draft=draft)
+        return await _respond(job, req, Shapes(chat=True, model=model_name, tokenizer=tokenizer), metrics, arrived)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
         arrived = time.perf_counter()
         req = await _parse(request, CompletionRequest)
         check_common(req, model_name)
-        sampling = sampling_from(req, settings, req.max_tokens)
+        prompt = completion_prompt(req, tokenizer)
+        sampling = sampling_from(req, settings, req.max_tokens, room=_room(window, prompt))
         draft = pinned_draft(req, drafts())
-        job = worker.submit(completion_prompt(req, tokenizer), sampling, stream=bool(req.stream), draft=draft)
-        return await _respond(job, req, Shapes(chat=False, model=model_name), metrics, arrived)
+        job = worker.submit(prompt, sampling, stream=bool(req.stream), draft=draft)
+        return await _respond(job, req, Shapes(chat=False, model=model_name, tokenizer=tokenizer), metrics, arrived)
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
@@ -165,6 +175,11 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS)  # outermost: counts 413s and 500s too
     return app
+
+
+def _room(window: int, prompt: list[int]) -> int | None:
+    """Tokens the context has left after the prompt (None: the target's window is unknown)."""
+    return window - len(prompt) if window else None
 
 
 def _learning(learner):
@@ -236,19 +251,24 @@ async def _respond(job: Job, req, shapes: Shapes, metrics: ServeMetrics, arrived
 
 
 async def _stream(job: Job, first, shapes: Shapes, metrics: ServeMetrics, arrived: float, include_usage: bool):
-    """SSE: (role chunk for chat), text chunks, a finish chunk with `osd` stats, (usage), [DONE]."""
+    """SSE: (role chunk for chat), text chunks, a finish chunk with `osd` stats, (usage), [DONE]. With logprobs, each
+    text chunk carries its tokens' (serve/worker.py) and the finish chunk the rest."""
+    asked, sent = job.sampling.logprobs is not None, 0
     try:
         if shapes.chat:
             yield _sse(shapes.chunk(text="", role=True))
         kind, payload = first
         while kind == "text":
-            yield _sse(shapes.chunk(text=payload))
+            entries = (job.chunk_logprobs.popleft() if job.chunk_logprobs else []) if asked else None
+            sent += len(entries or [])
+            yield _sse(shapes.chunk(text=payload, logprobs=entries))
             kind, payload = await job.next()
         if kind == "error":
             yield errors.sse_error(payload)
         else:
             _observe(metrics, job, payload, arrived)
-            yield _sse(shapes.chunk(finish_reason=payload.finish_reason, osd=osd_stats(payload)))
+            rest = payload.logprobs[sent:] if asked and payload.logprobs is not None else None
+            yield _sse(shapes.chunk(finish_reason=payload.finish_reason, osd=osd_stats(payload), logprobs=rest))
             if include_usage:
                 yield _sse(shapes.usage_chunk(payload))
         yield "data: [DONE]\n\n"

@@ -59,6 +59,14 @@ class ShuttingDown(ServeError):
     pass
 
 
+class QueueFull(ServeError):
+    """The waiting queue holds ServeSettings.max_queue requests already: 503, retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class ReplicaFailed(ServeError):
     """A serving replica of a cluster (cluster/pool.py) died during the request, or none could take it."""
 
@@ -76,6 +84,7 @@ ERROR_TABLE: dict[type, tuple[int, str, str | None]] = {
     Unauthorized: (401, "invalid_request_error", "invalid_api_key"),
     BodyTooLarge: (413, "invalid_request_error", "request_too_large"),
     ShuttingDown: (503, "server_error", "shutting_down"),
+    QueueFull: (503, "server_error", "queue_full"),
     ReplicaFailed: (503, "server_error", "replica_failed"),
 }
 INTERNAL = (500, "server_error", None)
@@ -111,6 +120,8 @@ def error_response(exc: BaseException) -> Response:
     if status == 500:
         log.error("unexpected error", exc_info=exc)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if getattr(exc, "retry_after", None) is not None:
+        headers = {"Retry-After": str(exc.retry_after)}
     return Response(json.dumps(body), status_code=status, headers=headers, media_type="application/json")
 
 

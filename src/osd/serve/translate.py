@@ -10,12 +10,14 @@ from osd.data import chat_ids
 from osd.engine import GenerationResult
 from osd.errors import DraftNotFound, InvalidArgument
 from osd.serve.errors import BadParam, UnknownModel
+from osd.serve.logprobs import LogprobShapes
 from osd.serve.schemas import ChatCompletionRequest, CompletionRequest, _Request
 from osd.serve.settings import ServeSettings
 
 # SamplingConfig field -> request field (for error messages that name what the client sent)
 FIELD_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "max_new_tokens": "max_tokens",
-               "stop": "stop", "seed": "seed"}
+               "stop": "stop", "seed": "seed", "min_p": "min_p", "ignore_eos": "ignore_eos",
+               "stop_token_ids": "stop_token_ids", "logprobs": "logprobs"}
 
 
 def check_common(req: _Request, model_name: str) -> None:
@@ -26,6 +28,8 @@ def check_common(req: _Request, model_name: str) -> None:
     bad = req.unsupported()
     if bad:
         raise BadParam(f"not supported by this server: {', '.join(bad)}", param=bad[0])
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
+        raise BadParam("top_logprobs needs logprobs: true", param="top_logprobs")
 
 
 def pinned_draft(req: _Request, drafts: dict[str, int]) -> str | None:
@@ -38,20 +42,38 @@ def pinned_draft(req: _Request, drafts: dict[str, int]) -> str | None:
     return name
 
 
-def sampling_from(req: _Request, settings: ServeSettings, max_tokens: int | None = None) -> SamplingConfig:
+def sampling_from(req: _Request, settings: ServeSettings, max_tokens: int | None = None,
+                  room: int | None = None) -> SamplingConfig:
+    """room: the tokens the context has left after the prompt (None: unknown). A request without max_tokens gets
+    that many, at most settings.default_max_tokens (at least 1: a prompt that fills the context is then refused
+    as too long, context_length_exceeded)."""
+    default = settings.default_max_tokens if room is None else min(settings.default_max_tokens, max(room, 1))
     values = {
         "temperature": settings.default_temperature if req.temperature is None else req.temperature,
-        "top_k": req.top_k or 0,
+        "top_k": 0 if req.top_k in (None, -1) else req.top_k,  # -1 = off, as vLLM
         "top_p": 1.0 if req.top_p is None else req.top_p,
-        "max_new_tokens": settings.default_max_tokens if max_tokens is None else max_tokens,
+        "max_new_tokens": default if max_tokens is None else max_tokens,
         "stop": [] if req.stop is None else req.stop,
         "seed": req.seed,
+        "min_p": req.min_p or 0.0,
+        "ignore_eos": bool(req.ignore_eos),
+        "stop_token_ids": req.stop_token_ids or [],
+        "logprobs": _logprobs(req),
     }
     try:
         return SamplingConfig(**values)
     except InvalidArgument as e:
         param = _offending_field(values)
+        if param == "logprobs" and isinstance(req, ChatCompletionRequest):
+            param = "top_logprobs"
         raise BadParam(f"invalid {param}: {e}" if param else str(e), param=param) from e
+
+
+def _logprobs(req: _Request) -> int | None:
+    """How many likeliest tokens per position the request wants with its logprobs (None: no logprobs)."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
 
 
 def _offending_field(values: dict) -> str | None:
@@ -139,8 +161,11 @@ def new_id(prefix: str) -> str:
 
 
 def usage(result: GenerationResult) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens: the prompt tokens a cache slot held already (prefix
+    reuse, schedule/prefix.py), which were not fed again."""
     n_prompt, n_new = len(result.prompt_ids), len(result.token_ids)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
 def osd_stats(result: GenerationResult) -> dict:
@@ -154,10 +179,15 @@ def osd_stats(result: GenerationResult) -> dict:
 class Shapes:
     """OpenAI response and chunk bodies for one request (chat or text completion)."""
 
-    def __init__(self, chat: bool, model: str):
+    def __init__(self, chat: bool, model: str, tokenizer=None):
+        """tokenizer: renders the tokens of logprobs (needed only where a request asks for them)."""
         self.chat, self.model = chat, model
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
+        self.logprobs = LogprobShapes(tokenizer, chat)
+
+    def _logprobs(self, entries) -> dict | None:
+        return None if entries is None else self.logprobs.render(entries)
 
     def _body(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
@@ -165,18 +195,21 @@ class Shapes:
     def response(self, result: GenerationResult) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "logprobs": None, "finish_reason": result.finish_reason}
+                      "logprobs": self._logprobs(result.logprobs), "finish_reason": result.finish_reason}
         else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+            choice = {"index": 0, "text": result.text, "logprobs": self._logprobs(result.logprobs),
+                      "finish_reason": result.finish_reason}
         obj = "chat.completion" if self.chat else "text_completion"
         return self._body(obj, [choice], usage=usage(result), osd=osd_stats(result))
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False, **extra) -> dict:
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False, logprobs=None,
+              **extra) -> dict:
+        """logprobs: the TokenLogprobs this chunk carries (None: the request did not ask for them)."""
         if self.chat:
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
             return self._body("chat.completion.chunk", [choice], **extra)
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
         return self._body("text_completion", [choice], **extra)
 
     def usage_chunk(self, result: GenerationResult) -> dict:

@@ -4,7 +4,10 @@ Jobs queue in arrival order; between steps the worker admits as many as the sche
 fails alone, at admission), drops the ones whose client went away, and runs one step for every running sequence
 (schedule/scheduler.py). Each job owns an asyncio.Queue on the request's loop; the worker thread feeds it with
 loop.call_soon_threadsafe, so it never blocks on a client: a slow reader only lets its own queue grow.
-Events: ("text", delta), ("done", GenerationResult), ("error", exception).
+Events: ("text", delta), ("done", GenerationResult), ("error", exception). Where the request asked for logprobs, each
+text event's tokens' logprobs wait in the job's `chunk_logprobs`, one list per text event in the same order (the
+tokens committed since the previous one; the text may lag them by what is held back); the rest are the result's.
+The queue is bounded (`max_queue` waiting jobs; past it `submit` raises QueueFull: 503 with Retry-After).
 """
 from __future__ import annotations
 
@@ -13,11 +16,12 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from osd.config import SamplingConfig
 from osd.route import pinned
-from osd.serve.errors import ShuttingDown
+from osd.serve.errors import QueueFull, ShuttingDown
 
 CANCELLED = "request cancelled (client gone or server shutting down)"
 
@@ -36,6 +40,8 @@ class Job:
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
     first_text_at: float | None = None
+    chunk_logprobs: deque = field(default_factory=deque)  # per text event: its tokens' TokenLogprobs (when asked)
+    logprobs_sent: int = 0  # of the sequence's logprobs, how many went with text events (the worker's count)
 
     def emit(self, kind: str, payload) -> None:
         try:
@@ -57,8 +63,9 @@ class Worker:
     from the main thread here (AMD EPYC, 2 cores), which is most of the serving path's loss against `osd bench speed`.
     """
 
-    def __init__(self, engine, own_thread: bool = True):
-        self.engine, self.scheduler, self.own_thread = engine, engine.scheduler, own_thread
+    def __init__(self, engine, own_thread: bool = True, max_queue: int = 0):
+        """max_queue: the most jobs waiting for a place in the scheduler (0 = no bound)."""
+        self.engine, self.scheduler, self.own_thread, self.max_queue = engine, engine.scheduler, own_thread, max_queue
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -108,6 +115,9 @@ class Worker:
         with self._gate:
             if self._closing:
                 raise ShuttingDown("the server is shutting down")
+            if self.max_queue and self._queue.qsize() >= self.max_queue:
+                raise QueueFull(f"the server is at capacity: {self._queue.qsize()} requests are waiting already "
+                                f"(--max-queue {self.max_queue}); retry later")
             self.start()  # normally started by the app's lifespan; harmless when already running
             self._queue.put(job)
         return job
@@ -145,10 +155,15 @@ class Worker:
         return False
 
     def _start(self, job: Job) -> None:
+        seq = None
+
         def on_text(delta: str) -> None:
             if job.first_text_at is None:
                 job.first_text_at = time.perf_counter()
             if job.stream:
+                if seq.logprobs is not None:  # before the event: the loop pops one list per text event
+                    job.chunk_logprobs.append(seq.logprobs[job.logprobs_sent:])
+                    job.logprobs_sent = len(seq.logprobs)
                 job.emit("text", delta)
 
         job.started_at = time.perf_counter()

@@ -1,6 +1,6 @@
 """Pure sampling helpers: logits -> warped probabilities, and drawing from them.
 
-Target and draft logits go through the same warping (temperature, top-k, top-p) so that rejection
+Target and draft logits go through the same warping (temperature, top-k, top-p, min-p) so that rejection
 sampling reproduces the target's warped distribution exactly: the same distribution plain target
 sampling with these settings draws from.
 """
@@ -9,10 +9,12 @@ from __future__ import annotations
 import torch
 
 
-def warp_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p.
+def warp_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+               min_p: float = 0.0) -> torch.Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k, top-p and min-p (vLLM's order).
 
-    temperature must be > 0 (greedy never calls this). Ties at the top-k / top-p boundary are kept.
+    temperature must be > 0 (greedy never calls this). Ties at the top-k / top-p boundary are kept. min-p drops the
+    tokens whose probability is below min_p times the likeliest one's (the likeliest always stays, so does a tie).
     """
     logits = logits.float() / temperature
     if top_k and top_k < logits.shape[-1]:
@@ -26,7 +28,17 @@ def warp_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: 
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
+    if min_p > 0.0:
+        floor = min_p * probs.amax(dim=-1, keepdim=True)  # (..., 1)
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def warp(logits: torch.Tensor, sampling) -> torch.Tensor:
+    """warp_probs with a SamplingConfig's settings: the one call the target's and the draft's distributions both go
+    through, so a warp cannot be applied to one and not the other."""
+    return warp_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:

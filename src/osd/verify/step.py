@@ -5,7 +5,7 @@ import torch
 
 from osd.config import SamplingConfig
 from osd.verify.acceptance import VerifyOutcome, acceptance_beta, greedy_verify, rejection_verify
-from osd.verify.sampling import warp_probs
+from osd.verify.sampling import warp
 
 
 def verify_proposal(target_logits: torch.Tensor, tokens: list[int], draft_probs: torch.Tensor | None,
@@ -19,7 +19,7 @@ def verify_proposal(target_logits: torch.Tensor, tokens: list[int], draft_probs:
         outcome = greedy_verify(target_logits, draft_tokens)
         on_path = min(outcome.n_accepted + 1, k)
         return outcome, [1.0] * outcome.n_accepted + [0.0] * (on_path - outcome.n_accepted)
-    target_probs = warp_probs(target_logits, sampling.temperature, sampling.top_k, sampling.top_p)  # (k+1, V)
+    target_probs = warp(target_logits, sampling)  # (k+1, V)
     if k == 0:
         return rejection_verify(target_probs, target_probs[:0], draft_tokens, generator), []
     outcome = rejection_verify(target_probs, draft_probs, draft_tokens, generator)
