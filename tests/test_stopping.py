@@ -51,3 +51,22 @@ def test_a_stop_string_completed_by_the_last_allowed_token_stops_and_is_cut():
         assert (checker.text, checker.finish_reason) == ("a", "stop")
     short = StopChecker(ByteTokenizer(PIECES), eos_ids={6}, max_new_tokens=2, stop=["中"])
     assert short.extend([0, 1, 2, 3]) == "length" and short.text == "a\ufffd"  # one token short of the stop string
+
+
+class CleaningTokenizer(ByteTokenizer):
+    """Hugging Face's clean-up of tokenization spaces, on by default as in SmolLM2's tokenizer."""
+
+    clean_up_tokenization_spaces = True
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
+        text = super().decode(ids)
+        clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
+        return text.replace(" n't", "n't").replace(" ,", ",") if clean else text
+
+
+def test_the_text_is_the_models_own_and_its_stream_joins_into_it_whatever_the_tokenizers_clean_up():
+    """A clean-up that rewrites " n't" as "n't" would make "do n" (streamed) + "'t" differ from the answer "don't";
+    the text is the model's own ("do n't ,"), streamed and final alike."""
+    checker = StopChecker(CleaningTokenizer([b"do", b" n", b"'t", b" ,", b"<eos>"]), eos_ids={4}, max_new_tokens=20,
+                          stop=[])
+    assert "".join(streamed(checker, [[0], [1], [2], [3], [4]])) == checker.text == "do n't ,"
