@@ -2,6 +2,16 @@
 from __future__ import annotations
 
 
+def decode(tokenizer, ids: list[int]) -> str:
+    """The text of `ids` as the model wrote it: special tokens skipped, without Hugging Face's clean-up of tokenization
+    spaces. That clean-up (on in SmolLM2's tokenizer) rewrites the model's text, code included (" ," -> ",", " n't" ->
+    "n't", " ' " -> "'"), and its rewrite of a prefix is not a prefix of its rewrite of the whole: a stream of "do n"
+    then "'t" would not join into the answer's "don't" (vLLM and llama.cpp return the text unrewritten too)."""
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class StopChecker:
     """Accumulates emitted tokens and decides when, and where exactly, generation stops."""
 
@@ -27,7 +37,7 @@ class StopChecker:
         return None
 
     def _match_stop(self) -> bool:
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        text = decode(self.tokenizer, self.token_ids)
         hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         if hits:
             self.text_cut = min(hits)
@@ -35,7 +45,7 @@ class StopChecker:
 
     @property
     def text(self) -> str:
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        text = decode(self.tokenizer, self.token_ids)
         return text[: self.text_cut] if self.text_cut is not None else text
 
     def stable_text(self) -> str:

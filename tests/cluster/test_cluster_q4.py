@@ -50,7 +50,8 @@ def test_replicas_serve_the_learners_copy_and_take_its_versions(cluster):
     arrays = ray.get(refs[0])
     if kind == "q4":  # whole changed layers of kernel blocks, not float tensors
         assert any(name.startswith("matrices.blk.") and name.endswith(".qs") for name in arrays)
-    stats = wait_for(lambda: (s := ray.get(replica.stats.remote())) and s["version"] == version and s, timeout=20)
+    stats = wait_for(f"version {version} served by the replica",
+                     lambda: (s := ray.get(replica.stats.remote(), timeout=30)) and s["version"] == version and s)
     assert stats["swaps"] >= 1 and stats["swap_failures"] == 0 and stats["last_swap"]["error"] is None
     for prompt, (result, _) in zip(PROMPTS, answers(made.pool, PROMPTS)):
         assert result.token_ids == plain_greedy(target, prompt, N_NEW)[: len(result.token_ids)]

@@ -147,6 +147,32 @@ def test_a_request_admitted_beside_others_feeds_the_draft_its_prompt_only_when_f
         assert all(s.proposer.runner.length >= len(s.prompt) for s in later)
 
 
+def test_a_failed_shared_pass_fails_every_running_sequence_and_the_scheduler_serves_on(target, draft, monkeypatch):
+    """The shared target pass fails in a step where one sequence's own proposal failed too: every sequence comes back
+    from that step with its error (its own, or the pass's; none left running without one), every slot is free again,
+    and the next requests get the answers they get alone."""
+    engine, _ = engine_over(target, draft, k=3, max_batch=4)
+    want = alone(engine, PROMPTS[:4], GREEDY[:4])
+    sched = engine.scheduler
+    seqs = [sched.add(p, s) for p, s in zip(PROMPTS[:4], GREEDY[:4])]
+    sched.step()
+    assert len(sched.running) == 4
+    fault, own = RuntimeError("the shared pass failed"), RuntimeError("this draft failed")
+    with monkeypatch.context() as m:
+        m.setattr(sched.slots, "feed", lambda feeds: (_ for _ in ()).throw(fault))
+        m.setattr(sched, "_draft_together", lambda wanted: {})  # each sequence drafts alone: its own failure is its own
+        m.setattr(seqs[0].sources[0], "propose", lambda *a, **k: (_ for _ in ()).throw(own))
+        done = sched.step()
+    assert sorted(map(id, done)) == sorted(map(id, seqs))
+    assert seqs[0].error is own and all(seq.error is fault for seq in seqs[1:])
+    assert all(seq.result is None for seq in seqs)
+    assert not sched.running and sorted(sched._free) == [0, 1, 2, 3]
+    again = [sched.add(p, s) for p, s in zip(PROMPTS[:4], GREEDY[:4])]
+    while sched.running:
+        sched.step()
+    assert [seq.result.token_ids for seq in again] == [r.token_ids for r in want]
+
+
 def test_a_bad_request_fails_alone(target, draft):
     engine, _ = engine_over(target, draft, k=3, max_batch=3)
     want = alone(engine, PROMPTS[:2], GREEDY[:2])
@@ -306,6 +332,34 @@ def test_a_prompt_sharing_a_prefix_with_a_running_request_copies_its_keys_and_va
     while sched.running:
         sched.step()
     assert [first.result.token_ids, second.result.token_ids] == want
+
+
+def test_a_prompt_sharing_more_than_a_running_prompt_has_fed_yet_is_admitted_and_copies_what_is_fed(tiny_q4):
+    """Chunked prefill: a request arrives while a running sequence's prompt is only partly fed, and shares more of that
+    prompt than is fed. It is admitted (a valid request, never refused): it copies the positions that sequence's cache
+    holds, no more, and every answer stays the one the request gets alone."""
+    from tests.models.tiny_gguf import PROMPT, tiny_torch_model
+
+    runner, vocab = tiny_q4
+    long = PROMPT + PROMPT[::-1] + [10, 20, 30]  # 45 tokens: fed beside a decoding sequence in chunks of 16
+    prompts = [[10], long, long[:32] + [33, 10]]
+    sampling = [SamplingConfig(max_new_tokens=n) for n in (30, 6, 8)]
+    fresh, _ = engine_over(runner, tiny_torch_model(3), k=4, max_batch=1, vocab=vocab)
+    want = [r.token_ids for r in alone(fresh, prompts, sampling)]
+    engine, _ = engine_over(runner, tiny_torch_model(3), k=4, max_batch=3, vocab=vocab, prefill_rows=8)
+    sched = engine.scheduler
+    decoding = sched.add(prompts[0], sampling[0])
+    sched.step()
+    feeding = sched.add(prompts[1], sampling[1])
+    sched.step()
+    fed = sched.slots.length(feeding.slot)
+    assert 0 < fed < 32 and feeding in sched.running, "the long prompt must be partly fed when the third arrives"
+    late = sched.add(prompts[2], sampling[2])  # shares 32 tokens with `feeding`, whose cache holds `fed` of them
+    assert sched.slots.length(late.slot) == fed and sched.stats.reused_rows == fed
+    while sched.running:
+        for seq in sched.step():
+            assert seq.error is None, seq.error
+    assert [decoding.result.token_ids, feeding.result.token_ids, late.result.token_ids] == want
 
 
 def test_a_prompt_sharing_only_the_template_head_does_not_overwrite_a_longer_cached_prefix(tiny_q4):

@@ -250,3 +250,34 @@ def test_worker_aborts_a_cancelled_generation_and_the_other_goes_on():
     assert kind == "error" and isinstance(err, errors.ShuttingDown) and not engine.scheduler.running
     assert other_kind == "done" and len(other.token_ids) == 30
     assert engine.scheduler.stats.emitted < 200 + 30  # the cancelled one stopped long before its 200 tokens
+
+
+def test_a_failed_step_answers_every_running_job_with_its_error_and_the_worker_serves_on():
+    """A fault of the shared step (outside any one sequence): each of the jobs running in it gets the error, none is
+    left waiting, and the next job is served."""
+    from osd.config import SamplingConfig
+
+    engine = _tiny_engine(max_batch=3)
+    fault, step, raised = RuntimeError("the step failed"), engine.scheduler.step, []
+
+    def fails_once_all_three_run():
+        if len(engine.scheduler.running) == 3 and not raised:
+            raised.append(fault)
+            raise fault
+        return step()
+
+    engine.scheduler.step = fails_once_all_three_run
+
+    async def main():
+        worker = Worker(engine)
+        try:
+            jobs = [worker.submit([5 + i], SamplingConfig(max_new_tokens=150)) for i in range(3)]
+            events = [await job.next() for job in jobs]
+            after = await worker.submit([9], SamplingConfig(max_new_tokens=4)).next()
+            return events, after
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    events, after = asyncio.run(main())
+    assert [kind for kind, _ in events] == ["error"] * 3 and all(err is fault for _, err in events)
+    assert after[0] == "done" and len(after[1].token_ids) == 4 and not engine.scheduler.running
