@@ -33,15 +33,15 @@ from osd.models.slots import Feed, Q4Slots  # noqa: E402
 # the positions after it. Measured here (max / mean):
 #            fp32             Q8_K emulated
 #   qwen2    0.152 / 0.027    0.054 / 0.0024
-#   llama    0.163 / 0.024    0.000 / 0.0000  (no flip: agreement to float precision)
-#   qwen3    0.149 / 0.027    0.000 / 0.0000
-#   gemma3   0.093 / 0.020    0.073 / 0.0126
-# A wrong convention moves the mean far more (measured, emulated reference): Llama q/k rows left permuted 0.59,
-# rope_freqs ignored 0.32; Qwen3 without q/k norms 0.40; Gemma window 7 or 9 instead of 8 0.22 / 0.21, no window
-# 0.46, the global RoPE on sliding layers 0.29 (the local one on the global layer 0.06), SiLU for GELU 0.10, no
-# embedding scale 0.84, no post-attention norm 0.23, no q norm 0.14, attention scale x1.1 0.053.
+#   llama    0.136 / 0.027    0.034 / 0.0004
+#   qwen3    0.149 / 0.027    0.000 / 0.0000  (no flip: agreement to float precision)
+#   gemma3   0.131 / 0.026    0.109 / 0.0148  (a flip at position 4 moves every later one)
+# A wrong convention moves the mean far more (measured, emulated reference): Llama q/k rows left permuted 0.70,
+# rope_freqs ignored 0.39; Qwen3 without q/k norms 0.40; Gemma window 7 or 9 instead of 8 0.31 / 0.28, no window
+# 0.62, the global RoPE on sliding layers 0.39 (the local one on the global layer 0.056), SiLU for GELU 0.13, no
+# embedding scale 0.21, no post-attention norm 1.02, no q norm 0.21, attention scale x1.1 0.076.
 FP32_TOLERANCE = (0.25, 0.04)
-EMULATED_TOLERANCE = (0.15, 0.02)
+EMULATED_TOLERANCE = (0.2, 0.03)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -56,8 +56,11 @@ def hf_config(arch: str):
 
 
 def hf_model(arch: str, seed: int):
-    """A seeded tiny transformers model of the family, its norms perturbed (so that each one matters), its output
-    peaked (the LM head or tied table times 8, as a trained model's logits are)."""
+    """A seeded tiny transformers model of the family, its norms perturbed (so that each one matters), an untied LM
+    head times 8 (peaked outputs, as a trained model's). With a tied table, a random model's residual stream is mostly
+    the input token's own embedding and greedy decoding repeats the last token: the Llama's table stays as drawn, and
+    Gemma's post-attention/post-MLP norms are 8 (1 + w), so that the layers outweigh the sqrt(hidden)-scaled
+    embedding and greedy outputs vary (what the speculative tests need)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -66,7 +69,9 @@ def hf_model(arch: str, seed: int):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):  # gemma: 0 means 1 (1 + w); the others: 1 means 1
                 p.copy_((0.0 if arch == "gemma3" else 1.0) + 0.1 * torch.randn_like(p))
-        if arch != "gemma3":  # gemma's tied table is scaled by sqrt(hidden) = 16 as it enters already
+            if arch == "gemma3" and name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")):
+                p.copy_(8 * (1 + p) - 1)  # gemma's branch norms: 8 (1 + w)
+        if not model.config.tie_word_embeddings:
             model.get_output_embeddings().weight.mul_(8.0)
     return model.float().eval().requires_grad_(False)
 
