@@ -52,9 +52,10 @@ def set_threads(threads: int) -> None:
 
 def target_backend(models: ModelConfig, target_model=None) -> str:
     """The backend that serves the target: the configured one, or for "auto", a GGUF target on osd's own Q4 kernel
-    where that kernel runs it (models/q4_runner.py `serves`: a Qwen2 file of Q4_K/Q6_K matrices, a CPU with AVX2),
-    else on llama.cpp; any other target on torch. Why the Q4 kernel first: it decodes the target alone at 1.0-1.4x
-    llama.cpp's speed here and verifies k+1 tokens for far less than llama.cpp (BENCHMARKS.md), so speculation pays."""
+    where that kernel runs it (models/q4_runner.py `serves`: a qwen2/llama/qwen3/gemma3 file of Q4_K/Q6_K matrices, a
+    CPU with AVX2), else on llama.cpp; any other target on torch. Why the Q4 kernel first: it decodes the target alone
+    at 1.0-1.4x llama.cpp's speed here and verifies k+1 tokens for far less than llama.cpp (BENCHMARKS.md), so
+    speculation pays."""
     if models.target_backend != "auto":
         return models.target_backend
     is_gguf = models.target.startswith("bundled:") or models.target.endswith(".gguf")
@@ -76,7 +77,9 @@ def why_not_q4(spec: str) -> str:
 
     if not q4.available():
         return f"the kernel cannot be built on this machine: {(q4.build_error() or 'unknown').splitlines()[0][:160]}"
-    return "the file is not a Qwen2 GGUF of Q4_K/Q6_K matrices"
+    from osd.models.q4_runner import why_not_served
+
+    return why_not_served(spec) or "unknown"
 
 
 def check_target_quantize(models: ModelConfig, target_model=None) -> None:

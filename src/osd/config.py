@@ -108,7 +108,7 @@ class ModelConfig:
         "(models/q4_draft.py), or auto = whichever of q4 and int8 times faster here for a Qwen2 draft the Q4 kernel "
         "runs, else int8 (propose/copy_choice.py; on Intel the shipped draft's Q4 copy cost ~half its int8 one)")})
     draft_vocab: int = 0  # 0 = full; N = draft proposes only among token ids < N (+ special tokens)
-    target_backend: str = "auto"  # "torch" | "llama.cpp" | "osd" (own Q4_K kernel, Qwen2 GGUFs) | "auto" (a GGUF: osd where its kernel runs the file, else llama.cpp; torch otherwise)
+    target_backend: str = "auto"  # "torch" | "llama.cpp" | "osd" (own Q4_K kernel, qwen2/llama/qwen3/gemma3 GGUFs) | "auto" (a GGUF: osd where its kernel runs the file, else llama.cpp; torch otherwise)
     n_ctx: int = 4096  # llama.cpp / osd target: context (KV cache) length
     threads: int = 0  # torch (and llama.cpp) threads; 0 = default (torch's; llama.cpp: the cores we may use)
     prepack_target: bool = True  # fast fp32 linears for the target (models/prepack.py; CPU speed trick)

@@ -207,15 +207,15 @@ def test_the_osd_backend_is_built_from_the_config(tiny):
 def test_an_unsupported_architecture_is_a_clear_error(tmp_path):
     import gguf
 
-    path = tmp_path / "llama.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
+    path = tmp_path / "phi3.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi3")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", torch.zeros(4, 256).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(InvalidArgument, match="runs qwen2 GGUFs; this one is 'llama'"):
+    with pytest.raises(InvalidArgument, match="runs qwen2, llama, qwen3, gemma3 GGUFs; this one is 'phi3'"):
         Q4Runner(path)
 
 

@@ -1,5 +1,6 @@
 // The float work of a transformer forward around the Q4_K/Q6_K kernel (q4_kernel.cpp), one row at a time:
-// RMSNorm, q/k/v biases + RoPE + KV-cache write, causal GQA attention over the cache, SiLU(gate) * up.
+// RMSNorm, q/k/v biases (+ per-head q/k RMSNorm) + RoPE + KV-cache write, causal GQA attention over the cache (within
+// a sliding window where asked, at a given scale), SiLU(gate) * up or GELU-tanh(gate) * up.
 //
 // Why C++ and not torch ops: greedy identity by construction. A position's logits must be bitwise the same
 // whether it is fed alone or with up to 8 other rows. torch's reductions (the mean of RMSNorm, softmax sums,
@@ -10,13 +11,15 @@
 // every element (no scalar tail: widths must be multiples of 8).
 //
 // Limitations: float32 only; widths (hidden, head dim, intermediate) must be multiples of 8; RoPE is the NEOX
-// form (pairs i, i + D/2) that Qwen2 uses; the KV cache is float32, (G, T, D) per layer.
+// form (pairs i, i + D/2: Qwen2/3, Gemma 3; a Llama GGUF's q/k rows are permuted back at load so that it applies,
+// models/architectures.py); the KV cache is float32, (G, T, D) per layer.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -64,6 +67,26 @@ void check_f32(const torch::Tensor& t, int64_t dim, const char* name) {
 
 void check_width(int64_t k, const char* name) {
   TORCH_CHECK(k > 0 && k % 8 == 0, "q4_glue: ", name, " must be a positive multiple of 8, got ", k);
+}
+
+// x (K) in place -> x / sqrt(mean(x^2) + eps) * w: the same steps as rms_norm's per row
+inline void rms_norm_inplace(float* x, const float* w, int64_t K, float eps) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < K; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  const __m256 s = _mm256_set1_ps(1.f / std::sqrt(hsum8(acc) / static_cast<float>(K) + eps));
+  for (int64_t j = 0; j < K; j += 8)
+    _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), s), _mm256_loadu_ps(w + j)));
+}
+
+// An optional per-head norm weight (D,) -> its data, or nullptr where absent
+const float* head_weight(const std::optional<torch::Tensor>& w, int64_t D, const char* name) {
+  if (!w.has_value() || !w->defined()) return nullptr;
+  check_f32(*w, 1, name);
+  TORCH_CHECK(w->size(0) == D, "qkv_rope: ", name, " must have the head dim ", D, ", got ", w->size(0));
+  return w->data_ptr<float>();
 }
 
 }  // namespace
@@ -130,10 +153,11 @@ std::vector<CacheRef> cache_refs(const std::vector<torch::Tensor>& k_caches, con
 }
 
 // biases + RoPE of every row, keys/values written at cache index A[r] of the row's cache (cache_of(r) -> CacheRef).
+// q_norm / k_norm: (D,) weights of a per-head RMSNorm applied to q and k after the biases, before RoPE (nullptr: none).
 template <class CacheOf>
 torch::Tensor rope_rows(const torch::Tensor& qkv, const torch::Tensor& bias, const torch::Tensor& cos,
                         const torch::Tensor& sin, const torch::Tensor& pos, const torch::Tensor& at, int64_t H,
-                        int64_t G, int64_t D, CacheOf cache_of) {
+                        int64_t G, int64_t D, CacheOf cache_of, const float* QN, const float* KN, float eps) {
   check_f32(qkv, 2, "qkv");
   check_f32(bias, 1, "bias");
   check_f32(cos, 2, "cos");
@@ -156,25 +180,30 @@ torch::Tensor rope_rows(const torch::Tensor& qkv, const torch::Tensor& bias, con
   const float *X = qkv.data_ptr<float>(), *B = bias.data_ptr<float>();
   const float *C = cos.data_ptr<float>(), *S = sin.data_ptr<float>();
   float* Q = q.data_ptr<float>();
-  // one head vector (D) of row r: x + bias, rotated by position p, stored at out
-  auto rotate = [&](const float* x, const float* b, int64_t p, float* out) {
+  // one head vector (D) of row r: x + bias (then RMS-normalised with w where given), rotated by position p, stored at
+  // out; t: D floats of scratch
+  auto rotate = [&](const float* x, const float* b, const float* w, int64_t p, float* out, float* t) {
+    for (int64_t i = 0; i < D; i += 8)
+      _mm256_storeu_ps(t + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(b + i)));
+    if (w != nullptr) rms_norm_inplace(t, w, D, eps);
     const float *c = C + p * half, *s = S + p * half;
     for (int64_t i = 0; i < half; i += 8) {
-      const __m256 x0 = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(b + i));
-      const __m256 x1 = _mm256_add_ps(_mm256_loadu_ps(x + half + i), _mm256_loadu_ps(b + half + i));
+      const __m256 x0 = _mm256_loadu_ps(t + i), x1 = _mm256_loadu_ps(t + half + i);
       const __m256 ci = _mm256_loadu_ps(c + i), si = _mm256_loadu_ps(s + i);
       _mm256_storeu_ps(out + i, _mm256_sub_ps(_mm256_mul_ps(x0, ci), _mm256_mul_ps(x1, si)));
       _mm256_storeu_ps(out + half + i, _mm256_add_ps(_mm256_mul_ps(x1, ci), _mm256_mul_ps(x0, si)));
     }
   };
   at::parallel_for(0, M, INLINE_ROWS, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scratch(D);
+    float* t = scratch.data();
     for (int64_t r = r0; r < r1; ++r) {
       const float* x = X + r * width;
       const int64_t p = P[r], a = A[r];
       const CacheRef c = cache_of(r);
-      for (int64_t h = 0; h < H; ++h) rotate(x + h * D, B + h * D, p, Q + (r * H + h) * D);
+      for (int64_t h = 0; h < H; ++h) rotate(x + h * D, B + h * D, QN, p, Q + (r * H + h) * D, t);
       for (int64_t g = 0; g < G; ++g) {
-        rotate(x + (H + g) * D, B + (H + g) * D, p, c.k + (g * c.T + a) * D);
+        rotate(x + (H + g) * D, B + (H + g) * D, KN, p, c.k + (g * c.T + a) * D, t);
         const float *v = x + (H + G + g) * D, *bv = B + (H + G + g) * D;
         float* vout = c.v + (g * c.T + a) * D;
         for (int64_t i = 0; i < D; i += 8)
@@ -188,33 +217,40 @@ torch::Tensor rope_rows(const torch::Tensor& qkv, const torch::Tensor& bias, con
 }  // namespace
 
 // qkv (M, (H + 2G) D) = the q, k, v projections side by side, bias ((H + 2G) D), cos/sin (T, D/2), pos (M) int64,
-// k_cache/v_cache (G, T, D) of this layer. Adds the biases, rotates q and k (NEOX RoPE at each row's position),
-// writes k and v at the rows' positions; returns q (M, H, D).
+// k_cache/v_cache (G, T, D) of this layer. Adds the biases, normalises each q and k head where q_norm / k_norm (D,)
+// are given (RMSNorm with eps: Qwen3, Gemma 3), rotates q and k (NEOX RoPE at each row's position), writes k and v
+// at the rows' positions; returns q (M, H, D).
 // qkv_rope_at: the same with the keys/values written at cache index at[r] instead of pos[r] (token trees: a node's
 // RoPE position is its depth, its cache index its place in the tree).
+using OptTensor = std::optional<torch::Tensor>;
+
 torch::Tensor qkv_rope_at(torch::Tensor qkv, torch::Tensor bias, torch::Tensor cos, torch::Tensor sin, torch::Tensor pos,
-                          torch::Tensor at, torch::Tensor k_cache, torch::Tensor v_cache, int64_t H) {
+                          torch::Tensor at, torch::Tensor k_cache, torch::Tensor v_cache, int64_t H, OptTensor q_norm,
+                          OptTensor k_norm, double eps) {
   check_f32(k_cache, 3, "k_cache");
   const int64_t G = k_cache.size(0), D = k_cache.size(2);
   check_cache(k_cache, v_cache, G, D);
   const CacheRef c{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(1)};
-  return rope_rows(qkv, bias, cos, sin, pos, at, H, G, D, [c](int64_t) { return c; });
+  return rope_rows(qkv, bias, cos, sin, pos, at, H, G, D, [c](int64_t) { return c; }, head_weight(q_norm, D, "q_norm"),
+                   head_weight(k_norm, D, "k_norm"), static_cast<float>(eps));
 }
 
 torch::Tensor qkv_rope(torch::Tensor qkv, torch::Tensor bias, torch::Tensor cos, torch::Tensor sin, torch::Tensor pos,
-                       torch::Tensor k_cache, torch::Tensor v_cache, int64_t H) {
-  return qkv_rope_at(qkv, bias, cos, sin, pos, pos, k_cache, v_cache, H);
+                       torch::Tensor k_cache, torch::Tensor v_cache, int64_t H, OptTensor q_norm, OptTensor k_norm,
+                       double eps) {
+  return qkv_rope_at(qkv, bias, cos, sin, pos, pos, k_cache, v_cache, H, q_norm, k_norm, eps);
 }
 
 // Several sequences' rows in one call (one parallel region instead of one per sequence): row r's keys/values go to
 // k_caches[cache_of[r]], v_caches[cache_of[r]] at its position. The same arithmetic per row as qkv_rope.
 torch::Tensor qkv_rope_many(torch::Tensor qkv, torch::Tensor bias, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor pos, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
-                            torch::Tensor cache_of, int64_t H) {
+                            torch::Tensor cache_of, int64_t H, OptTensor q_norm, OptTensor k_norm, double eps) {
   TORCH_CHECK(!k_caches.empty(), "qkv_rope_many: no caches");
   const int64_t G = k_caches[0].size(0), D = k_caches[0].size(2);
   const auto rows = cache_refs(k_caches, v_caches, cache_of, qkv.size(0), G, D);
-  return rope_rows(qkv, bias, cos, sin, pos, pos, H, G, D, [&rows](int64_t r) { return rows[r]; });
+  return rope_rows(qkv, bias, cos, sin, pos, pos, H, G, D, [&rows](int64_t r) { return rows[r]; },
+                   head_weight(q_norm, D, "q_norm"), head_weight(k_norm, D, "k_norm"), static_cast<float>(eps));
 }
 
 namespace {
@@ -309,14 +345,18 @@ void check_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const
 
 // Every (row, KV head) of q over its cache, split across threads by (row, KV head), the query heads of a KV head
 // together (attend): cache_of(r) -> row r's CacheRef; keys_of(r) -> (n, key) names the n cache indices key(0..n-1)
-// row r attends to, in order. Returns (M, H D).
+// row r attends to, in order, key t being at position t (a chain's cache index t; a tree node's prefix then its
+// ancestors, tree_rows.py). window > 0: only the last `window` of them (positions > the row's - window: a sliding
+// layer). scale <= 0: 1/sqrt(D). Returns (M, H D).
 template <class CacheOf, class KeysOf>
-torch::Tensor attend_rows(const torch::Tensor& q, int64_t G, CacheOf cache_of, KeysOf keys_of) {
+torch::Tensor attend_rows(const torch::Tensor& q, int64_t G, CacheOf cache_of, KeysOf keys_of, double scale_arg,
+                          int64_t window) {
   const int64_t M = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(window >= 0, "attention: window must be >= 0");
   auto out = torch::empty({M, H * D}, q.options());
   const float* Q = q.data_ptr<float>();
   float* O = out.data_ptr<float>();
-  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const float scale = scale_arg > 0 ? static_cast<float>(scale_arg) : 1.f / std::sqrt(static_cast<float>(D));
   const int64_t group = H / G;
   at::parallel_for(0, M * G, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores, inv;  // scratch of this thread's calls
@@ -324,8 +364,11 @@ torch::Tensor attend_rows(const torch::Tensor& q, int64_t G, CacheOf cache_of, K
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / G, g = i % G, first = (r * H + g * group) * D;  // the group's first query head
       const CacheRef c = cache_of(r);
-      const auto [n, key] = keys_of(r);
-      attend(Q + first, group, c.k + g * c.T * D, c.v + g * c.T * D, n, D, scale, key, scores, inv, acc, O + first);
+      const auto keys = keys_of(r);
+      const int64_t n = keys.first, skip = window > 0 && n > window ? n - window : 0;  // keys before the window
+      const auto key = keys.second;
+      attend(Q + first, group, c.k + g * c.T * D, c.v + g * c.T * D, n - skip, D, scale,
+             [&key, skip](int64_t t) { return key(t + skip); }, scores, inv, acc, O + first);
     }
   });
   return out;
@@ -335,8 +378,9 @@ CacheRef only_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache) 
   return {k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(1)};
 }
 
-// Causal attention: row r over positions 0..pos[r] of its cache rows[r] (checked here).
-torch::Tensor causal_rows(const torch::Tensor& q, int64_t G, const std::vector<CacheRef>& rows, const torch::Tensor& pos) {
+// Causal attention: row r over positions 0..pos[r] of its cache rows[r] (checked here; the last `window` only).
+torch::Tensor causal_rows(const torch::Tensor& q, int64_t G, const std::vector<CacheRef>& rows,
+                          const torch::Tensor& pos, double scale, int64_t window) {
   const int64_t M = q.size(0);
   TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.dim() == 1 && pos.size(0) == M,
               "attention: pos must be (M,) int64");
@@ -344,35 +388,38 @@ torch::Tensor causal_rows(const torch::Tensor& q, int64_t G, const std::vector<C
   for (int64_t r = 0; r < M; ++r)
     TORCH_CHECK(P[r] >= 0 && P[r] < rows[r].T, "attention: position ", P[r], " outside the cache");
   return attend_rows(q, G, [&rows](int64_t r) { return rows[r]; },
-                     [P](int64_t r) { return std::make_pair(P[r] + 1, [](int64_t t) { return t; }); });
+                     [P](int64_t r) { return std::make_pair(P[r] + 1, [](int64_t t) { return t; }); }, scale, window);
 }
 
 }  // namespace
 
 // q (M, H, D), k_cache/v_cache (G, T, D), pos (M): row r's head h attends to cached positions 0..pos[r] of KV head
-// h / (H / G) with softmax(q k / sqrt(D)). Returns (M, H D). Each (row, head) is computed alone, in a fixed order.
-torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor pos) {
+// h / (H / G) with softmax(scale q k), scale <= 0 meaning 1/sqrt(D); window > 0: positions pos[r] - window + 1..pos[r]
+// only. Returns (M, H D). Each (row, head) is computed alone, in a fixed order.
+torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor pos, double scale,
+                        int64_t window) {
   check_attention(q, k_cache, v_cache);
-  return causal_rows(q, k_cache.size(0), std::vector<CacheRef>(q.size(0), only_cache(k_cache, v_cache)), pos);
+  return causal_rows(q, k_cache.size(0), std::vector<CacheRef>(q.size(0), only_cache(k_cache, v_cache)), pos, scale,
+                     window);
 }
 
 // Several sequences' rows in one call: row r attends to positions 0..pos[r] of k_caches[cache_of[r]] (and its
 // values). The same arithmetic per (row, head) as `attention`.
 torch::Tensor attention_many(torch::Tensor q, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
-                             torch::Tensor cache_of, torch::Tensor pos) {
+                             torch::Tensor cache_of, torch::Tensor pos, double scale, int64_t window) {
   check_f32(q, 3, "q");
   TORCH_CHECK(!k_caches.empty(), "attention_many: no caches");
   const int64_t M = q.size(0), H = q.size(1), D = q.size(2), G = k_caches[0].size(0);
   check_width(D, "the head dim");
   TORCH_CHECK(G > 0 && H % G == 0, "attention: cache shapes disagree with q (G must divide H)");
-  return causal_rows(q, G, cache_refs(k_caches, v_caches, cache_of, M, G, D), pos);
+  return causal_rows(q, G, cache_refs(k_caches, v_caches, cache_of, M, G, D), pos, scale, window);
 }
 
 // Token trees: row r attends to cache positions 0..prefix[r] - 1, then to the cache indices
 // extra[offsets[r] .. offsets[r + 1]) in that order (its ancestors in the tree, then itself). prefix (M), offsets
-// (M + 1), extra (N) int64. The same arithmetic as `attention` over that key sequence.
+// (M + 1), extra (N) int64. The same arithmetic as `attention` over that key sequence (the window: its last keys).
 torch::Tensor attention_at(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor prefix,
-                           torch::Tensor offsets, torch::Tensor extra) {
+                           torch::Tensor offsets, torch::Tensor extra, double scale, int64_t window) {
   check_attention(q, k_cache, v_cache);
   const int64_t M = q.size(0), T = k_cache.size(1);
   auto is_index = [](const torch::Tensor& t, int64_t n) {
@@ -391,7 +438,7 @@ torch::Tensor attention_at(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return attend_rows(q, k_cache.size(0), [c](int64_t) { return c; }, [PRE, OFF, EX](int64_t r) {
     const int64_t pre = PRE[r], *ex = EX + OFF[r] - pre;
     return std::make_pair(pre + OFF[r + 1] - OFF[r], [pre, ex](int64_t t) { return t < pre ? t : ex[t]; });
-  });
+  }, scale, window);
 }
 
 // gate_up (M, 2I): gate columns then up columns -> (M, I) = silu(gate) * up, silu(x) = x / (1 + exp(-x))
@@ -417,13 +464,56 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return y;
 }
 
+// gate_up (M, 2I) -> (M, I) = gelu_tanh(gate) * up (Gemma's GeGLU), gelu_tanh(x) = 0.5 x (1 + tanh(u)) with
+// u = sqrt(2/pi) (x + 0.044715 x^3), computed as x / (1 + exp(-2u)) (the same value; exp8 as in silu_mul)
+torch::Tensor gelu_mul(torch::Tensor gate_up) {
+  check_f32(gate_up, 2, "gate_up");
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  check_width(I, "the intermediate size");
+  TORCH_CHECK(gate_up.size(1) == 2 * I, "gelu_mul: gate_up must have an even width");
+  auto y = torch::empty({M, I}, gate_up.options());
+  const float* X = gate_up.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.f), c3 = _mm256_set1_ps(0.044715f);
+  const __m256 m2k = _mm256_set1_ps(-2.f * 0.7978845608028654f);  // -2 sqrt(2/pi)
+  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float *g = X + r * 2 * I, *u = g + I;
+      for (int64_t j = 0; j < I; j += 8) {
+        const __m256 x = _mm256_loadu_ps(g + j);
+        const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(c3, x), _mm256_mul_ps(x, x), x);  // x + 0.044715 x^3
+        const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_mul_ps(m2k, inner))));
+        _mm256_storeu_ps(Y + r * I + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
+      }
+    }
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  const auto none = py::none();
   m.def("rms_norm", &rms_norm, "x (M, K), w (K), eps -> RMSNorm(x) * w, per row");
-  m.def("qkv_rope", &qkv_rope, "biases + NEOX RoPE + KV-cache write; returns q (M, H, D)");
-  m.def("qkv_rope_at", &qkv_rope_at, "qkv_rope with keys/values written at cache indices `at` (token trees)");
-  m.def("attention", &attention, "causal GQA attention of each row over the cache up to its position -> (M, H D)");
-  m.def("qkv_rope_many", &qkv_rope_many, "qkv_rope over several sequences' rows, row r's cache cache_of[r]");
-  m.def("attention_many", &attention_many, "attention over several sequences' rows, row r's cache cache_of[r]");
-  m.def("attention_at", &attention_at, "GQA attention of each row over its listed cache indices (token trees)");
+  m.def("qkv_rope", &qkv_rope, "biases (+ q/k head norms) + NEOX RoPE + KV-cache write; returns q (M, H, D)",
+        py::arg("qkv"), py::arg("bias"), py::arg("cos"), py::arg("sin"), py::arg("pos"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("H"), py::arg("q_norm") = none, py::arg("k_norm") = none, py::arg("eps") = 1e-6);
+  m.def("qkv_rope_at", &qkv_rope_at, "qkv_rope with keys/values written at cache indices `at` (token trees)",
+        py::arg("qkv"), py::arg("bias"), py::arg("cos"), py::arg("sin"), py::arg("pos"), py::arg("at"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("H"), py::arg("q_norm") = none, py::arg("k_norm") = none,
+        py::arg("eps") = 1e-6);
+  m.def("attention", &attention, "causal GQA attention of each row over the cache up to its position -> (M, H D)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"), py::arg("scale") = 0.0,
+        py::arg("window") = 0);
+  m.def("qkv_rope_many", &qkv_rope_many, "qkv_rope over several sequences' rows, row r's cache cache_of[r]",
+        py::arg("qkv"), py::arg("bias"), py::arg("cos"), py::arg("sin"), py::arg("pos"), py::arg("k_caches"),
+        py::arg("v_caches"), py::arg("cache_of"), py::arg("H"), py::arg("q_norm") = none, py::arg("k_norm") = none,
+        py::arg("eps") = 1e-6);
+  m.def("attention_many", &attention_many, "attention over several sequences' rows, row r's cache cache_of[r]",
+        py::arg("q"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cache_of"), py::arg("pos"),
+        py::arg("scale") = 0.0, py::arg("window") = 0);
+  m.def("attention_at", &attention_at, "GQA attention of each row over its listed cache indices (token trees)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("prefix"), py::arg("offsets"), py::arg("extra"),
+        py::arg("scale") = 0.0, py::arg("window") = 0);
   m.def("silu_mul", &silu_mul, "gate_up (M, 2I) -> silu(gate) * up (M, I)");
+  m.def("gelu_mul", &gelu_mul, "gate_up (M, 2I) -> gelu_tanh(gate) * up (M, I)");
 }

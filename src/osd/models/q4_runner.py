@@ -1,4 +1,5 @@
-"""The osd target backend on its own Q4_K/Q6_K kernel (models/q4.py): a Qwen2 GGUF served from its 4-bit weights.
+"""The osd target backend on its own Q4_K/Q6_K kernel (models/q4.py): a Qwen2, Llama, Qwen3 or Gemma 3 GGUF served from
+its 4-bit weights.
 
 Same interface as the other runners (models/runner.py): `feed(tokens, n_logits) -> (n_logits, V)` float32 logits
 for the last positions, `rollback(length)`, `reset()`, `length`, `vocab_size`, `context_window`, `eos_ids`,
@@ -6,7 +7,10 @@ for the last positions, `rollback(length)`, `reset()`, `length`, `vocab_size`, `
 then per layer RMSNorm -> q/k/v (one kernel call per quant type: adjacent matrices of one type are concatenated at
 load) -> biases, RoPE, KV-cache write -> attention over the cache -> output projection -> RMSNorm -> gate|up (one
 call) -> SiLU * up -> down; the LM head only for the rows whose logits are asked. Matrices run on the kernel
-(activations quantized per row to Q8_K, as llama.cpp does); the float work around them is q4_glue.cpp.
+(activations quantized per row to Q8_K, as llama.cpp does); the float work around them is q4_glue.cpp. What differs
+by family (models/architectures.py, chosen from the file's `general.architecture`): q/k RMSNorm per head before RoPE
+(Qwen3, Gemma 3), Llama 3's RoPE frequency factors and linear RoPE scaling, Gemma 3's sqrt(hidden) embedding scale,
+GELU-tanh, norms of the attention and MLP outputs, and sliding-window layers with their own RoPE base.
 
 Greedy identity by construction: every step of the forward computes each row alone and in a fixed order (the
 kernel's rows are bitwise independent of the row count; the glue splits work by whole rows), so a position's
@@ -18,10 +22,11 @@ The KV cache is position-indexed (float32, (layers, KV heads, context, head dim)
 the next feed overwrites. Weights are repacked once per GGUF file (~1-3 min for the 1.5B on 2 cores) and cached
 under ~/.cache/osd/q4 (memory-mapped on later loads); norms and biases are float32.
 
-Limitations: the `qwen2` architecture only (q/k/v biases, NEOX RoPE, no RoPE scaling, SiLU MLP); matrices must be
-Q4_K or Q6_K (a Q4_K_M/Q4_K_S/Q6_K file; an error names any other type); the runner's own cache holds one sequence
-(models/slots.py Q4Slots runs several, one pass over the weights for all their rows: `forward_rows`); CPU with
-AVX2; a float32 KV cache of the whole context window is reserved (touched as it fills: ~235 MB at 4096 tokens).
+Limitations: the families of models/architectures.py only (qwen2, llama, qwen3, gemma3: any other is refused with
+its name; no YaRN/LongRoPE scaling, partial RoPE or logit softcapping); matrices must be Q4_K or Q6_K (a
+Q4_K_M/Q4_K_S/Q6_K file; an error names any other type); the runner's own cache holds one sequence (models/slots.py
+Q4Slots runs several, one pass over the weights for all their rows: `forward_rows`); CPU with AVX2; a float32 KV
+cache of the whole context window is reserved (touched as it fills: ~235 MB at 4096 tokens; a sliding layer's too).
 """
 from __future__ import annotations
 
@@ -37,11 +42,12 @@ import torch
 
 from osd.errors import BackendUnavailable, ContextTooLong, InvalidArgument, ModelNotFound
 from osd.models import q4
+from osd.models.architectures import ARCHITECTURES as FAMILIES, architecture, sliding, unpermute_rows
 from osd.models.kernels import compile_extension
 from osd.models.runner import PositionCache
 from osd.models.tree_rows import TreeRows
 
-ARCHITECTURES = ("qwen2",)
+ARCHITECTURES = tuple(FAMILIES)  # general.architecture values this backend runs (models/architectures.py)
 MATRIX_TYPES = ("Q4_K", "Q6_K")
 LAYOUT_VERSION = 3  # bump when the cached repacked layout changes
 CACHE_MIN_BYTES = 64 << 20  # files at least this large keep their repacked weights on disk
@@ -52,7 +58,7 @@ _state: dict = {}
 
 # ------------------------------------------------------------------------------------------ the glue kernels
 def glue():
-    """The compiled q4_glue.cpp (RMSNorm, RoPE + cache write, attention, SiLU * up), built once per machine."""
+    """The compiled q4_glue.cpp (RMSNorm, RoPE + cache write, attention, SiLU/GELU * up), built once per machine."""
     with _lock:
         if "module" not in _state:
             _state["module"], _state["error"] = _build_glue()
@@ -70,7 +76,7 @@ def _build_glue():
 
 # ------------------------------------------------------------------------------------------ the model's shape
 @dataclass(frozen=True)
-class Qwen2Shape:
+class ModelShape:
     layers: int
     hidden: int
     intermediate: int
@@ -80,6 +86,13 @@ class Qwen2Shape:
     rope_theta: float
     eps: float
     context_length: int
+    arch: str = "qwen2"  # general.architecture: what the forward does besides (models/architectures.py)
+    rope_scale: float = 1.0  # linear RoPE scaling: positions divided by this (global layers)
+    sliding_window: int = 0  # positions a sliding layer attends to (its own included); 0: none
+    attention_scale: float = 0.0  # softmax(scale q k); 0: 1/sqrt(head_dim)
+
+
+Qwen2Shape = ModelShape  # the name before other families (drafts build one from a Qwen2 config)
 
 
 def _field(reader, key: str, default=None):
@@ -91,24 +104,37 @@ def _field(reader, key: str, default=None):
     return field.contents()
 
 
-def read_shape(reader) -> Qwen2Shape:
-    """The architecture's hyperparameters from a GGUF's metadata; a clear error for what this backend cannot run."""
-    arch = _field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise InvalidArgument(f"the osd Q4 backend runs {', '.join(ARCHITECTURES)} GGUFs; this one is {arch!r} "
-                              "(use --target-backend llama.cpp)")
+def read_shape(reader) -> ModelShape:
+    """The architecture's hyperparameters from a GGUF's metadata (its family from `general.architecture`, the rest as
+    llama.cpp reads it); a clear error for what this backend cannot run."""
+    family = architecture(_field(reader, "general.architecture"))
+    arch = family.name
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", ""):
-        raise InvalidArgument(f"the osd Q4 backend has no RoPE scaling ({scaling!r} in the GGUF)")
+    if scaling not in ("none", "", *family.rope_scalings):
+        raise InvalidArgument(f"the osd Q4 backend has no {scaling!r} RoPE scaling for {arch} (use --target-backend "
+                              "llama.cpp)")
+    for key in (f"{arch}.final_logit_softcapping", f"{arch}.attn_logit_softcapping"):
+        if float(_field(reader, key, 0.0)):
+            raise InvalidArgument(f"the GGUF sets {key}: the osd Q4 backend has no logit softcapping "
+                                  "(use --target-backend llama.cpp)")
     hidden, heads = int(_field(reader, f"{arch}.embedding_length")), int(_field(reader, f"{arch}.attention.head_count"))
-    return Qwen2Shape(
-        layers=int(_field(reader, f"{arch}.block_count")), hidden=hidden,
-        intermediate=int(_field(reader, f"{arch}.feed_forward_length")), heads=heads,
-        kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    layers = int(_field(reader, f"{arch}.block_count"))
+    if int(_field(reader, f"{arch}.attention.value_length", head_dim)) != head_dim:
+        raise InvalidArgument("the GGUF's key and value head sizes differ: the osd Q4 backend needs them equal")
+    if int(_field(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+        raise InvalidArgument("the GGUF rotates part of each head only (partial RoPE): the osd Q4 backend rotates all")
+    window = int(_field(reader, f"{arch}.attention.sliding_window", 0)) if family.swa_pattern else 0
+    # Gemma 3 27B (62 layers) scales by 1/sqrt(hidden / heads), not 1/sqrt(head dim): llama.cpp's rule (no key says it)
+    scale = (hidden / heads) ** -0.5 if arch == "gemma3" and layers == 62 else 0.0
+    return ModelShape(
+        layers=layers, hidden=hidden, intermediate=int(_field(reader, f"{arch}.feed_forward_length")), heads=heads,
+        kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        context_length=int(_field(reader, f"{arch}.context_length", 0)))
+        context_length=int(_field(reader, f"{arch}.context_length", 0)), arch=arch,
+        rope_scale=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
+        sliding_window=window, attention_scale=scale)
 
 
 def architecture_problem(config) -> str | None:
@@ -123,9 +149,16 @@ def architecture_problem(config) -> str | None:
     return None
 
 
-def rope_tables(positions: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (positions, head_dim / 2) float32 of NEOX RoPE, computed as transformers' Qwen2 does."""
+def rope_tables(positions: int, head_dim: int, theta: float, factors: torch.Tensor | None = None,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (positions, head_dim / 2) float32 of NEOX RoPE, computed as transformers' Qwen2 does; `factors` (D/2)
+    divide the frequencies (a Llama 3 GGUF's rope_freqs: llama.cpp's freq_factors), `scale` divides the positions
+    (linear RoPE scaling: llama.cpp's freq_scale = 1 / factor)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # (D/2,)
+    if factors is not None:
+        inv_freq = inv_freq / factors.float()
+    if scale != 1.0:
+        inv_freq = inv_freq / scale
     freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq[None, :]  # (T, D/2)
     return freqs.cos().contiguous(), freqs.sin().contiguous()
 
@@ -134,34 +167,40 @@ def serves(spec: str) -> bool:
     """Whether this backend runs the GGUF behind `spec` (bundled:<name> or a .gguf path) on this machine: the file
     exists, its architecture and matrix types are ones the kernel runs, and the kernel builds here. Reads the GGUF's
     header and tensor table only (memory-mapped); the answer is kept per file."""
+    return why_not_served(spec) is None
+
+
+def why_not_served(spec: str) -> str | None:
+    """None where `serves(spec)`, else why not (one line: the file's family, a tensor or type it lacks or has)."""
     from osd.models.loading import gguf_file
 
     try:
         gguf = gguf_file(spec)
-    except (ModelNotFound, InvalidArgument, OSError):
-        return False
+    except (ModelNotFound, InvalidArgument, OSError) as e:
+        return str(e)
     if gguf is None:
-        return False
+        return "not a GGUF file"
     key = (str(gguf.resolve()), gguf.stat().st_mtime_ns)
     if key not in _serves:
-        _serves[key] = _runs_here(gguf)
+        _serves[key] = _problem(gguf)
     return _serves[key]
 
 
 _serves: dict = {}
 
 
-def _runs_here(gguf: Path) -> bool:
+def _problem(gguf: Path) -> str | None:
     from gguf import GGUFReader
 
     try:
         reader = GGUFReader(str(gguf))
         s = read_shape(reader)
         tensors = {t.name: t for t in reader.tensors}
+        check_tensors(s, tensors)
         check_matrices(tensors, matrix_names(s.layers, tied="output.weight" not in tensors))
-    except (InvalidArgument, ValueError, OSError):
-        return False
-    return q4.available()
+    except (InvalidArgument, ValueError, OSError) as e:
+        return str(e) or type(e).__name__
+    return None if q4.available() else f"the Q4 kernel cannot be built here: {q4.build_error()}"
 
 
 # ------------------------------------------------------------------------------------------ weights
@@ -240,15 +279,18 @@ def check_matrices(tensors: dict, names: dict[str, list[str]]) -> None:
             raise InvalidArgument(f"{name}: rows of {tensors[name].shape[0]} are not a multiple of {q4.QK}")
 
 
-def repack_matrices(tensors: dict, names: dict[str, list[str]]) -> dict[str, list]:
-    """GGUF tensors (by name) -> fused name -> repacked kernel weights (one per run of one quant type)."""
+def repack_matrices(tensors: dict, names: dict[str, list[str]], row_order: dict | None = None) -> dict[str, list]:
+    """GGUF tensors (by name) -> fused name -> repacked kernel weights (one per run of one quant type). row_order:
+    matrix name -> the file rows to take, in order (a Llama's q/k rows permuted back: exact, rows are whole units)."""
     check_matrices(tensors, names)
+    row_order = row_order or {}
+    rows = lambda name: tensors[name].data[row_order[name]] if name in row_order else tensors[name].data  # noqa: E731
     out = {}
     for fused, parts in names.items():
         types = [tensors[name].tensor_type.name for name in parts]
         out[fused] = []
         for start, stop in fused_groups(types):
-            raw = torch.from_numpy(np.concatenate([tensors[name].data for name in parts[start:stop]]))  # a copy
+            raw = torch.from_numpy(np.concatenate([rows(name) for name in parts[start:stop]]))  # a copy
             out[fused].append(q4.repack(raw, types[start]))
     return out
 
@@ -257,9 +299,10 @@ def repack_matrices(tensors: dict, names: dict[str, list[str]]) -> dict[str, lis
 class Q4Weights:
     """What a forward needs, read from a GGUF (or from its cache): matrices repacked, vectors float32."""
 
-    shape: Qwen2Shape
+    shape: ModelShape
     eos_ids: list[int]
-    vectors: dict[str, torch.Tensor]  # blk.{i}.attn_norm / ffn_norm / qkv_bias (q|k|v, zeros if absent), output_norm
+    vectors: dict[str, torch.Tensor]  # blk.{i}.attn_norm / ffn_norm / qkv_bias (q|k|v, zeros if absent), output_norm;
+    # where the family has them: blk.{i}.q_norm / k_norm (D,), blk.{i}.attn_post_norm / ffn_post_norm, rope_freqs (D/2,)
     embd_type: str  # the token embedding table's GGML type (any type gguf can dequantize)
     embd: np.ndarray  # (V, bytes per row) uint8: the table as stored (rows dequantized when looked up)
     matrices: dict[str, list]  # fused name (matrix_names) -> repacked weights, one per run of one quant type
@@ -271,8 +314,43 @@ class Q4Weights:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Q4Weights":
-        return cls(Qwen2Shape(**d["shape"]), d["eos_ids"], d["vectors"], d["embd_type"], d["embd"].numpy(),
+        return cls(ModelShape(**d["shape"]), d["eos_ids"], d["vectors"], d["embd_type"], d["embd"].numpy(),
                    {k: [_weight_from(w) for w in v] for k, v in d["matrices"].items()})
+
+
+def vector_names(s: ModelShape, tensors: dict) -> dict[str, list[str]]:
+    """Vector name (Q4Weights.vectors) -> the GGUF tensors it is read from (a q|k|v bias: three, zeros where absent),
+    as the shape's family has them (models/architectures.py)."""
+    family = architecture(s.arch)
+    per_layer = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm"}  # vector name -> GGUF name, in blk.{i}
+    if family.qk_norm:
+        per_layer |= {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+    if family.post_norms:
+        per_layer |= {"attn_post_norm": "post_attention_norm", "ffn_post_norm": "post_ffw_norm"}
+    names = {"output_norm": ["output_norm.weight"]}
+    for i in range(s.layers):
+        names |= {f"blk.{i}.{key}": [f"blk.{i}.{name}.weight"] for key, name in per_layer.items()}
+        names[f"blk.{i}.qkv_bias"] = [f"blk.{i}.{r}.bias" for r in QKV] if family.qkv_bias else []
+    if family.rope_freqs and "rope_freqs.weight" in tensors:
+        names["rope_freqs"] = ["rope_freqs.weight"]
+    return names
+
+
+def check_tensors(s: ModelShape, tensors: dict) -> None:
+    """InvalidArgument where the GGUF lacks a tensor the family's forward reads, or holds one it would not compute
+    with (an output or MLP bias, q/k/v biases in a family without, experts, ...: silently dropped otherwise)."""
+    matrices = matrix_names(s.layers, tied="output.weight" not in tensors)
+    vectors = vector_names(s, tensors)
+    needed = {n for parts in matrices.values() for n in parts} | {"token_embd.weight"}
+    needed |= {n for key, parts in vectors.items() if not key.endswith("qkv_bias") for n in parts}
+    missing = sorted(needed - set(tensors))
+    if missing:
+        raise InvalidArgument(f"the GGUF has no tensor {missing[0]!r}")
+    unread = sorted(set(tensors) - needed - {n for parts in vectors.values() for n in parts})
+    if unread:
+        raise InvalidArgument(f"the GGUF holds tensors the osd Q4 backend's {s.arch} forward does not compute with "
+                              f"({', '.join(unread[:4])}{', ...' if len(unread) > 4 else ''}; use --target-backend "
+                              "llama.cpp)")
 
 
 def read_gguf(path: Path) -> Q4Weights:
@@ -282,19 +360,27 @@ def read_gguf(path: Path) -> Q4Weights:
     reader = GGUFReader(str(path))
     s = read_shape(reader)
     tensors = {t.name: t for t in reader.tensors}
-    vectors = {"output_norm": _vector(tensors, "output_norm.weight")}
+    check_tensors(s, tensors)
     widths = (s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim)
-    for i in range(s.layers):
-        vectors[f"blk.{i}.attn_norm"] = _vector(tensors, f"blk.{i}.attn_norm.weight")
-        vectors[f"blk.{i}.ffn_norm"] = _vector(tensors, f"blk.{i}.ffn_norm.weight")
-        vectors[f"blk.{i}.qkv_bias"] = torch.cat([_vector(tensors, f"blk.{i}.{r}.bias", n) for r, n in zip(QKV, widths)])
-    if "token_embd.weight" not in tensors:
-        raise InvalidArgument("the GGUF has no tensor 'token_embd.weight'")
+    vectors = {}
+    for key, parts in vector_names(s, tensors).items():
+        if key.endswith("qkv_bias"):
+            vectors[key] = torch.cat([_vector(tensors, b, n) for b, n in zip(parts, widths)]) if parts else \
+                torch.zeros(sum(widths))
+        else:
+            vectors[key] = _vector(tensors, parts[0])
+    if "rope_freqs" in vectors and vectors["rope_freqs"].numel() != s.head_dim // 2:
+        raise InvalidArgument(f"rope_freqs has {vectors['rope_freqs'].numel()} factors, not head_dim / 2")
     embd = tensors["token_embd.weight"]
     eos_ids = [int(_field(reader, k)) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                if k in reader.fields]
+    order = {}
+    if architecture(s.arch).rope == "normal":  # the converter permuted q/k rows for adjacent-pair RoPE: undo it
+        for i in range(s.layers):
+            order[f"blk.{i}.attn_q.weight"] = unpermute_rows(s.heads * s.head_dim, s.heads).numpy()
+            order[f"blk.{i}.attn_k.weight"] = unpermute_rows(s.kv_heads * s.head_dim, s.kv_heads).numpy()
     names = matrix_names(s.layers, tied="output.weight" not in tensors)
-    return Q4Weights(s, eos_ids, vectors, embd.tensor_type.name, embd.data, repack_matrices(tensors, names))
+    return Q4Weights(s, eos_ids, vectors, embd.tensor_type.name, embd.data, repack_matrices(tensors, names, order))
 
 
 def cache_path(gguf: Path, cache_dir: Path) -> Path:
@@ -340,6 +426,12 @@ class Layer:
     ffn_norm: torch.Tensor
     gate_up: FusedLinear  # -> (M, 2 I)
     ffn_down: FusedLinear
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin (T, D/2): the global or the sliding layers' tables
+    window: int = 0  # a sliding layer's window (positions attended, its own included); 0: all
+    q_norm: torch.Tensor | None = None  # (D,) per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    attn_post_norm: torch.Tensor | None = None  # (hidden,) RMSNorm of the attention / MLP output (Gemma 3)
+    ffn_post_norm: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------------------------ the runner
@@ -354,7 +446,8 @@ class Rows:
 
 
 class Q4Runner(PositionCache):
-    """A Qwen2 GGUF (Q4_K/Q6_K matrices) on osd's own kernel, holding the KV cache of one sequence."""
+    """A Qwen2/Llama/Qwen3/Gemma 3 GGUF (Q4_K/Q6_K matrices) on osd's own kernel, holding the KV cache of one
+    sequence."""
 
     max_rows = 9  # rows per feed checked bitwise equal to 1-row feeds: the pending token + 8 proposals
     rows_per_pass = q4.ROWS_PER_PASS  # the kernel's rows per pass over the weights (the goodput costs step there)
@@ -381,22 +474,32 @@ class Q4Runner(PositionCache):
         self._glue, self._quantize = glue(), q4.kernel().quantize_q8k
         if any(width % q4.QK for width in (s.hidden, s.heads * s.head_dim, s.intermediate)):
             self._quantize = padded(self._quantize)  # a draft's copy of ragged widths (a GGUF's are whole blocks)
+        self.family = family = architecture(s.arch)
+        self.context_window = min(int(n_ctx), s.context_length or int(n_ctx))
         v, m = w.vectors, w.matrices
-        self.layers = [Layer(v[f"blk.{i}.attn_norm"], FusedLinear(m[f"blk.{i}.qkv"]), v[f"blk.{i}.qkv_bias"],
-                             FusedLinear(m[f"blk.{i}.attn_output"]), v[f"blk.{i}.ffn_norm"],
-                             FusedLinear(m[f"blk.{i}.gate_up"]), FusedLinear(m[f"blk.{i}.ffn_down"]))
-                       for i in range(s.layers)]
+        self.cos, self.sin = rope_tables(self.context_window, s.head_dim, s.rope_theta, v.get("rope_freqs"),
+                                         s.rope_scale)  # the global layers'
+        local = rope_tables(self.context_window, s.head_dim, family.swa_rope_base) if s.sliding_window else None
+        self.layers = []
+        for i in range(s.layers):
+            slides = s.sliding_window > 0 and sliding(family, i)
+            self.layers.append(Layer(
+                v[f"blk.{i}.attn_norm"], FusedLinear(m[f"blk.{i}.qkv"]), v[f"blk.{i}.qkv_bias"],
+                FusedLinear(m[f"blk.{i}.attn_output"]), v[f"blk.{i}.ffn_norm"], FusedLinear(m[f"blk.{i}.gate_up"]),
+                FusedLinear(m[f"blk.{i}.ffn_down"]), local if slides else (self.cos, self.sin),
+                s.sliding_window if slides else 0, v.get(f"blk.{i}.q_norm"), v.get(f"blk.{i}.k_norm"),
+                v.get(f"blk.{i}.attn_post_norm"), v.get(f"blk.{i}.ffn_post_norm")))
         self._check_widths(s)
+        self._activation = self._glue.gelu_mul if family.activation == "gelu_tanh" else self._glue.silu_mul
+        self._embed_scale = float(np.float32(s.hidden**0.5)) if family.embed_scale else None
         self.output_norm, self.head = v["output_norm"], FusedLinear(m["output"])
         self._embd_type, self._embd = w.embd_type, w.embd
         self.vocab_size = self.head.n
-        self.context_window = min(int(n_ctx), s.context_length or int(n_ctx))
         self.eos_ids = set(w.eos_ids)
         self._kv = self.new_cache()  # per layer (keys, values) of this runner's one sequence
-        self.cos, self.sin = rope_tables(self.context_window, s.head_dim, s.rope_theta)
         self.length = 0  # tokens whose keys/values are in the cache
 
-    def _check_widths(self, s: Qwen2Shape) -> None:
+    def _check_widths(self, s: ModelShape) -> None:
         want = {"qkv": (s.heads + 2 * s.kv_heads) * s.head_dim, "attn_output": s.hidden, "gate_up": 2 * s.intermediate,
                 "ffn_down": s.hidden}
         for i, layer in enumerate(self.layers):
@@ -429,7 +532,8 @@ class Q4Runner(PositionCache):
         if ids.size and (ids.min() < 0 or ids.max() >= self._embd.shape[0]):
             raise InvalidArgument(f"token ids must be in [0, {self._embd.shape[0]})")
         rows = dequantize(self._embd[ids], GGMLQuantizationType[self._embd_type])
-        return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).reshape(len(token_ids), self.shape.hidden)
+        x = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).reshape(len(token_ids), self.shape.hidden)
+        return x * self._embed_scale if self._embed_scale else x  # (M, hidden); Gemma: times sqrt(hidden)
 
     def _forward(self, token_ids: list[int]) -> torch.Tensor:
         """Run M tokens through the layers at positions length.., caching their keys/values -> (M, hidden)."""
@@ -450,31 +554,35 @@ class Q4Runner(PositionCache):
                      torch.cat([rows.pos for rows in groups]))  # in one call per layer (row r's cache: cache_of[r])
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(quantize(g.rms_norm(x, layer.attn_norm, s.eps)))  # (M, (H + 2G) D)
-            x += layer.attn_output(quantize(self._attend(qkv, i, groups, joint)))
+            attended = layer.attn_output(quantize(self._attend(qkv, i, groups, joint)))  # (M, hidden)
+            x += attended if layer.attn_post_norm is None else g.rms_norm(attended, layer.attn_post_norm, s.eps)
             gate_up = layer.gate_up(quantize(g.rms_norm(x, layer.ffn_norm, s.eps)))  # (M, 2 I)
-            x += layer.ffn_down(quantize(g.silu_mul(gate_up)))
+            out = layer.ffn_down(quantize(self._activation(gate_up)))  # (M, hidden)
+            x += out if layer.ffn_post_norm is None else g.rms_norm(out, layer.ffn_post_norm, s.eps)
         return x
 
     def _attend(self, qkv: torch.Tensor, i: int, groups: list["Rows"], joint) -> torch.Tensor:
         """Layer i's biases, RoPE, cache writes and attention for every row -> (M, H D): all groups in one call where
         `joint` = (cache_of, pos) is given (the same arithmetic per row as one call per group), else group by group."""
-        s, g, bias = self.shape, self._glue, self.layers[i].qkv_bias
+        s, g, layer = self.shape, self._glue, self.layers[i]
+        (cos, sin), bias, norms = layer.rope, layer.qkv_bias, (layer.q_norm, layer.k_norm, s.eps)
+        window = (s.attention_scale, layer.window)  # scale (0: 1/sqrt(D)), window (0: none)
         if joint is not None:
             cache_of, pos = joint
             k_caches, v_caches = zip(*(rows.kv[i] for rows in groups))
-            q = g.qkv_rope_many(qkv, bias, self.cos, self.sin, pos, k_caches, v_caches, cache_of, s.heads)
-            return g.attention_many(q, k_caches, v_caches, cache_of, pos)
+            q = g.qkv_rope_many(qkv, bias, cos, sin, pos, k_caches, v_caches, cache_of, s.heads, *norms)
+            return g.attention_many(q, k_caches, v_caches, cache_of, pos, *window)
         attended = []
         for rows in groups:
             k_cache, v_cache, t = *rows.kv[i], rows.tree
             if t is None:
-                q = g.qkv_rope(qkv[rows.start : rows.stop], bias, self.cos, self.sin, rows.pos, k_cache, v_cache,
-                               s.heads)  # (m, H, D)
-                attended.append(g.attention(q, k_cache, v_cache, rows.pos))
+                q = g.qkv_rope(qkv[rows.start : rows.stop], bias, cos, sin, rows.pos, k_cache, v_cache, s.heads,
+                               *norms)  # (m, H, D)
+                attended.append(g.attention(q, k_cache, v_cache, rows.pos, *window))
             else:
-                q = g.qkv_rope_at(qkv[rows.start : rows.stop], bias, self.cos, self.sin, t.pos, t.at, k_cache, v_cache,
-                                  s.heads)
-                attended.append(g.attention_at(q, k_cache, v_cache, t.prefix, t.offsets, t.extra))
+                q = g.qkv_rope_at(qkv[rows.start : rows.stop], bias, cos, sin, t.pos, t.at, k_cache, v_cache, s.heads,
+                                  *norms)
+                attended.append(g.attention_at(q, k_cache, v_cache, t.prefix, t.offsets, t.extra, *window))
         return attended[0] if len(attended) == 1 else torch.cat(attended)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ A runner holds one sequence's KV cache and answers:
   max_rows (optional)       the most rows one feed may hold with logits bitwise those of 1-row feeds
 Backends: the torch reference and training path (models/cached.py, any Hugging Face causal LM), the
 quantized llama.cpp path (models/llama_cpp_runner.py, a GGUF) and osd's own Q4_K kernel
-(models/q4_runner.py, a Qwen2 GGUF). The engine never knows which. Several sequences at once: models/slots.py.
+(models/q4_runner.py, a Qwen2/Llama/Qwen3/Gemma 3 GGUF). The engine never knows which. Several sequences at once:
+models/slots.py.
 """
 from __future__ import annotations
 

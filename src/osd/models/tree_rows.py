@@ -5,8 +5,10 @@ nodes (propose/tree.py). Trunk row i is an ordinary row (position = cache index 
 Node j at depth d sits at RoPE position length + trunk + d, is written at cache index length + trunk + j (its place
 in the feed) and attends to the committed prefix 0..length + trunk - 1, then to its ancestors and itself in path
 order: the keys its path fed as a chain would see, in the same order, so its logits are bitwise the chain's
-(the glue's `attention_at`). After verification `accepted_moves` says which cache rows to copy so that the cache
-holds the accepted path where a chain would have written it.
+(the glue's `attention_at`). The t-th key a row attends to sits at position t (prefix, then one ancestor per depth),
+so a sliding-window layer keeps a row's last `window` keys, for trunk rows and tree nodes alike. After verification
+`accepted_moves` says which cache rows to copy so that the cache holds the accepted path where a chain would have
+written it.
 """
 from __future__ import annotations
 
