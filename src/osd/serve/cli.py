@@ -60,7 +60,8 @@ def cmd_serve(args) -> None:
     spec = config_from(args, SpeculationConfig)
     system = build_system(models, spec, with_draft=spec.k > 0 or args.learn, route=config_from(args, RouteConfig))
     system.engine.calibrate()
-    learner = attach_learner(system, config_from(args, LearnConfig)) if args.learn else None
+    learn = args.learn and system.draft_master is not None  # no draft model (n-gram lookup only): nothing to learn
+    learner = attach_learner(system, config_from(args, LearnConfig)) if learn else None
     name = settings.model_name or default_model_name(models.target)
     serve(system.engine, system.tokenizer, name, settings, learner, system.routing)
 
