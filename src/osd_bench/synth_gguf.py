@@ -147,6 +147,59 @@ def vocabulary(size: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, [int(t) for t in types], merges or ["Ġ t"]  # llama.cpp refuses a BPE vocabulary without merges
 
 
+def spm_vocabulary(size: int) -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) of a SentencePiece-style vocabulary, as Gemma's GGUFs hold (transformers reads
+    it as a Unigram model, llama.cpp as SPM): <pad> <eos> <bos> <unk>, the 256 byte-fallback tokens, "▁", the
+    lowercase letters, "▁" + letter and letter pairs (scores falling in that order), fillers, the ChatML specials."""
+    import gguf
+
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    pieces = ["▁"] + list(letters) + ["▁" + c for c in letters] + [a + b for a in letters for b in letters]
+    head = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces = pieces[: max(0, size - len(head) - len(SPECIALS))]
+    fillers = [f"<|filler_{i}|>" for i in range(size - len(head) - len(pieces) - len(SPECIALS))]
+    tokens = head + pieces + fillers + SPECIALS
+    # log-probability-like scores: a pair scores above its two halves together (-12 > -20), so both tokenizers merge;
+    # distinct by a little, so fewer ties are broken differently (llama.cpp merges greedily, transformers' Unigram
+    # takes the best whole segmentation: the two can still split a word differently now and then)
+    singles = 1 + len(letters)  # "▁" and the letters come first
+    scores = ([0.0] * len(head) + [(-10.0 if i < singles else -12.0) - i * 1e-3 for i in range(len(pieces))]
+              + [-1e9] * len(fillers) + [0.0] * len(SPECIALS))
+    types = ([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.UNKNOWN] + [gguf.TokenType.BYTE] * 256
+             + [gguf.TokenType.NORMAL] * (len(pieces) + len(fillers)) + [gguf.TokenType.CONTROL] * len(SPECIALS))
+    return tokens, scores, [int(t) for t in types]
+
+
+def add_tokenizer(writer, shape: Shape) -> None:
+    """The synthetic tokenizer (see the module doc): GPT-2 BPE with EOS = <|im_end|> (the last id), or SentencePiece
+    for gemma3 (transformers reads a Gemma GGUF's tokenizer as SentencePiece only) with EOS = <eos> (id 1); no BOS
+    added."""
+    if shape.arch == "gemma3":
+        tokens, scores, types = spm_vocabulary(shape.vocab)
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_unk_token_id(3)
+        writer.add_bos_token_id(2)
+        writer.add_pad_token_id(0)
+        writer.add_add_space_prefix(False)
+        writer.add_eos_token_id(1)  # <eos>: transformers' Gemma tokenizer takes it whatever the file says
+    else:
+        tokens, types, merges = vocabulary(shape.vocab)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(shape.vocab - 3)  # <|endoftext|>
+        writer.add_pad_token_id(shape.vocab - 3)
+        writer.add_eos_token_id(shape.vocab - 1)  # <|im_end|>
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
 # ---- the tensors ---------------------------------------------------------------------------------------------------
 
 def tensor_shapes(shape: Shape) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -207,17 +260,7 @@ def write_f16(path: Path, shape: Shape, seed: int, name: str, progress=None) -> 
     if shape.arch == "gemma3":
         writer.add_sliding_window(shape.sliding_window)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    tokens, types, merges = vocabulary(shape.vocab)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_eos_token_id(shape.vocab - 1)  # <|im_end|>
-    writer.add_bos_token_id(shape.vocab - 3)  # <|endoftext|>
-    writer.add_pad_token_id(shape.vocab - 3)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    add_tokenizer(writer, shape)
     layout = tensor_shapes(shape)
     for tensor, (dims, kind) in layout.items():
         dtype = np.float16 if kind == "matrix" else np.float32
@@ -239,6 +282,9 @@ def quantize(src: Path, dst: Path, qtype: str, threads: int = 0) -> None:
     """llama.cpp's own quantizer (as `llama-quantize SRC DST TYPE`)."""
     import llama_cpp
 
+    from osd.models.llama_cpp_runner import llama_cpp_lib
+
+    llama_cpp_lib()  # initialised, its log quiet
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, TYPES[qtype])
     params.nthread = threads
