@@ -33,7 +33,7 @@ from __future__ import annotations
 import ctypes
 import time
 import zlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -325,8 +325,27 @@ def synth_gguf(shape: str | Shape, qtype: str = "Q4_K_M", seed: int = 0, arch: s
     return path
 
 
-def custom_shape(base: Shape, **changes) -> Shape:
-    return replace(base, **changes)
+def gguf_description(spec: str) -> dict | None:
+    """{name, architecture, file type} of a GGUF target from its metadata (a synth-gguf file is named
+    "synthetic <shape> (random weights, seed N)"), or None for a target that is not a GGUF."""
+    from osd.models.loading import gguf_file
+
+    path = gguf_file(spec)
+    if path is None:
+        return None
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+
+    def value(key):
+        field = reader.fields.get(key)
+        if field is None:
+            return None
+        part = field.parts[field.data[0]]
+        return bytes(part).decode() if part.dtype == np.uint8 else part.item()
+
+    return {"path": str(path), "name": value("general.name"), "architecture": value("general.architecture"),
+            "file_type": value("general.file_type"), "bytes": path.stat().st_size}
 
 
 def register(bench) -> None:
