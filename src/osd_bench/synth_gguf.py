@@ -18,19 +18,22 @@ Shapes (Hugging Face config.json of each model; tied = the output head is the to
 | qwen3-1.7b    | qwen3  | 2048   | 6144  | 28     | 16    | 8  | 128      | 151936  | 1e6        | 1e-6    | yes  | q/k RMSNorm per head       |
 | gemma-3-1b    | gemma3 | 1152   | 6912  | 26     | 4     | 1  | 256      | 262144  | 1e6 (1e4 local) | 1e-6 | yes | window 512 on 5 of 6 layers, 4 norms a layer, GELU |
 
-The tokenizer is synthetic: a GPT-2 byte-level BPE (the 256 byte tokens, merges for a space + lowercase letter and
-for pairs of lowercase letters, so English runs ~2 characters a token), ChatML specials (<|endoftext|>,
-<|im_start|>, <|im_end|> = EOS) at the end of the vocabulary, a ChatML chat template, and filler tokens up to the real
-vocabulary size (never produced by tokenizing; a random model may emit them). Text prompts tokenize the same in osd
-(transformers reads the GGUF's tokenizer) and llama.cpp. Files are cached by (shape, type, seed) under
-<cache root>/synth; the F16 intermediate is removed once quantized.
+The tokenizer is synthetic: a GPT-2 byte-level BPE learned on the public datasets' train splits (~27,000 merges,
+deterministic, ~3.6 characters a token on code as the real ones), ChatML specials (<|endoftext|>, <|im_start|>,
+<|im_end|> = EOS) at the end of the vocabulary, a ChatML chat template, and filler tokens up to the real vocabulary
+size (never produced by tokenizing; a random model may emit them). gemma3 files hold a SentencePiece vocabulary instead
+(transformers reads a Gemma GGUF's tokenizer only so): byte fallback, letters and letter pairs (~2 characters a
+token). Text prompts tokenize the same in osd (transformers reads the GGUF's tokenizer) and llama.cpp. Files are
+cached by (shape, type, seed) under <cache root>/synth; the F16 intermediate is removed once quantized.
 
-Limitations: the llama3 rope-frequency scaling tensor (rope_freqs) is not written (it changes no cost); the
-tokenizer compresses text less than the real ones (~2 vs ~4 characters a token), so prompts hold more tokens.
+Limitations: the llama3 rope-frequency scaling tensor (rope_freqs) is not written (it changes no cost); gemma3's
+tokenizer compresses text about half as well as the real one, so its prompts hold ~2x the tokens (on a gemma3 file
+give serve-vs --prefill-chars 2000 for a ~1,000-token prefill).
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -132,17 +135,55 @@ def byte_tokens() -> list[str]:
     return [chr(by_byte[b]) for b in range(256)]
 
 
+TOKENIZER_RECIPE = 2  # bump when the synthetic tokenizer changes (it is part of a cached file's name)
+BPE_MERGES = 32000  # at most this many merges learned (the data holds ~27,000 with a count of 2 or more)
+BPE_SOURCES = ("code", "gsm8k", "spider", "support", "chat", "finance")  # train splits of ../shared/datasets
+
+
+@functools.lru_cache(maxsize=4)
+def trained_bpe(size: int) -> tuple[list[str], list[str]]:
+    """(tokens by id, merges) of a byte-level BPE of at most `size` tokens learned on the public datasets' train
+    splits (deterministic: the same data gives the same merges; ~4 s). Real tokenizers' compression follows: ~3.6
+    characters a token on the code test prompts (the bundled Qwen2.5's ~3.5)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from osd.data import load_records
+
+    texts = []
+    for name in BPE_SOURCES:
+        for record in load_records(name, "train"):
+            texts += [str(record["prompt"]), str(record.get("reference") or "")]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=min(size, 256 + BPE_MERGES), min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    model = json.loads(tokenizer.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, merges
+
+
 def vocabulary(size: int) -> tuple[list[str], list[int], list[str]]:
-    """(tokens, token types, merges) of `size` entries: bytes, merged pairs (as many as fit), fillers, specials last."""
+    """(tokens, token types, merges) of `size` entries: a BPE learned on the public datasets (trained_bpe; where they
+    cannot be found, the byte tokens with merges of a space + letter and of letter pairs, ~2 characters a token),
+    fillers, the specials last."""
     import gguf
 
-    space = byte_tokens()[ord(" ")]
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    pairs = [(space, c) for c in letters] + [(a, b) for a in letters for b in letters]
-    pairs = pairs[: max(0, size - MIN_VOCAB)]
-    merges = [f"{a} {b}" for a, b in pairs]
-    tokens = byte_tokens() + [a + b for a, b in pairs]
-    tokens += [f"<|filler_{i}|>" for i in range(size - len(tokens) - len(SPECIALS))] + SPECIALS
+    from osd.errors import DatasetNotFound
+
+    try:
+        tokens, merges = trained_bpe(size - len(SPECIALS))
+    except DatasetNotFound:
+        space = byte_tokens()[ord(" ")]
+        letters = "abcdefghijklmnopqrstuvwxyz"
+        pairs = [(space, c) for c in letters] + [(a, b) for a in letters for b in letters]
+        pairs = pairs[: max(0, size - MIN_VOCAB)]
+        merges = [f"{a} {b}" for a, b in pairs]
+        tokens = byte_tokens() + [a + b for a, b in pairs]
+    tokens = tokens + [f"<|filler_{i}|>" for i in range(size - len(tokens) - len(SPECIALS))] + SPECIALS
     types = [gguf.TokenType.NORMAL] * (len(tokens) - len(SPECIALS)) + [gguf.TokenType.CONTROL] * len(SPECIALS)
     return tokens, [int(t) for t in types], merges or ["Ġ t"]  # llama.cpp refuses a BPE vocabulary without merges
 
@@ -189,7 +230,9 @@ def add_tokenizer(writer, shape: Shape) -> None:
     else:
         tokens, types, merges = vocabulary(shape.vocab)
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("qwen2")
+        # the split before merging, as transformers converts each family's GGUF tokenizer: Qwen's regex (digits one
+        # by one) for qwen2/qwen3, GPT-2's byte-level regex for llama (GGUFLlamaConverter); llama.cpp then agrees
+        writer.add_tokenizer_pre("gpt-2" if shape.arch == "llama" else "qwen2")
         writer.add_token_list(tokens)
         writer.add_token_types(types)
         writer.add_token_merges(merges)
@@ -295,7 +338,8 @@ def quantize(src: Path, dst: Path, qtype: str, threads: int = 0) -> None:
 def synth_path(shape_name: str, shape: Shape, qtype: str, seed: int, root: Path | None = None) -> Path:
     from osd.models.bundled import cache_root
 
-    digest = zlib.crc32(repr(sorted(asdict(shape).items())).encode())  # a custom shape of the same name differs
+    recipe = [sorted(asdict(shape).items()), TOKENIZER_RECIPE]  # a custom shape of the same name differs
+    digest = zlib.crc32(repr(recipe).encode())
     return (root or cache_root() / "synth") / f"{shape_name}-{shape.arch}-{qtype}-s{seed}-{digest:08x}.gguf"
 
 

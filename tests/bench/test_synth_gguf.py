@@ -34,17 +34,24 @@ def files(tmp_path_factory):
 def test_llama_cpp_loads_and_decodes_the_file_and_osd_reads_the_same_tokens(files, arch):
     import llama_cpp
 
+    from osd.data import load_records
     from osd.models.llama_cpp_runner import LlamaCppRunner
     from osd.models.plain import load_plain_tokenizer
 
     vocab = llama_cpp.Llama(str(files[arch]), n_ctx=64, n_threads=1, verbose=False, vocab_only=True)
     ids = vocab.tokenize(TEXT.encode(), add_bos=False, special=False)
-    assert 10 < len(ids) < len(TEXT)  # merges apply: fewer tokens than bytes
+    assert 10 < len(ids) < len(TEXT) * (0.7 if arch == "gemma3" else 0.5)  # merges apply: fewer tokens than bytes
     logits = LlamaCppRunner(files[arch], 64, 1).feed(ids, n_logits=2)
     assert logits.shape == (2, 1024) and np.isfinite(logits.numpy()).all() and float(logits.std()) > 0
     tokenizer = load_plain_tokenizer(str(files[arch]))
-    assert tokenizer(TEXT, add_special_tokens=False)["input_ids"] == ids
     assert tokenizer.decode(ids) == TEXT
+    assert tokenizer(TEXT, add_special_tokens=False)["input_ids"] == ids
+    for text in [r["prompt"] for d in ("code", "gsm8k", "spider", "chat") for r in load_records(d, "test", 2)]:
+        ours, theirs = tokenizer(text, add_special_tokens=False)["input_ids"], vocab.tokenize(text.encode(), False, False)
+        if arch == "gemma3":  # SentencePiece: transformers' Unigram and llama.cpp's greedy merges split some words apart
+            assert abs(len(ours) - len(theirs)) <= 0.1 * len(theirs) and tokenizer.decode(theirs) == text
+        else:
+            assert ours == theirs, text
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
