@@ -145,3 +145,31 @@ def test_an_architecture_the_recipe_cannot_cut_is_named(world, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
     with pytest.raises(InvalidArgument, match="cannot derive a draft from a 'mamba' target"):
         ensure_auto_draft(str(tmp_path), config=world["config"], say=lambda line: None)
+
+
+def test_auto_on_a_gguf_target_heals_on_the_served_target_and_stays_lossless(tmp_path, monkeypatch):
+    """A tiny synth-gguf Qwen2 file served by osd's Q4 backend: converted once to fp32 to cut the draft, the teacher
+    is the Q4 runner itself, and speculative greedy output equals the backend's target-only output."""
+    from conftest import require_module, require_q4
+
+    require_module("llama_cpp")
+    require_q4()
+    from osd.data import prompt_ids
+    from osd_bench.synth_gguf import Shape, synth_gguf
+
+    monkeypatch.setenv("OSD_CACHE", str(tmp_path / "cache"))
+    gguf = synth_gguf(Shape("qwen2", 256, 512, 4, 4, 2, 64, 1024, 512, 1e4, 1e-6, False), out=tmp_path / "t.gguf",
+                      threads=1, say=lambda line: None)
+    config = AutoDraftConfig(keep=2, vocab=512, vocab_datasets="gsm8k", heal=HealConfig(
+        datasets="gsm8k", limit=8, max_answer_tokens=8, top_k=16, lora_rank=4, lora_alpha=8.0, epochs=1, lr=1e-2,
+        batch_size=8, eval_limit=0))
+    system = build_system(ModelConfig(target=str(gguf), draft="auto", n_ctx=512), SpeculationConfig(k=3, adaptive=False),
+                          auto_draft=config)
+    assert type(system.target_model).__name__ == "Q4Runner" and system.models.draft.startswith("derived:")
+    plain = build_system(ModelConfig(target=str(gguf), draft="none", n_ctx=512), SpeculationConfig(k=0),
+                         with_draft=False)
+    for prompt in ("What is 2 + 3?", "select all rows"):
+        ids = prompt_ids(system.tokenizer, prompt)
+        result = system.engine.generate(ids, SamplingConfig(max_new_tokens=12))
+        assert result.token_ids == plain.engine.generate(ids, SamplingConfig(max_new_tokens=12)).token_ids
+        assert result.counters.proposed > 0
