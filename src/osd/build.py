@@ -109,6 +109,8 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
     if with_draft:
         models, spec, why = choose_draft(models, spec, tokenizer, target, auto_draft)
         say(f"draft: {models.draft or ('n-gram lookup only' if spec.lookup else 'none')} ({why})")
+        if routed and not models.draft:
+            raise InvalidArgument(f"--drafts adapts a draft model, and there is none here ({why}): name one with --draft")
     system = System(None, tokenizer, DraftRegistry(), target, None, models, spec)
     if with_draft and models.draft:
         check_same_tokenizer(tokenizer, load_tokenizer(models.draft))

@@ -140,6 +140,23 @@ def test_the_startup_line_says_which_draft_and_why(world):
     assert result.token_ids == plain.engine.generate(prompt, SamplingConfig(max_new_tokens=16)).token_ids
 
 
+def test_a_target_reading_the_shipped_drafts_tokenizer_keeps_it(world, monkeypatch):
+    import osd.build as build
+
+    class Qwen25Like:
+        def get_vocab(self):
+            return {f"t{i}": i for i in range(build.QWEN25_TOKENS)}
+
+    tokenizer = Qwen25Like()
+    monkeypatch.setattr(build, "load_tokenizer", lambda spec: tokenizer)  # the shipped draft reads the same tokens
+    chosen, spec, why = choose_draft(models(world), SpeculationConfig(k=4), tokenizer, None)
+    assert chosen.draft == build.SHIPPED_DRAFT and not spec.lookup and "reads its tokenizer" in why
+    with pytest.raises(InvalidArgument, match="--drafts adapts a draft model, and there is none here"):
+        from osd.route.config import RouteConfig
+
+        build_system(models(world, draft="none"), SpeculationConfig(k=3), route=RouteConfig(drafts="a,b"))
+
+
 def test_an_architecture_the_recipe_cannot_cut_is_named(world, tmp_path):
     config = json.loads(open(f"{world['target']}/config.json").read())
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
