@@ -190,3 +190,39 @@ def test_auto_on_a_gguf_target_heals_on_the_served_target_and_stays_lossless(tmp
         result = system.engine.generate(ids, SamplingConfig(max_new_tokens=12))
         assert result.token_ids == plain.engine.generate(ids, SamplingConfig(max_new_tokens=12)).token_ids
         assert result.counters.proposed > 0
+
+
+def tiny_family(arch: str):
+    """A tiny seeded Llama, Qwen3 or Gemma3 (sliding and full attention layers) with conftest's 48-token vocabulary."""
+    from conftest import EOS
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+
+    config, model, extra = {"llama": (LlamaConfig, LlamaForCausalLM, {}),
+                            "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
+                            "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {
+                                "head_dim": 8, "sliding_window": 4,
+                                "layer_types": ["sliding_attention", "full_attention"] * 2})}[arch]
+    torch.manual_seed(0)
+    return model(config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=EOS, bos_token_id=None,
+                        pad_token_id=0, **extra)).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_auto_cuts_and_serves_the_other_families(world, tmp_path, arch):
+    tiny_family(arch).save_pretrained(tmp_path / arch)
+    tiny_tokenizer().save_pretrained(tmp_path / arch)
+    config = AutoDraftConfig(keep=2, vocab=32, vocab_datasets=world["config"].vocab_datasets, heal=HealConfig(
+        datasets=world["config"].heal.datasets, limit=16, max_answer_tokens=8, top_k=16, lora_rank=4, lora_alpha=8.0,
+        epochs=1, lr=1e-2, batch_size=8, eval_limit=0))
+    target = ModelConfig(target=str(tmp_path / arch), target_backend="torch", prepack_target=False, draft="auto",
+                         draft_quantize="int8")
+    system = build_system(target, SpeculationConfig(k=3, adaptive=False), auto_draft=config)
+    assert len(system.draft_master.model.layers) == 2
+    plain = build_system(ModelConfig(target=str(tmp_path / arch), target_backend="torch", prepack_target=False),
+                         SpeculationConfig(k=0), with_draft=False)
+    prompt = [2, 5, 9, 14]
+    result = system.engine.generate(prompt, SamplingConfig(max_new_tokens=12))
+    assert result.token_ids == plain.engine.generate(prompt, SamplingConfig(max_new_tokens=12)).token_ids
+    assert result.counters.proposed > 0
