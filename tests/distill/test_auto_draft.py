@@ -162,6 +162,17 @@ def test_an_architecture_the_recipe_cannot_cut_is_named(world, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
     with pytest.raises(InvalidArgument, match="cannot derive a draft from a 'mamba' target"):
         ensure_auto_draft(str(tmp_path), config=world["config"], say=lambda line: None)
+    import gguf  # a GGUF says its architecture in its metadata: refused before any weights load
+
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "rwkv6")
+    writer.add_block_count(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    with pytest.raises(InvalidArgument, match="cannot derive a draft from a 'rwkv6' target: the derived recipe cuts "
+                                              "qwen2, llama, qwen3, gemma3 decoders"):
+        ensure_auto_draft(str(tmp_path / "m.gguf"), config=world["config"], say=lambda line: None)
 
 
 def test_auto_on_a_gguf_target_heals_on_the_served_target_and_stays_lossless(tmp_path, monkeypatch):

@@ -33,7 +33,10 @@ from osd.models.derived import RECIPE, TENSORS, DeriveConfig
 from osd.models.plain import gguf_file, resolve_model_dir
 
 RECIPE_VERSION = 1  # bump when the recipe's code changes what a cached draft holds
-ARCHITECTURES = ("qwen2", "llama", "qwen3", "gemma3", "gemma3_text", "mistral")  # what derive_model can cut
+# what derive_model can cut (tested on tiny models of each): GGUF architecture names and Hugging Face model types (a
+# gemma3 GGUF converts to gemma3_text; an HF "gemma3" is the multimodal wrapper, not cut)
+GGUF_ARCHITECTURES = ("qwen2", "llama", "qwen3", "gemma3")
+HF_MODEL_TYPES = ("qwen2", "llama", "qwen3", "gemma3_text", "mistral")
 
 
 def default_heal() -> HealConfig:
@@ -102,7 +105,13 @@ def target_architecture(spec: str) -> tuple[str, int]:
         reader = GGUFReader(str(gguf))
         arch = _gguf_value(reader, "general.architecture")
         return str(arch), int(_gguf_value(reader, f"{arch}.block_count"))
-    config = json.loads((Path(resolve_model_dir(spec)) / "config.json").read_text())
+    where = resolve_model_dir(spec)
+    if Path(where).is_dir():
+        config = json.loads((Path(where) / "config.json").read_text())
+    else:  # a hub id, from the local Hugging Face cache
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(where).to_dict()
     return str(config.get("model_type")), int(config.get("num_hidden_layers") or 0)
 
 
@@ -117,9 +126,10 @@ def _gguf_value(reader, key: str):
 def check_architecture(spec: str) -> int:
     """The target's depth, or InvalidArgument naming the architecture when the derived recipe cannot cut it."""
     arch, depth = target_architecture(spec)
-    if arch not in ARCHITECTURES:
+    known = GGUF_ARCHITECTURES if gguf_file(spec) is not None else HF_MODEL_TYPES
+    if arch not in known:
         raise InvalidArgument(f"--draft auto cannot derive a draft from a {arch!r} target: the derived recipe cuts "
-                              f"{', '.join(ARCHITECTURES)} decoders. Give a draft (--draft PATH) or none (--draft none: "
+                              f"{', '.join(known)} decoders. Give a draft (--draft PATH) or none (--draft none: "
                               "n-gram lookup only)")
     if depth < 1:
         raise InvalidArgument(f"{spec!r}: its metadata gives no decoder layers")
