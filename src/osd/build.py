@@ -91,6 +91,14 @@ def choose_draft(models: ModelConfig, spec: SpeculationConfig, tokenizer, target
         "--draft auto derives a draft from the target itself, once, cached")
 
 
+def resolve_draft(models: ModelConfig, spec: SpeculationConfig) -> tuple[ModelConfig, SpeculationConfig]:
+    """choose_draft ahead of building, for processes that build their systems elsewhere (`osd serve --replicas`: each
+    replica and the learner then load the resolved draft; an auto draft is built here once, its teacher opened here)."""
+    models, spec, why = choose_draft(models, spec, load_tokenizer(models.target), None)
+    say(f"draft: {models.draft or ('n-gram lookup only' if spec.lookup else 'none')} ({why})")
+    return models, spec
+
+
 def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool | None = None, target_model=None,
                  route=None, auto_draft=None) -> System:
     """route: a RouteConfig; with drafts named (--drafts a,b), several adapter drafts on the draft model and a router.

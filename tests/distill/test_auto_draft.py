@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_qwen2, tiny_tokenizer
 
 import osd.distill.auto as auto
-from osd.build import attach_learner, build_system, choose_draft
+from osd.build import attach_learner, build_system, choose_draft, resolve_draft
 from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.distill.auto import AutoDraftConfig, ensure_auto_draft, kept_layers
 from osd.distill.heal import HealConfig
@@ -132,6 +132,8 @@ def test_the_startup_line_says_which_draft_and_why(world):
     assert chosen.draft == "" and spec_out.lookup
     chosen, spec_out, why = choose_draft(models(world, draft="/some/draft"), spec, tokenizer, None)
     assert chosen.draft == "/some/draft" and not spec_out.lookup and why == "given by --draft"
+    resolved, spec_out = resolve_draft(models(world), spec)  # `osd serve --replicas`: resolved once, up front
+    assert resolved.draft == "" and spec_out.lookup
     system = build_system(models(world), SpeculationConfig(k=3, adaptive=False))  # lookup only: outputs unchanged
     plain = build_system(models(world, draft="none"), SpeculationConfig(k=0), with_draft=False)
     prompt = [2, 5, 2, 5, 2, 5, 2]

@@ -78,9 +78,12 @@ def cmd_serve_cluster(args, settings, models) -> None:
         from osd.cluster.launch import serve_cluster
     except ImportError as e:
         raise BackendUnavailable(f"--replicas needs Ray: pip install 'osd[ray]' ({e})") from e
-    learn = config_from(args, LearnConfig) if args.learn else None
+    from osd.build import resolve_draft
+
+    models, spec = resolve_draft(models, config_from(args, SpeculationConfig))  # once, before the replicas start
+    learn = config_from(args, LearnConfig) if args.learn and models.draft else None  # no draft model: nothing to learn
     name = settings.model_name or default_model_name(models.target)
-    serve_cluster(models, config_from(args, SpeculationConfig), learn, settings, name, args.replicas, args.ray_address)
+    serve_cluster(models, spec, learn, settings, name, args.replicas, args.ray_address)
 
 
 def serve(engine, tokenizer, model_name: str, settings: ServeSettings, learner=None, routing=None) -> None:
