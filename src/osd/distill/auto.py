@@ -195,7 +195,7 @@ def ensure_auto_draft(spec: str, target=None, tokenizer=None, config: AutoDraftC
         if (out / RECIPE).exists():
             _rebase(out, spec)  # the key is the target's content: the file may have moved since
         if not is_built(out):
-            say(f"--draft auto: deriving a draft from the target (layers {derive.layers} of {depth}) and healing it on "
+            say(f"[osd] --draft auto: deriving a draft from the target (layers {derive.layers} of {depth}) and healing it on "
                 f"its own answers to {heal.limit} prompts of each of {heal.datasets}; once, into {out}")
             run_heal(out, heal, spec, derive, threads, out / "teacher", progress, target=target,
                      tokenizer=tokenizer, say=say, teacher_backend=target_backend)
