@@ -377,17 +377,11 @@ def gguf_description(spec: str) -> dict | None:
     path = gguf_file(spec)
     if path is None:
         return None
-    import gguf
+    from osd.models.gguf_meta import gguf_metadata
 
-    reader = gguf.GGUFReader(str(path))
-
-    def value(key):
-        field = reader.fields.get(key)
-        if field is None:
-            return None
-        part = field.parts[field.data[0]]
-        return bytes(part).decode() if part.dtype == np.uint8 else part.item()
-
+    keys = ["general.name", "general.architecture", "general.file_type"]
+    found = gguf_metadata(path, keys)
+    value = found.get
     return {"path": str(path), "name": value("general.name"), "architecture": value("general.architecture"),
             "file_type": value("general.file_type"), "bytes": path.stat().st_size}
 

@@ -112,3 +112,22 @@ def test_unsupported_architecture_shape_and_type_are_named_errors(tmp_path):
         synth_gguf(tiny_shape("llama"), "Q3_K_XL", out=tmp_path / "x.gguf")
     with pytest.raises(InvalidArgument, match="not 'mamba'"):
         Shape("mamba", 256, 512, 2, 4, 2, 64, 1024, 512, 1e4, 1e-6, True)
+
+
+def test_the_header_reader_agrees_with_gguf_py(files):
+    import gguf
+
+    from osd.models.gguf_meta import gguf_metadata
+    from osd_bench.synth_gguf import gguf_description
+
+    reader = gguf.GGUFReader(str(files["gemma3"]))
+    keys = ["general.architecture", "gemma3.block_count", "gemma3.attention.sliding_window", "gemma3.rope.freq_base",
+            "tokenizer.ggml.eos_token_id", "tokenizer.chat_template"]
+    got = gguf_metadata(files["gemma3"], keys + ["no.such.key"])
+    for key in keys:
+        field = reader.fields[key]
+        part = field.parts[field.data[0]]
+        want = bytes(part).decode() if part.dtype == np.uint8 else part.item()
+        assert got[key] == pytest.approx(want) if isinstance(want, float) else got[key] == want, key
+    assert "no.such.key" not in got
+    assert gguf_description(str(files["gemma3"]))["name"] == "synthetic custom (random weights, seed 0)"

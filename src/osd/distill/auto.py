@@ -30,6 +30,7 @@ from osd.distill.heal import HealConfig, run_heal
 from osd.errors import InvalidArgument
 from osd.models.bundled import cache_root
 from osd.models.derived import RECIPE, TENSORS, DeriveConfig
+from osd.models.gguf_meta import gguf_metadata
 from osd.models.plain import gguf_file, resolve_model_dir
 
 RECIPE_VERSION = 1  # bump when the recipe's code changes what a cached draft holds
@@ -100,11 +101,10 @@ def target_architecture(spec: str) -> tuple[str, int]:
     """(architecture, decoder layers) from the file's metadata, before any weights load."""
     gguf = gguf_file(spec)
     if gguf is not None:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(gguf))
-        arch = _gguf_value(reader, "general.architecture")
-        return str(arch), int(_gguf_value(reader, f"{arch}.block_count"))
+        arch = gguf_metadata(gguf, ["general.architecture"]).get("general.architecture")
+        if arch is None:
+            raise InvalidArgument(f"{gguf}: no general.architecture in its metadata")
+        return str(arch), int(gguf_metadata(gguf, [f"{arch}.block_count"]).get(f"{arch}.block_count", 0))
     where = resolve_model_dir(spec)
     if Path(where).is_dir():
         config = json.loads((Path(where) / "config.json").read_text())
@@ -113,14 +113,6 @@ def target_architecture(spec: str) -> tuple[str, int]:
 
         config = AutoConfig.from_pretrained(where).to_dict()
     return str(config.get("model_type")), int(config.get("num_hidden_layers") or 0)
-
-
-def _gguf_value(reader, key: str):
-    field_ = reader.fields.get(key)
-    if field_ is None:
-        raise InvalidArgument(f"the GGUF has no {key!r} in its metadata")
-    value = field_.parts[field_.data[0]]
-    return bytes(value).decode() if value.dtype.kind == "u" and value.dtype.itemsize == 1 else value.item()
 
 
 def check_architecture(spec: str) -> int:
