@@ -159,6 +159,12 @@ def test_a_target_reading_the_shipped_drafts_tokenizer_keeps_it(world, monkeypat
         build_system(models(world, draft="none"), SpeculationConfig(k=3), route=RouteConfig(drafts="a,b"))
 
 
+def test_a_command_that_loads_weights_refuses_a_draft_choice():
+    for choice in ("auto", "none"):
+        with pytest.raises(InvalidArgument, match=f"--draft {choice} is resolved where a serving system is built"):
+            load_model(choice)
+
+
 def test_an_architecture_the_recipe_cannot_cut_is_named(world, tmp_path):
     config = json.loads(open(f"{world['target']}/config.json").read())
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
