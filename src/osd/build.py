@@ -10,9 +10,9 @@ from osd.drafts import DraftRegistry
 from osd.engine import SpeculativeEngine
 from osd.errors import InvalidArgument
 from osd.memory import trim
-from osd.models.loading import gguf_file, load_model, load_tokenizer
-from osd.models.prepack import prepack_linears, shared_weights_copy
+from osd.models.loading import load_model, load_tokenizer
 from osd.models.serving_draft import make_serving_draft
+from osd.models.target import build_target, check_target_quantize, target_backend, why_not_q4  # noqa: F401
 from osd.models.tokenizer import check_same_tokenizer, special_ids
 from osd.notice import say
 from osd.models.runner import as_runner
@@ -50,82 +50,60 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def target_backend(models: ModelConfig, target_model=None) -> str:
-    """The backend that serves the target: the configured one, or for "auto", a GGUF target on osd's own Q4 kernel
-    where that kernel runs it (models/q4_runner.py `serves`: a qwen2/llama/qwen3/gemma3 file of Q4_K/Q6_K matrices, a
-    CPU with AVX2), else on llama.cpp; any other target on torch. Why the Q4 kernel first: it decodes the target alone
-    at 1.0-1.4x llama.cpp's speed here and verifies k+1 tokens for far less than llama.cpp (BENCHMARKS.md), so
-    speculation pays."""
-    if models.target_backend != "auto":
-        return models.target_backend
-    is_gguf = models.target.startswith("bundled:") or models.target.endswith(".gguf")
-    if not is_gguf or target_model is not None:
-        return "torch"
-    from osd.models.q4_runner import serves
-
-    if serves(models.target):
-        return "osd"
-    say(f"target backend: llama.cpp, not osd's Q4 kernel ({why_not_q4(models.target)}). It decodes ~1.35x slower here "
-        "and verifies several rows at nearly the cost of as many tokens, so speculation gains little "
-        "(--target-backend llama.cpp silences this)")
-    return "llama.cpp"
+SHIPPED_DRAFT = ModelConfig.draft  # the default: the shipped cheap draft, cut from the bundled 0.5B (Qwen2.5's tokens)
+NO_DRAFT = ("", "none")
+AUTO_DRAFT = "auto"
+QWEN25_TOKENS = 151665  # entries in Qwen2.5's vocabulary (the shipped draft's): any other count is another tokenizer
 
 
-def why_not_q4(spec: str) -> str:
-    """One line: why osd's Q4 kernel does not serve this GGUF here."""
-    from osd.models import q4
+def choose_draft(models: ModelConfig, spec: SpeculationConfig, tokenizer, target, auto_config=None):
+    """Which draft proposes -> (models with the draft resolved, spec, why: one line for the startup notice).
+      auto        a draft derived from the target itself (distill/auto.py): built once per target file, cached
+      none / ''   no draft model: the n-gram lookup proposes (on when k > 0)
+      the default (the shipped cheap draft, SHIPPED_DRAFT): kept for a target that reads its tokenizer (the bundled
+                  one, any Qwen2.5); another target gets the n-gram lookup only: --draft auto derives it a draft
+      any other   that draft, as given (its tokenizer is checked against the target's when it loads)"""
+    from osd.errors import TokenizerMismatch
 
-    if not q4.available():
-        return f"the kernel cannot be built on this machine: {(q4.build_error() or 'unknown').splitlines()[0][:160]}"
-    from osd.models.q4_runner import why_not_served
+    if models.draft == AUTO_DRAFT:
+        from osd.distill.auto import ensure_auto_draft
+        from tqdm import tqdm
 
-    return why_not_served(spec) or "unknown"
+        made = ensure_auto_draft(models.target, target, tokenizer, auto_config, models.target_backend, models.threads,
+                                 tqdm, say=lambda line: say(line.removeprefix("[osd] ")))
+        return replace(models, draft=made.spec), spec, made.why()
+    if models.draft in NO_DRAFT:
+        return replace(models, draft=""), replace(spec, lookup=spec.k > 0), "--draft none"
+    if models.draft != SHIPPED_DRAFT or models.target.startswith("bundled:"):
+        return models, spec, "the default for the bundled target" if models.draft == SHIPPED_DRAFT else "given by --draft"
+    why_not = None
+    if len(tokenizer.get_vocab()) != QWEN25_TOKENS:
+        why_not = f"its vocabulary holds {len(tokenizer.get_vocab())} tokens, Qwen2.5's {QWEN25_TOKENS}"
+    else:
+        try:
+            check_same_tokenizer(tokenizer, load_tokenizer(models.draft))
+        except TokenizerMismatch as e:
+            why_not = str(e).split(". ")[0]
+    if why_not is None:
+        return models, spec, "the shipped draft: the target reads its tokenizer (Qwen2.5's)"
+    return replace(models, draft=""), replace(spec, lookup=spec.k > 0), (
+        f"the shipped draft {SHIPPED_DRAFT} reads Qwen2.5's tokens, this target another tokenizer ({why_not}); "
+        "--draft auto derives a draft from the target itself, once, cached")
 
 
-def check_target_quantize(models: ModelConfig, target_model=None) -> None:
-    """InvalidArgument when target quantization is asked of a target served from a GGUF's own quantized weights."""
-    backend = target_backend(models, target_model)
-    if models.target_quantize != "none" and backend in ("llama.cpp", "osd"):
-        raise InvalidArgument(f"--target-quantize {models.target_quantize} quantizes a Hugging Face (torch) target at "
-                              f"load; {models.target!r} is a GGUF, served by {backend} from its own quantized weights "
-                              "already. Drop --target-quantize (or give --target-backend torch to quantize the GGUF's "
-                              "fp32 conversion instead)")
-
-
-def build_target(models: ModelConfig, target_model=None):
-    """The target runner (llama.cpp or osd's Q4 kernel: quantized weights) or torch model (int8-quantized at load
-    with models.target_quantize, else maybe prepacked). With prepack_copy, a given target_model stays as it is: the
-    served model is a copy sharing its weights (prepacked) or holding its own int8 ones (quantized)."""
-    check_target_quantize(models, target_model)
-    backend = target_backend(models, target_model)
-    if backend in ("llama.cpp", "osd"):
-        gguf = gguf_file(models.target)
-        if gguf is None:
-            raise InvalidArgument(f"the {backend} backend serves GGUF targets; {models.target!r} is not one "
-                                  "(give a .gguf file or bundled:<name>, or --target-backend torch)")
-        if backend == "osd":
-            from osd.models.q4_runner import Q4Runner
-
-            return Q4Runner(gguf, models.n_ctx)
-        from osd.models.llama_cpp_runner import LlamaCppRunner
-
-        return LlamaCppRunner(gguf, models.n_ctx, models.threads)
-    if target_model is None:
-        target_model = load_model(models.target, models.dtype)
-    if models.target_quantize != "none":  # every linear int8, row-invariant; the float matrices are freed
-        from osd.models.quantized_target import quantize_target
-
-        target = shared_weights_copy(target_model) if models.prepack_copy else target_model
-        return quantize_target(target, models.target_quantize, models.allow_kernel_fallback)
-    if models.prepack_target:
-        target_model = shared_weights_copy(target_model) if models.prepack_copy else target_model
-        prepack_linears(target_model, models.allow_kernel_fallback)
-    return target_model
+def resolve_draft(models: ModelConfig, spec: SpeculationConfig) -> tuple[ModelConfig, SpeculationConfig]:
+    """choose_draft ahead of building, for processes that build their systems elsewhere (`osd serve --replicas`: each
+    replica and the learner then load the resolved draft; an auto draft is built here once, its teacher opened here)."""
+    models, spec, why = choose_draft(models, spec, load_tokenizer(models.target), None)
+    say(f"draft: {models.draft or ('n-gram lookup only' if spec.lookup else 'none')} ({why})")
+    return models, spec
 
 
 def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool | None = None, target_model=None,
-                 route=None) -> System:
+                 route=None, auto_draft=None) -> System:
     """route: a RouteConfig; with drafts named (--drafts a,b), several adapter drafts on the draft model and a router.
+    The draft is resolved first (choose_draft: `auto`, `none`, the shipped default or a given one; auto_draft: the
+    --draft auto recipe, distill/auto.py AutoDraftConfig, default when None) and said in one line.
     with_draft: load models.draft; by default only where it proposes (k > 0). A target-only system (k = 0) neither
     loads the draft nor times its serving copies; a learner needs its master, so `osd serve --k 0 --learn` asks."""
     with_draft = spec.k > 0 if with_draft is None else with_draft
@@ -136,6 +114,11 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
     check_target_quantize(models, target_model)  # before anything loads
     tokenizer = load_tokenizer(models.target)
     target = build_target(models, target_model)
+    if with_draft:
+        models, spec, why = choose_draft(models, spec, tokenizer, target, auto_draft)
+        say(f"draft: {models.draft or ('n-gram lookup only' if spec.lookup else 'none')} ({why})")
+        if routed and not models.draft:
+            raise InvalidArgument(f"--drafts adapts a draft model, and there is none here ({why}): name one with --draft")
     system = System(None, tokenizer, DraftRegistry(), target, None, models, spec)
     if with_draft and models.draft:
         check_same_tokenizer(tokenizer, load_tokenizer(models.draft))

@@ -98,8 +98,14 @@ TARGET_QUANTIZE = ("none", "int8")  # weight-only quantisation of a torch target
 class ModelConfig:
     target: str = "bundled:qwen2.5-coder-1.5b"  # hub id, local dir, .gguf file or bundled:<name>
     # the shipped cheap derived draft (models/derived.py): on the Q4 target it pays where the bundled 0.5B costs
-    # too much per token to (BENCHMARKS.md "Speed"); any model sharing the target's tokenizer may be named instead
-    draft: str = "derived:cheap-0.5b-v3"
+    # too much per token to (BENCHMARKS.md "Speed"); any model sharing the target's tokenizer may be named instead.
+    # `auto`: a draft derived from the target itself, built once per target file and cached (distill/auto.py);
+    # `none`: no draft model, the n-gram lookup proposes. A target that does not read the shipped draft's tokenizer
+    # gets the lookup only unless a draft is named (build.py choose_draft says which and why at startup)
+    draft: str = field(default="derived:cheap-0.5b-v3", metadata={"help": (
+        "the draft model: a path, hub id, derived:<dir or shipped name>; auto = derive one from the target itself "
+        "(once per target file, cached, then learned online); none = n-gram lookup only. Default: the shipped "
+        "cheap draft where the target reads its tokenizer (Qwen2.5), else the lookup only")})
     dtype: str = "float32"  # target dtype (the baseline uses the same)
     draft_dtype: str = "float32"  # dtype of the draft's master weights
     draft_quantize: str = field(default="auto", metadata={"choices": DRAFT_QUANTIZE, "help": (

@@ -354,6 +354,9 @@ def register(sub) -> None:
     from osd_bench.feature_head import register as register_bench_feature_head  # `osd bench feature-head`
 
     register_bench_feature_head(bench)
+    from osd_bench.synth_gguf import register as register_bench_synth_gguf  # `osd bench synth-gguf`
+
+    register_bench_synth_gguf(bench)
     from osd_bench.scale import register as register_bench_scale  # `osd bench scale` (imports Ray when run)
     from osd_bench.live import register as register_bench_live  # `osd bench live`
 

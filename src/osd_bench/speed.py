@@ -44,6 +44,8 @@ from osd.config import ModelConfig, SamplingConfig, SpeculationConfig
 from osd.data import load_records, prompt_ids, with_context
 from osd.engine import SpeculativeEngine
 from osd.errors import InvalidArgument
+from osd.notice import say
+from osd_bench.synth_gguf import gguf_description
 
 DOMAINS = ("code", "gsm8k", "spider", "chat")
 REFERENCE = {"osd_q4": "osd_q4_target", "osd_q4_target": "osd_q4_target",  # arm -> the arm its outputs must equal
@@ -185,6 +187,12 @@ def _copy_arm(system, q4_target, spec: SpeculationConfig, max_new: int, arm: str
     return _calibrated_arm(engine, max_new, busy)
 
 
+def q4_serves(gguf) -> bool:
+    from osd.models.q4_runner import serves
+
+    return serves(str(gguf))
+
+
 def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama_cpp: bool, hf: bool, spec_k: int,
                osd_q4: bool = True, learned_draft: str = "", copies: tuple[str, ...] = (), busy_calibration: int = 0):
     """name -> (run(prompt_ids) -> Timed), plus the osd system and what each arm added to peak RSS. copies: the
@@ -196,6 +204,7 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
 
     arms, rss, start = {}, {}, rss_gib()
     system = build_system(models, spec)
+    spec = system.spec  # as the draft choice resolved it (no draft model: the n-gram lookup proposes)
     engine = system.engine
     arms["osd_target"] = _engine_arm(SpeculativeEngine(system.target_model, system.tokenizer, None,
                                                        SpeculationConfig(k=0, adaptive=False)), max_new)
@@ -208,6 +217,11 @@ def build_arms(models: ModelConfig, spec: SpeculationConfig, max_new: int, llama
     arms["osd_lookup"] = _engine_arm(lookup, max_new)
     rss["osd (target + draft)"] = rss_gib() - start
     target_gguf = gguf_file(models.target)
+    if osd_q4 and target_gguf is not None and not q4_serves(target_gguf):
+        from osd.build import why_not_q4
+
+        say(f"bench speed: no osd_q4* arms ({why_not_q4(models.target)})")
+        osd_q4 = False
     if osd_q4 and target_gguf is not None and type(system.target_model).__name__ != "Q4Runner":
         from osd.build import speculative_engine
         from osd.models.q4_runner import Q4Runner
@@ -312,6 +326,8 @@ def run_speed(models: ModelConfig, spec: SpeculationConfig, per_domain: int = 2,
         "config": {"models": vars(models), "spec": vars(spec), "per_domain": per_domain, "max_new_tokens": max_new_tokens,
                    "llama_cpp_spec_k": spec_k, "prompts": [r["id"] for r in records], "domains": list(domains),
                    "offset": offset, "learned_draft": learned_draft or None, "busy_calibration": busy_calibration},
+        "draft": {"resolved": system.models.draft or None, "lookup": system.spec.lookup},  # build.choose_draft's pick
+        "target_file": gguf_description(models.target),  # a synth-gguf file says its shape and seed here
         "draft_copy": {"chosen": system.models.draft_quantize,  # the copy the configured draft ran (auto resolved)
                        "seconds_per_token": system.draft_copy_seconds},  # auto's timing of each candidate, if any
         "target_backend": type(engine.target).__name__,

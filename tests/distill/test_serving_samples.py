@@ -15,7 +15,7 @@ import torch
 
 require_module("llama_cpp")  # the tiny GGUF is quantized by llama.cpp
 
-import osd.build  # noqa: E402
+import osd.models.target  # noqa: E402
 import osd.models.loading  # noqa: E402
 from osd.config import ModelConfig  # noqa: E402
 from osd.distill.cache import DecodeSettings, TargetCache, model_fingerprint  # noqa: E402
@@ -150,7 +150,7 @@ def env(tiny, osd_cache, tmp_path, monkeypatch):
             return real(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(osd.build, "build_target", counted("build_target", osd.build.build_target))
+    monkeypatch.setattr(osd.models.target, "build_target", counted("build_target", osd.models.target.build_target))
     monkeypatch.setattr(osd.models.loading, "load_model", counted("load_model", osd.models.loading.load_model))
     return str(tiny[0]), str(dataset), tmp_path / "teacher", calls
 
@@ -164,7 +164,7 @@ def _forbid(monkeypatch, *names):
     def refuse(*args, **kwargs):
         raise AssertionError("the target was loaded although every sample is cached")
 
-    for module, name in ((osd.build, "build_target"), (osd.models.loading, "load_model")):
+    for module, name in ((osd.models.target, "build_target"), (osd.models.loading, "load_model")):
         if name in names:
             monkeypatch.setattr(module, name, refuse)
 

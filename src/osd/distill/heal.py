@@ -303,7 +303,7 @@ def open_target(target_spec: str, threads: int = 0, backend: str = "auto"):
     """The target as it serves (build.target_backend): for "auto", a GGUF (bundled:<name> or .gguf) on osd's Q4 kernel
     where it runs the file, else on llama.cpp; any other spec a torch model. On the Q4 kernel, greedy answers decode
     several prompts at once (teacher_samples)."""
-    from osd.build import build_target
+    from osd.models.target import build_target
     from osd.config import ModelConfig
 
     return build_target(ModelConfig(target=target_spec, threads=threads, prepack_target=False, target_backend=backend))
@@ -317,7 +317,7 @@ def run_heal(out_dir: str | Path, config: HealConfig, target_spec: str, derive=N
     target/tokenizer: given objects instead of loading `target_spec` (tests pass tiny in-process models).
     teacher_backend: the target's runner (open_target); its name keys the teacher cache, as its outputs may differ
     at near-ties. teacher_slots: target answers decoded together on the osd backend (bitwise as alone)."""
-    from osd.build import target_backend
+    from osd.models.target import target_backend
     from osd.config import ModelConfig
     from osd.distill.cache import default_cache_root
     from osd.models.derived import RECIPE, build_derived, load_derived, read_recipe, save_derived, source_records

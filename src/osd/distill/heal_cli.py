@@ -1,4 +1,4 @@
-"""`osd draft derive | heal | build | widen | cost`: the cheap derived draft (models/derived.py, distill/heal.py).
+"""`osd draft derive | heal | build | auto | widen | cost`: the cheap derived draft (models/derived.py, distill/heal.py).
 Parse -> config -> call the library."""
 from __future__ import annotations
 
@@ -42,6 +42,14 @@ def register(sub) -> None:
     add_config_flags(p, DeriveConfig)
     add_config_flags(p, HealConfig)
     p.set_defaults(func=cmd_build)
+
+    p = verbs.add_parser("auto", help="the draft `--draft auto` serves: cut from the target itself, healed briefly, "
+                         "cached per target file (distill/auto.py); builds it now, or finds it built, and prints it")
+    p.add_argument("--target", default=ModelConfig.target, help="the target the draft is derived from and healed on")
+    p.add_argument("--threads", type=int, default=0, help="torch and llama.cpp threads (0 = default)")
+    p.add_argument("--target-backend", default="auto", choices=["auto", "llama.cpp", "osd", "torch"],
+                   help="the target's runner as the teacher (auto: as `osd serve` picks it)")
+    p.set_defaults(func=cmd_auto)
 
     p = verbs.add_parser("widen", help="a derived draft with a wider head: its map plus the tokens other traffic uses "
                          "(e.g. other languages); trained rows kept, new rows from the base's head")
@@ -102,6 +110,18 @@ def cmd_build(args) -> None:
     from osd.models.derived import DeriveConfig
 
     _heal(args, args.out, config_from(args, DeriveConfig))
+
+
+def cmd_auto(args) -> None:
+    from dataclasses import asdict
+
+    from osd.build import set_threads
+    from osd.distill.auto import ensure_auto_draft
+
+    set_threads(args.threads)
+    made = ensure_auto_draft(args.target, target_backend=args.target_backend, threads=args.threads,
+                             progress=_progress())
+    print(json.dumps(asdict(made), indent=2, default=str))
 
 
 def cmd_widen(args) -> None:

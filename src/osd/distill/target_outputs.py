@@ -51,7 +51,7 @@ def sampling_backend(models, settings: DecodeSettings) -> str | None:
     """The serving backend whose runner fills the cache ("llama.cpp" / "osd": a GGUF target, greedy), or None for the
     torch path (the fp32 model in batches: a Hugging Face target, --target-backend torch, or temperature > 0, which
     the one-prompt runner path does not sample)."""
-    from osd.build import target_backend
+    from osd.models.target import target_backend
 
     backend = target_backend(models)
     return backend if backend in ("llama.cpp", "osd") and settings.temperature == 0 else None
@@ -72,7 +72,7 @@ def dataset_samples(models, dataset: str, split: str | None, limit: int | None, 
 
     from osd.data import load_records, prompt_ids
     from osd.distill.cache import default_cache_root
-    from osd.build import build_target
+    from osd.models.target import build_target
     from osd.models.runner import eos_ids_of, eos_token_ids
     from osd.models.loading import load_model, load_tokenizer, resolve_model_dir
     from osd.models.prepack import prepack_linears

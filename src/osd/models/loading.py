@@ -11,7 +11,19 @@ from osd.models.plain import (DTYPES, converted_dir, gguf_file, load_plain_model
                               resolve_model_dir, tokenizer_kwargs)
 
 
+def _not_resolved(spec) -> None:
+    """`auto` / `none` name a draft choice (build.py choose_draft), not weights: a command that loads a draft directly
+    cannot take them."""
+    if spec in ("auto", "none"):
+        from osd.errors import InvalidArgument
+
+        raise InvalidArgument(f"--draft {spec} is resolved where a serving system is built (osd serve, osd bench "
+                              "speed); this command loads a draft's weights: give a path or derived:<dir> (`osd draft "
+                              "auto --target T` builds the auto draft and prints its derived:<dir>)")
+
+
 def load_tokenizer(spec: str):
+    _not_resolved(spec)
     if isinstance(spec, str) and spec.startswith("derived:"):  # a derived draft reads its base's tokens
         return load_plain_tokenizer(read_recipe(spec)["derive"]["base"])
     return load_plain_tokenizer(spec)
@@ -30,6 +42,7 @@ def _restricted_head(where: str) -> bool:
 
 def load_model(spec: str, dtype: str = "float32"):
     """Load a causal LM in eval mode, no grad, with the given dtype."""
+    _not_resolved(spec)
     if isinstance(spec, str) and spec.startswith("derived:"):
         return load_derived(spec, dtype)
     where = resolve_model_dir(spec)

@@ -60,7 +60,8 @@ def cmd_serve(args) -> None:
     spec = config_from(args, SpeculationConfig)
     system = build_system(models, spec, with_draft=spec.k > 0 or args.learn, route=config_from(args, RouteConfig))
     system.engine.calibrate()
-    learner = attach_learner(system, config_from(args, LearnConfig)) if args.learn else None
+    learn = args.learn and system.draft_master is not None  # no draft model (n-gram lookup only): nothing to learn
+    learner = attach_learner(system, config_from(args, LearnConfig)) if learn else None
     name = settings.model_name or default_model_name(models.target)
     serve(system.engine, system.tokenizer, name, settings, learner, system.routing)
 
@@ -77,9 +78,12 @@ def cmd_serve_cluster(args, settings, models) -> None:
         from osd.cluster.launch import serve_cluster
     except ImportError as e:
         raise BackendUnavailable(f"--replicas needs Ray: pip install 'osd[ray]' ({e})") from e
-    learn = config_from(args, LearnConfig) if args.learn else None
+    from osd.build import resolve_draft
+
+    models, spec = resolve_draft(models, config_from(args, SpeculationConfig))  # once, before the replicas start
+    learn = config_from(args, LearnConfig) if args.learn and models.draft else None  # no draft model: nothing to learn
     name = settings.model_name or default_model_name(models.target)
-    serve_cluster(models, config_from(args, SpeculationConfig), learn, settings, name, args.replicas, args.ray_address)
+    serve_cluster(models, spec, learn, settings, name, args.replicas, args.ray_address)
 
 
 def serve(engine, tokenizer, model_name: str, settings: ServeSettings, learner=None, routing=None) -> None:
