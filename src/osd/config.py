@@ -122,7 +122,8 @@ class ModelConfig:
         "who runs the target: torch, llama.cpp, osd (own Q4_K kernel, Qwen2-family GGUFs), or auto = a GGUF on osd "
         "where its kernel runs the file, else llama.cpp; torch otherwise"), choices=TARGET_BACKENDS)
     n_ctx: int = option(4096, "context length in tokens (prompt + output; the KV cache's size) of a GGUF target "
-                        "(llama.cpp and osd backends; at most the model's own)", aliases=("--max-model-len", "--ctx-size"))
+                        "(llama.cpp and osd backends; at most the model's own)",
+                        aliases=("--max-model-len", "--ctx-size"))
     threads: int = option(0, "CPU threads for torch and llama.cpp; 0 = their defaults (llama.cpp: the cores this "
                           "process may use)")
     prepack_target: bool = option(True, "repack the torch target's fp32 linears for speed (models/prepack.py)")

@@ -16,7 +16,8 @@ from osd.serve.app import create_app
 from osd.serve.chat_template import load_chat_template, with_chat_template
 from osd.serve.settings import ServeSettings
 
-TEMPLATE = "{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}.{% endif %}"
+TEMPLATE = ("{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}.{% endif %}")
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 
 

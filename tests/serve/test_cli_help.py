@@ -5,7 +5,10 @@ hidden aliases; a plain `pip install .` brings what serving needs."""
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -141,9 +144,35 @@ def test_a_bad_value_is_refused_by_the_parser():
         build_parser().parse_args(["serve", "--log-level", "loud"])
 
 
+def core_dependencies() -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {re.split(r"[<>=!~\[ ]", dep, maxsplit=1)[0].lower().replace("-", "_") for dep in project["dependencies"]}
+
+
 def test_pip_install_brings_what_serving_needs():
     """`osd serve` imports fastapi, uvicorn, pydantic and prometheus_client: core dependencies, not an extra."""
+    assert {"fastapi", "uvicorn", "pydantic", "prometheus_client"} <= core_dependencies()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    core = {dep.split(">")[0].split("=")[0].split("<")[0].strip().lower() for dep in project["dependencies"]}
-    assert {"fastapi", "uvicorn", "pydantic", "prometheus_client"} <= core
     assert "serve" in project["optional-dependencies"]  # `pip install 'osd[serve]'` keeps working
+
+
+# imported at module level, yet no core dependency: what brings them, or why they may be missing
+NOT_CORE = {"jinja2": "torch's dependency", "starlette": "fastapi's dependency",
+            "llama_cpp": "built by scripts/setup.sh; models/llama_cpp_runner.py is imported only to use it",
+            "ray": "the ray extra; osd.cluster's Ray modules are imported only for --replicas"}
+
+
+def test_every_module_level_import_is_a_core_dependency():
+    """A fresh `pip install .` imports every module `osd ...` registers (osd_bench's commands too, in the same wheel:
+    a module-level `import httpx` there once broke every command, `osd serve` included)."""
+    core, missing = core_dependencies(), {}
+    for path in [*(ROOT / "src" / "osd").rglob("*.py"), *(ROOT / "src" / "osd_bench").rglob("*.py")]:
+        for node in ast.parse(path.read_text()).body:
+            for n in [node, *(ast.walk(node) if isinstance(node, (ast.Try, ast.If)) else ())]:
+                names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+                    [n.module] if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module else []
+                for top in {name.split(".")[0] for name in names}:
+                    if top not in sys.stdlib_module_names and top not in ("osd", "osd_bench", "__future__") \
+                            and top not in core and top not in NOT_CORE:
+                        missing.setdefault(top, []).append(str(path.relative_to(ROOT)))
+    assert not missing, f"module-level imports that `pip install .` does not bring: {missing}"

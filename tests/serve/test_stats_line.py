@@ -31,7 +31,8 @@ def test_format_stats_without_steps_learner_or_with_several_drafts_and_extras():
     assert line == ("running 0 | queued 0 | gen 0.0 tok/s | prompt 0 tok/s | acceptance - | tokens/step - | k - | "
                     "drafts a v5, b v2 | learner: off | learned vs v0 +0.05")
     paused = {"paused": 1, "training": 1, "optimizer_steps": 3, "updates_published": 1, "updates_rejected": 2}
-    assert format_stats(snap(), snap(learner=paused), 1.0).endswith("learner: paused (steps 3, published 1, rejected 2)")
+    line = format_stats(snap(), snap(learner=paused), 1.0)
+    assert line.endswith("learner: paused (steps 3, published 1, rejected 2)")
     assert "| draft none |" in format_stats(snap(), {**snap(), "drafts": {}}, 1.0)
 
 

@@ -73,7 +73,7 @@ class LearnConfig:
     max_age_seconds: float = option(0.0, "... or when the oldest buffered position is this many seconds old (0 = off)")
     loss: str = option("forward_kl", "distillation loss: forward_kl (target||draft), reverse_kl, jsd, tv or "
                        "reference_mix", choices=LOSSES)
-    beta: float = option(0.5, "the JSD's beta (--learn-loss jsd), in [0, 1]")
+    beta: float = option(0.5, "the JSD's beta (loss jsd), in [0, 1]")
     # AdamW on the top layers; 1e-4 made the offline loss diverge within steps (BENCHMARKS.md)
     lr: float = option(1e-5, "learning rate (AdamW)")
     batch_size: int = option(8, "training items (about one request each) per optimizer step")
@@ -86,7 +86,7 @@ class LearnConfig:
         "-0.103 below the never-trained draft without it, +0.043 with 0.5; BENCHMARKS.md); 0 = the buffer alone"))
     rehearsal_capacity: int = option(256, "items (about one request each) kept in that sample of older traffic")
     rehearsal_uniform: bool = option(False, (
-        "the older traffic's share of each batch follows its share of all traffic seen, at most --rehearsal: "
+        "the older traffic's share of each batch follows its share of all traffic seen, at most the rehearsal share: "
         "batches sample the whole history uniformly, as an offline draft trained on everything so far does "
         "(learn/rehearsal.py history_share); slower to follow a shift. Measured on a 600-request code stream: "
         "held-out alpha 0.565 against 0.576 with the fixed share (BENCHMARKS.md), so it is off by default"))
@@ -95,11 +95,12 @@ class LearnConfig:
         "epochs do; learn/rehearsal.py Sweeps) instead of independently per step; a resumed --fast replay starts "
         "new sweeps"))
     max_context: int = option(384, "tokens of context kept per training item")
+    # (learn/trainable.py's "adapter" is set by --drafts' own learners, not a flag)
     trainable: str = option("no_embeddings", "which draft weights train: all, no_embeddings or lora "
-                            "(learn/trainable.py)", choices=("all", "no_embeddings", "lora"))  # "adapter": set by --drafts' learners
+                            "(learn/trainable.py)", choices=("all", "no_embeddings", "lora"))
     train_layers: int = option(4, "only the top N decoder layers train (the rest frozen, their outputs cached); "
                                "0 = all")
-    lora_rank: int = option(8, "rank of the LoRA update (--learn-trainable lora)")
+    lora_rank: int = option(8, "rank of the LoRA update (trainable lora)")
     guard: bool = option(True, "publish an update only if the draft's acceptance on held-out recent requests does "
                          "not drop")
     guard_holdout: float = option(0.2, "newest share of the guard's requests held out of training, in [0, 1)")
@@ -112,7 +113,8 @@ class LearnConfig:
                                "or reset to the base")
     drift_z: float = option(1.64, "\"significantly below\" for the drift guard: paired z < -this")
     schedule: str = option("sync", "when updates train: sync = inside the finished request (deterministic; "
-                           "replays), background = in a thread, in idle windows (serving)", choices=("sync", "background"))
+                           "replays), background = in a thread, in idle windows (serving)",
+                           choices=("sync", "background"))
     busy_share: float = option(0.2, (
         "background schedule: the learner waits for idle windows (no request decoding) before each micro-batch, "
         "but under constant load it waits at most (1 - share) / share x the seconds it has worked in the update, "
