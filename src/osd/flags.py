@@ -53,13 +53,14 @@ def flag_name(name: str, prefix: str = "") -> str:
     return "--" + prefix + name.replace("_", "-")
 
 
-def add_config_flags(parser: argparse.ArgumentParser, config, skip=(), prefix: str = "") -> None:
+def add_config_flags(parser: argparse.ArgumentParser, config, skip=(), prefix: str = "", title: str = "") -> None:
     """One flag per field of `config`: a dataclass (its defaults) or an instance of one (its values are the
     defaults). prefix: the flags are --<prefix><name> (`osd serve` names the learner's --learn-top-k, ...), and the
-    bare --<name> stays as a hidden alias, so that older command lines still run."""
+    bare --<name> stays as a hidden alias, so that older command lines still run. title: of the help's section
+    (default: the dataclass's name)."""
     cls = config if isinstance(config, type) else type(config)
     parser.formatter_class = HelpFormatter  # the parser that shows config flags shows their defaults as above
-    group = parser.add_argument_group(cls.__name__)
+    group = parser.add_argument_group(f"{title} ({cls.__name__})" if title else cls.__name__)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue

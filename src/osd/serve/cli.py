@@ -19,7 +19,7 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding",
                        description="OpenAI-compatible HTTP server with speculative decoding and a draft distilled "
                        "online from the traffic it serves. Learner flags are --learn-*.")
-    add_config_flags(p, ServeSettings, skip=("api_key",))
+    add_config_flags(p, ServeSettings, skip=("api_key",), title="server")
     # the key's default comes from the environment, and help must not print it
     p.add_argument("--api-key", default=os.environ.get("OSD_API_KEY"),
                    help="require 'Authorization: Bearer <key>' on /v1/* (and on /metrics with --metrics-require-key) "
@@ -34,10 +34,11 @@ def register(sub) -> None:
     learn = p.add_argument("--learn", action=argparse.BooleanOptionalAction, default=True)
     learn.help = "distill the draft online from served traffic (the --learn-* flags)" + HELP_DEFAULT  # set after:
     #   BooleanOptionalAction (Python 3.11) appends a default of its own
-    add_config_flags(p, ModelConfig)
-    add_config_flags(p, SpeculationConfig.serving())
-    add_config_flags(p, LearnConfig.serving(), prefix="learn-")  # --learn-top-k, ...; the bare names stay, hidden
-    add_config_flags(p, RouteConfig.serving())
+    add_config_flags(p, ModelConfig, title="models")
+    add_config_flags(p, SpeculationConfig.serving(), title="speculative decoding")
+    add_config_flags(p, LearnConfig.serving(), prefix="learn-", title="online learning, with --learn")  # the bare
+    #   names (--top-k, ...) stay as hidden aliases
+    add_config_flags(p, RouteConfig.serving(), title="several drafts routed per request, with --drafts")
     p.set_defaults(func=cmd_serve)
 
 
