@@ -56,7 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_draft(sub)
     for command in entry_points(group=COMMANDS_GROUP):  # `osd demo`, `osd replay`, `osd bench ...` (osd_bench)
-        command.load()(sub)
+        try:
+            register = command.load()
+        except ImportError as e:  # a broken plugin must not take `osd serve` down with it
+            print(f"osd: warning: the commands of {command.value} are unavailable ({e})", file=sys.stderr)
+            continue
+        register(sub)
     return parser
 
 

@@ -5,9 +5,10 @@ The CLI maps its flags one-to-one onto these fields; checkpoints and benchmark r
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from osd.errors import InvalidArgument
+from osd.flags import option
 
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per position (as OpenAI's top_logprobs)
@@ -15,17 +16,21 @@ MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per positio
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 0.0  # 0 = greedy (token-identical to the target); > 0 = lossless sampling
-    top_k: int = 0  # 0 = off; applied to target and draft alike before acceptance
-    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
-    max_new_tokens: int = 128
-    stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
-    seed: int | None = None  # seed for sampling; None = nondeterministic
-    min_p: float = 0.0  # drop tokens below min_p x the likeliest one's probability (after top-k/top-p); 0 = off
-    ignore_eos: bool = False  # keep generating past EOS (it is then an ordinary token, up to max_new_tokens)
-    stop_token_ids: list[int] = field(default_factory=list)  # token ids that end generation as EOS does (not output)
-    logprobs: int | None = None  # None = off; N >= 0: each emitted token's log-probability under the target, and the
-    # N likeliest tokens' at its position (the target's raw log-softmax: verify/logprobs.py)
+    temperature: float = option(0.0, "sampling temperature: 0 = greedy (token-identical to the target), > 0 = "
+                                "lossless speculative sampling")
+    top_k: int = option(0, "sample among the K most likely tokens (target and draft alike); 0 = off")
+    top_p: float = option(1.0, "nucleus sampling: the smallest set of tokens with this probability mass, in (0, 1]; "
+                          "1 = off")
+    max_new_tokens: int = option(128, "most tokens to generate")
+    stop: list[str] = option([], "stop string (not included in the output)")
+    seed: int | None = option(None, "sampling seed; none = nondeterministic")
+    min_p: float = option(0.0, "drop tokens below min_p x the likeliest one's probability (after top-k / top-p; "
+                          "target and draft alike); 0 = off")
+    ignore_eos: bool = option(False, "keep generating past EOS (it is then an ordinary token, up to max_new_tokens)")
+    stop_token_ids: list[int] = option([], "token id that ends generation as EOS does (not output)")
+    logprobs: int | None = option(None, "none = off; N >= 0: each emitted token's log-probability under the target, "
+                                  "and the N likeliest tokens' at its position (the target's raw log-softmax: "
+                                  "verify/logprobs.py)")
 
     def __post_init__(self):
         if self.temperature is None or self.temperature < 0:
@@ -57,16 +62,33 @@ class SamplingConfig:
 
 @dataclass
 class SpeculationConfig:
-    k: int = 6  # proposal length; with adaptive=True the largest k the policy may pick (the kernel verifies <= 8 rows in one pass)
-    adaptive: bool = True  # choose k per step from live acceptance and measured costs (k = 0 allowed)
-    alpha_prior: float = 0.7  # acceptance assumed before anything is observed
-    alpha_ema: float = 0.98  # smoothing of the live acceptance estimate (per proposed token; ~50 tokens of evidence)
-    alpha_upper_z: float = 1.0  # k = 0 within this many standard errors of paying: keep probing, no back-off
-    cost_refresh_every: int = 16  # every N-th speculating step re-times a neighbour of the best k (0 = never)
-    lookup: bool = False  # propose by n-gram lookup in this request and earlier traffic first (propose/ngram.py)
-    max_batch: int = 1  # sequences decoded together, one target pass per step (schedule/scheduler.py; `osd serve`: 8)
-    prefill_rows: int = 64  # prompt rows fed per step beside decoding sequences (chunked prefill; at least 16)
-    tree: int = 0  # most nodes of a token tree per step: the chain plus the draft's runners-up and the target's recycled top tokens (propose/tree.py); 0 = chains only. A request decoding alone on the osd Q4 backend (greedy and sampled, both lossless)
+    # with adaptive=True the largest k the policy may pick (the kernel verifies <= 8 rows in one pass)
+    k: int = option(6, "proposal length: draft tokens verified per step (with --adaptive the most the policy picks; "
+                    "0 = no speculation, the target alone)", aliases=("--num-speculative-tokens", "--draft-max"))
+    adaptive: bool = option(True, "choose k each step from the live acceptance and the measured draft and target "
+                            "costs (k = 0 when speculation does not pay)")
+    alpha_prior: float = option(0.7, "acceptance rate assumed before any is observed (adaptive k)")
+    alpha_ema: float = option(0.98, "smoothing of the live acceptance estimate per proposed token (~50 tokens of "
+                              "evidence)")
+    alpha_upper_z: float = option(1.0, "adaptive k: keep proposing while speculation is within this many standard "
+                                  "errors of paying")
+    cost_refresh_every: int = option(16, "every N-th speculating step re-times a neighbour of the best k "
+                                     "(0 = never)")
+    lookup: bool = option(False, "propose by n-gram lookup in the request and earlier traffic first, the draft "
+                          "model after (propose/ngram.py)")
+    # schedule/scheduler.py; serving() raises it to 8
+    max_batch: int = option(1, "sequences decoded together, one target pass per step (continuous batching), "
+                            "in [1, 256]")
+    prefill_rows: int = option(64, "prompt tokens fed per step beside the decoding sequences (chunked prefill)")
+    # the chain plus the draft's runners-up and the target's recycled top tokens (propose/tree.py); a request decoding
+    # alone on the osd Q4 backend (greedy and sampled, both lossless)
+    tree: int = option(0, "most nodes of a token tree verified per step (a request decoding alone on the osd Q4 "
+                       "backend), in [0, 8]; 0 = chains only")
+
+    @classmethod
+    def serving(cls, **overrides) -> "SpeculationConfig":
+        """`osd serve`'s defaults: continuous batching of up to 8 sequences per step."""
+        return cls(**{"max_batch": 8, **overrides})
 
     def __post_init__(self):
         if self.k is None or self.k < 0:
@@ -96,34 +118,47 @@ TARGET_QUANTIZE = ("none", "int8")  # weight-only quantisation of a torch target
 
 @dataclass
 class ModelConfig:
-    target: str = "bundled:qwen2.5-coder-1.5b"  # hub id, local dir, .gguf file or bundled:<name>
+    target: str = option("bundled:qwen2.5-coder-1.5b", "the model that answers: a Hugging Face hub id, a local "
+                         "directory, a .gguf file or bundled:<name>", aliases=("--model",))
     # the shipped cheap derived draft (models/derived.py): on the Q4 target it pays where the bundled 0.5B costs
-    # too much per token to (BENCHMARKS.md "Speed"); any model sharing the target's tokenizer may be named instead.
+    # too much per token to (docs/kernels.md); any model sharing the target's tokenizer may be named instead.
     # `auto`: a draft derived from the target itself, built once per target file and cached (distill/auto.py);
     # `none`: no draft model, the n-gram lookup proposes. A target that does not read the shipped draft's tokenizer
     # gets the lookup only unless a draft is named (build.py choose_draft says which and why at startup)
-    draft: str = field(default="derived:cheap-0.5b-v3", metadata={"help": (
-        "the draft model: a path, hub id, derived:<dir or shipped name>; auto = derive one from the target itself "
-        "(once per target file, cached, then learned online); none = n-gram lookup only. Default: the shipped "
-        "cheap draft where the target reads its tokenizer (Qwen2.5), else the lookup only")})
-    dtype: str = "float32"  # target dtype (the baseline uses the same)
-    draft_dtype: str = "float32"  # dtype of the draft's master weights
-    draft_quantize: str = field(default="auto", metadata={"choices": DRAFT_QUANTIZE, "help": (
+    draft: str = option("derived:cheap-0.5b-v3", (
+        "the draft model: a path, hub id, bundled:<name> or derived:<dir or shipped name> sharing the target's "
+        "tokenizer; auto = derive one from the target itself (once per target file, cached, then learned online); "
+        "none = n-gram lookup only. Default: the shipped cheap draft where the target reads its tokenizer (Qwen2.5), "
+        "else the lookup only"))
+    dtype: str = option("float32", "the torch target's dtype", choices=("float32", "bfloat16", "float16"))
+    draft_dtype: str = option("float32", "dtype of the draft's master weights (what the learner trains)",
+                              choices=("float32", "bfloat16", "float16"))
+    draft_quantize: str = option("auto", (
         "the draft's serving copy, rebuilt at each publish from the master weights the learner trains: int8 linears "
         "(models/serving_draft.py; int8_vnni: activations int8 too), q4 = 4-bit on the target's Q4 kernel "
         "(models/q4_draft.py), or auto = whichever of q4 and int8 times faster here for a Qwen2 draft the Q4 kernel "
-        "runs, else int8 (propose/copy_choice.py; on Intel the shipped draft's Q4 copy cost ~half its int8 one)")})
-    draft_vocab: int = 0  # 0 = full; N = draft proposes only among token ids < N (+ special tokens)
-    target_backend: str = "auto"  # "torch" | "llama.cpp" | "osd" (own Q4_K kernel, qwen2/llama/qwen3/gemma3 GGUFs) | "auto" (a GGUF: osd where its kernel runs the file, else llama.cpp; torch otherwise)
-    n_ctx: int = 4096  # llama.cpp / osd target: context (KV cache) length
-    threads: int = 0  # torch (and llama.cpp) threads; 0 = default (torch's; llama.cpp: the cores we may use)
-    prepack_target: bool = True  # fast fp32 linears for the target (models/prepack.py; CPU speed trick)
-    prepack_copy: bool = False  # prepack a copy (sharing its weights), keeping the given target model plain (benchmarks)
-    target_quantize: str = field(default="none", metadata={"choices": TARGET_QUANTIZE, "help": (
+        "runs, else int8 (propose/copy_choice.py; on Intel the shipped draft's Q4 copy cost ~half its int8 one)"),
+        choices=DRAFT_QUANTIZE)
+    draft_vocab: int = option(0, "the draft proposes only among token ids < N (and special tokens); 0 = the whole "
+                              "vocabulary")
+    target_backend: str = option("auto", (
+        "who runs the target: torch, llama.cpp, osd (own Q4 kernel: qwen2, llama, qwen3, gemma3 GGUFs), or auto = a GGUF on osd "
+        "where its kernel runs the file, else llama.cpp; torch otherwise"), choices=TARGET_BACKENDS)
+    n_ctx: int = option(4096, "context length in tokens (prompt + output; the KV cache's size) of a GGUF target "
+                        "(llama.cpp and osd backends; at most the model's own)",
+                        aliases=("--max-model-len", "--ctx-size"))
+    threads: int = option(0, "CPU threads for torch and llama.cpp; 0 = their defaults (llama.cpp: the cores this "
+                          "process may use)")
+    prepack_target: bool = option(True, "repack the torch target's fp32 linears for speed (models/prepack.py)")
+    prepack_copy: bool = option(False, "prepack a copy sharing the weights, keeping the given target model plain "
+                                "(benchmarks)")
+    target_quantize: str = option("none", (
         "quantize a Hugging Face (torch) target at load: int8 = weight-only int8 linears and embedding through osd's "
         "row-invariant kernels, no fp32 matrix kept (models/quantized_target.py). No 4-bit for torch targets: serve a "
-        "Q4 GGUF instead (--target-backend osd or llama.cpp), which this option refuses (already quantized)")})
-    allow_kernel_fallback: bool = False  # run on torch's kernels where osd's compiled ones cannot be built (else an error; models/kernels.py)
+        "Q4 GGUF instead (--target-backend osd or llama.cpp), which this option refuses (already quantized)"),
+        choices=TARGET_QUANTIZE)
+    allow_kernel_fallback: bool = option(False, "run on torch's kernels where osd's compiled ones cannot be built "
+                                         "(otherwise an error; models/kernels.py)")
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):

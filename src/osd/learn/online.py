@@ -35,11 +35,12 @@ import random
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
 from osd.errors import InvalidArgument
+from osd.flags import option
 from osd.learn.average import WeightAverage
 from osd.learn.batch import acceptance_on, items_loss
 from osd.learn.buffer import MODES, ReplayBuffer, fresh_first, items_of_step
@@ -63,62 +64,85 @@ TRAJECTORY = "learner_trajectory"  # checkpoint file (.pt) of the learner's own 
 
 @dataclass
 class LearnConfig:
-    mode: str = "mismatch"  # which positions feed the buffer: mismatch | all (every output position; buffer.py)
-    top_k: int = 64  # target distribution kept per position (top-K + tail)
-    capacity: int = 4096  # buffer capacity in positions (FIFO eviction)
-    every_requests: int = 8  # I: update every I requests (0 = off)
-    min_positions: int = 0  # S: update when the buffer holds S positions (0 = off)
-    max_age_seconds: float = 0.0  # T: update when the oldest entry is T seconds old (0 = off)
-    loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd | tv | reference_mix
-    beta: float = 0.5  # JSD beta
-    lr: float = 1e-5  # AdamW on the top layers; 1e-4 made the offline loss diverge within steps (BENCHMARKS.md)
-    batch_size: int = 8  # items per optimizer step
-    micro_batch: int = 0  # items per forward/backward, gradients summed into the same step; 0 = the whole batch
-    #   in sync mode, 1 in background mode (a decode then waits for at most one item's forward/backward)
-    steps_per_update: int = 8  # optimizer steps per update (sampled from the buffer)
-    rehearsal: float = field(default=0.5, metadata={"help": (
+    mode: str = option("mismatch", "which positions feed the training buffer: mismatch (where the draft missed) or "
+                       "all (every output position)", choices=MODES)
+    top_k: int = option(64, "target distribution kept per position: its top K tokens and the tail's mass")
+    capacity: int = option(4096, "training buffer capacity in positions (oldest evicted first)")
+    every_requests: int = option(8, "update the draft every N finished requests (0 = off)")
+    min_positions: int = option(0, "... or when the buffer holds N positions (0 = off)")
+    max_age_seconds: float = option(0.0, "... or when the oldest buffered position is this many seconds old (0 = off)")
+    loss: str = option("forward_kl", "distillation loss: forward_kl (target||draft), reverse_kl, jsd, tv or "
+                       "reference_mix", choices=LOSSES)
+    beta: float = option(0.5, "the JSD's beta (loss jsd), in [0, 1]")
+    # AdamW on the top layers; 1e-4 made the offline loss diverge within steps (BENCHMARKS.md)
+    lr: float = option(1e-5, "learning rate (AdamW)")
+    batch_size: int = option(8, "training items (about one request each) per optimizer step")
+    micro_batch: int = option(0, "items per forward/backward, gradients summed into the same step; 0 = the whole "
+                              "batch in the sync schedule, 1 in background (a decode then waits for at most one item)")
+    steps_per_update: int = option(8, "optimizer steps per update (batches sampled from the buffer)")
+    rehearsal: float = option(0.5, (
         "share of each training batch drawn from a uniform sample of older traffic (what the buffer evicted; "
         "learn/rehearsal.py), against forgetting after a shift (cheap draft, gsm8k -> spider -> code: gsm8k held-out "
-        "-0.103 below the never-trained draft without it, +0.043 with 0.5; BENCHMARKS.md); 0 = the buffer alone")})
-    keep_unused_seconds: float = field(default=600.0, metadata={"help": (
-        "background schedule: a sample no optimizer step has used yet stays in the buffer past --capacity until a "
-        "step uses it or it is this many seconds old (up to 4x --capacity), and batches take unused samples first, "
-        "oldest first: a burst of requests loses none that has not aged out (learn/buffer.py); 0 = plain FIFO")})
-    rehearsal_capacity: int = 256  # items (about one request each) kept in that sample
-    rehearsal_uniform: bool = field(default=False, metadata={"help": (
-        "the older traffic's share of each batch follows its share of all traffic seen, at most --rehearsal: "
+        "-0.103 below the never-trained draft without it, +0.043 with 0.5; BENCHMARKS.md); 0 = the buffer alone"))
+    keep_unused_seconds: float = option(600.0, (
+        "background schedule: a sample no optimizer step has used yet stays in the buffer past the capacity until a "
+        "step uses it or it is this many seconds old (up to 4x the capacity), and batches take unused samples first, "
+        "oldest first: a burst of requests loses none that has not aged out (learn/buffer.py); 0 = plain FIFO"))
+    rehearsal_capacity: int = option(256, "items (about one request each) kept in that sample of older traffic")
+    rehearsal_uniform: bool = option(False, (
+        "the older traffic's share of each batch follows its share of all traffic seen, at most the rehearsal share: "
         "batches sample the whole history uniformly, as an offline draft trained on everything so far does "
         "(learn/rehearsal.py history_share); slower to follow a shift. Measured on a 600-request code stream: "
-        "held-out alpha 0.565 against 0.576 with the fixed share (BENCHMARKS.md), so it is off by default")})
-    sweep: bool = field(default=False, metadata={"help": (
+        "held-out alpha 0.565 against 0.576 with the fixed share (BENCHMARKS.md), so it is off by default"))
+    sweep: bool = option(False, (
         "draw each batch's recent and older items in shuffled sweeps (every item once before any twice, as offline "
         "epochs do; learn/rehearsal.py Sweeps) instead of independently per step; a resumed --fast replay starts "
-        "new sweeps")})
-    max_context: int = 384  # tokens of context kept per item
-    trainable: str = "no_embeddings"  # all | no_embeddings | lora (learn/trainable.py)
-    train_layers: int = 4  # 0 = all decoder layers train; N = only the top N (the rest frozen, outputs cached)
-    lora_rank: int = 8
-    guard: bool = True  # publish only if acceptance on held-out recent requests does not drop
-    guard_holdout: float = 0.2  # newest fraction of the guard buffer's requests, held out of training
-    guard_capacity: int = 2048  # positions of the guard buffer (every output position of recent requests)
-    guard_tolerance: float = 0.0  # allowed drop in held-out greedy agreement
-    guard_z: float = 1.64  # ... and the drop must exceed z paired-noise deviations (learn/guard.py; 0 = any drop)
-    drift_guard: bool = True  # (with guard) also compare the serving draft with the never-trained base on the
-    #   held-out requests; significantly below it -> roll back to the best version so far or reset to the base
-    drift_z: float = 1.64  # "significantly below": paired z < -drift_z
-    schedule: str = "sync"  # sync | background
-    busy_share: float = field(default=0.2, metadata={"help": (
+        "new sweeps"))
+    max_context: int = option(384, "tokens of context kept per training item")
+    # (learn/trainable.py's "adapter" is set by --drafts' own learners, not a flag)
+    trainable: str = option("no_embeddings", "which draft weights train: all, no_embeddings or lora "
+                            "(learn/trainable.py)", choices=("all", "no_embeddings", "lora"))
+    train_layers: int = option(4, "only the top N decoder layers train (the rest frozen, their outputs cached); "
+                               "0 = all")
+    lora_rank: int = option(8, "rank of the LoRA update (trainable lora)")
+    guard: bool = option(True, "publish an update only if the draft's acceptance on held-out recent requests does "
+                         "not drop")
+    guard_holdout: float = option(0.2, "newest share of the guard's requests held out of training, in [0, 1)")
+    guard_capacity: int = option(2048, "positions of the guard's buffer (every output position of recent requests)")
+    guard_tolerance: float = option(0.0, "drop in held-out greedy agreement the guard allows")
+    guard_z: float = option(1.64, "... and a rejected drop must also exceed this many paired-noise standard "
+                            "deviations (learn/guard.py; 0 = any drop)")
+    drift_guard: bool = option(True, "(with the guard) also compare the serving draft with the never-trained one on "
+                               "the held-out requests; significantly below it: roll back to the best version so far "
+                               "or reset to the base")
+    drift_z: float = option(1.64, "\"significantly below\" for the drift guard: paired z < -this")
+    schedule: str = option("sync", "when updates train: sync = inside the finished request (deterministic; "
+                           "replays), background = in a thread, in idle windows (serving)",
+                           choices=("sync", "background"))
+    busy_share: float = option(0.2, (
         "background schedule: the learner's share of the time while requests decode. Each second of serving steps "
         "earns it share / (1 - share) seconds, spent in chunks (one item's forward/backward) between two steps, at "
         "most one chunk per step (learn/budget.py); idle windows (no request decoding) are free. In (0, 1]; "
-        "1 = a chunk after every step")})
-    average: float = field(default=0.98, metadata={"help": (
+        "1 = a chunk after every step"))
+    average: float = option(0.98, (
         "serve an exponential moving average of the learner's weights over its optimizer steps (this decay per "
         "step; learn/average.py) instead of the last step's weights: held-out alpha +0.012 online, +0.017 offline "
         "on a 600-request code stream (BENCHMARKS.md); costs one more copy of the trainable weights; 0 = off, "
-        "the last step's weights serve")})
-    checkpoint_dir: str = ""  # "" = no checkpoints
-    seed: int = 0
+        "the last step's weights serve"))
+    checkpoint_dir: str = option("", "directory where the learner saves its draft and state, and resumes from on "
+                                 "restart; none = no checkpoints")
+    seed: int = option(0, "seed of the learner's sampling of batches")
+
+    @classmethod
+    def serving(cls, **overrides) -> "LearnConfig":
+        """`osd serve`'s defaults: learn in a background thread, and resume on restart.
+        busy_share: the learner's share of the busy time (learn/budget.py: earned from the serving steps' seconds),
+        what learning costs there on top of observing. Under the old idle-window rule 0.05 let a 75 s load at 8
+        clients take 0 optimizer steps (benchmarks/scale/bench-scale-noray-48-steps.json); 0.1 runs an update (~90
+        chunks) in ~15 s of learner time, so a busy server publishes within tens of requests. Idle windows are not
+        limited by it."""
+        return cls(**{"schedule": "background", "busy_share": 0.1, "checkpoint_dir": "runs/draft-checkpoint",
+                      **overrides})
 
     def __post_init__(self):
         if self.mode not in MODES:

@@ -8,34 +8,51 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from osd.errors import InvalidArgument
+from osd.flags import option
 
 SCHEDULES = ("sync", "background")
 
 
 @dataclass
 class RouteConfig:
-    drafts: str = ""  # comma-separated draft names: adapters on the base draft, routed per request ("" = one draft)
-    explore: float = 0.05  # at most this share of routed requests go to another draft than the router's choice
-    score_share: float = 0.25  # share of finished requests on which EVERY draft is scored teacher-forced (full information)
-    score_time_share: float = 0.02  # ... and scoring stops while its seconds exceed this share of serving seconds
-    score_max_tokens: int = 1024  # tokens (prompt tail + output) one scoring forward covers at most
-    score_schedule: str = "sync"  # sync: score inside the request observer | background: in idle windows (serving)
-    route_forget: float = 0.998  # the router's ridge regression forgets old requests by this factor each (~500 requests)
-    route_ridge: float = 0.1  # ridge regularisation of the router's regression
-    route_margin: float = 0.01  # predicted advantages within this of the best tie: the request's owner serves
-    route_z: float = 1.64  # another draft than the owner serves only when its predicted lead over the owner exceeds
-    #   margin + route_z prediction standard deviations (route/policy.py; 0 = the margin alone)
-    route_warmup: int = 128  # requests (all owned by the first draft) on which k-means then finds one mode per draft
-    route_split_similarity: float = 0.3  # a draft without a mode claims a request less similar (cosine) than this to
-    #   every mode (route/policy.py)
-    route_centroid_ema: float = 0.05  # weight of a new request in its draft's traffic centroid
-    route_buckets: int = 512  # hashed n-gram buckets of the prompt features
-    route_window: int = 512  # prompt tokens (the last ones) the features look at
-    route_seed: int = 0
-    adapter_rank: int = 8
-    adapter_alpha: float = 16.0
-    adapter_layers: int = 4  # adapters on the top N decoder layers; the drafts' learners train exactly these
-    adapter_serving: str = "adapter"  # adapter: shared serving linears + low-rank update | merged: folded, per draft
+    drafts: str = option("", "comma-separated draft names: adapters on the base draft, one chosen per request by a "
+                         "router; none = one draft")
+    explore: float = option(0.05, "at most this share of routed requests go to another draft than the router's "
+                            "choice")
+    score_share: float = option(0.25, "share of finished requests on which every draft is scored (teacher-forced) "
+                                "to train the router")
+    score_time_share: float = option(0.02, "... and scoring pauses while its seconds exceed this share of serving "
+                                     "seconds")
+    score_max_tokens: int = option(1024, "most tokens (prompt tail + output) one scoring forward covers")
+    score_schedule: str = option("sync", "when drafts are scored: sync = inside the request's observer, background "
+                                 "= in idle windows (serving)", choices=SCHEDULES)
+    route_forget: float = option(0.998, "the router's regression forgets old requests by this factor each "
+                                 "(~500 requests)")
+    route_ridge: float = option(0.1, "ridge regularisation of the router's regression")
+    route_margin: float = option(0.01, "predicted advantages within this of the best tie: the request's owner serves")
+    route_z: float = option(1.64, "another draft than the owner serves only when its predicted lead exceeds the "
+                            "margin + this many prediction standard deviations (route/policy.py; 0 = the margin "
+                            "alone)")
+    route_warmup: int = option(128, "requests (all served by the first draft) on which k-means then finds one "
+                               "traffic mode per draft")
+    route_split_similarity: float = option(0.3, "a draft without a mode claims a request less similar (cosine) than "
+                                           "this to every mode (route/policy.py)")
+    route_centroid_ema: float = option(0.05, "weight of a new request in its draft's traffic centroid")
+    route_buckets: int = option(512, "hashed n-gram buckets of the prompt features")
+    route_window: int = option(512, "prompt tokens (the last ones) the features look at")
+    route_seed: int = option(0, "seed of the router and the adapters' initialisation")
+    adapter_rank: int = option(8, "rank of each draft's low-rank adapter")
+    adapter_alpha: float = option(16.0, "scale (alpha) of each draft's adapter")
+    adapter_layers: int = option(4, "adapters on the top N decoder layers (the drafts' learners train exactly "
+                                 "these)")
+    adapter_serving: str = option("adapter", "how the drafts serve: adapter = shared linears + each one's low-rank "
+                                  "update, merged = folded into weights of its own per draft",
+                                  choices=("adapter", "merged"))
+
+    @classmethod
+    def serving(cls, **overrides) -> "RouteConfig":
+        """`osd serve`'s defaults: the drafts are scored in idle windows, off the requests' path."""
+        return cls(**{"score_schedule": "background", **overrides})
 
     def __post_init__(self):
         if not (0.0 <= self.explore < 1.0) or not (0.0 <= self.score_share <= 1.0) or self.score_time_share < 0:

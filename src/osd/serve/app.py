@@ -35,11 +35,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from osd.engine import GenerationResult
 from osd.serve import errors
+from osd.serve.chat_template import with_chat_template
 from osd.serve.errors import BadJSON, NoLearner, Unauthorized
 from osd.serve.middleware import BodyLimit, CountRequests
 from osd.serve.prom import CONTENT_TYPE, ServeMetrics
 from osd.serve.schemas import ChatCompletionRequest, CompletionRequest, LearnerControl
 from osd.serve.settings import ServeSettings
+from osd.serve.stats_line import StatsLine, read_engine
 from osd.serve.translate import (Shapes, chat_prompt, check_common, completion_prompt, osd_stats, pinned_draft,
                                  sampling_from)
 from osd.serve.worker import Job, Worker
@@ -87,6 +89,7 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
     pool: serving replicas on Ray (cluster/pool.py ReplicaPool) instead of a local engine (engine None then)."""
     settings = settings or ServeSettings()
     model_name = settings.model_name or model_name
+    tokenizer = with_chat_template(tokenizer, settings.chat_template)  # prompts only; the engine keeps its own
     metrics = ServeMetrics()
     if pool is None:
         worker = Worker(engine, own_thread=worker_thread, max_queue=settings.max_queue)
@@ -103,17 +106,25 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
 
         metrics.registry.register(RouteCollector(routing))
     lifecycle = Lifecycle(worker, learner, routing)
+    # the periodic "running | queued | tok/s | acceptance | ..." line (serve/stats_line.py); not over replicas yet
+    stats_line = StatsLine(lambda: read_engine(engine, worker, learner, drafts), settings.stats_interval) \
+        if pool is None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         lifecycle.start()
+        if stats_line is not None:
+            stats_line.start()
         try:
             yield
         finally:
+            if stats_line is not None:
+                stats_line.stop()
             await asyncio.to_thread(lifecycle.stop)
 
     app = FastAPI(title="osd", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan)
     app.state.lifecycle, app.state.settings, app.state.metrics, app.state.worker = lifecycle, settings, metrics, worker
+    app.state.stats_line = stats_line  # more figures join it through stats_line.extras
     errors.install(app)
     auth = [Depends(_api_key_check(settings.api_key))]
 

@@ -4,39 +4,41 @@ from __future__ import annotations
 import argparse
 import os
 
-from osd.flags import add_config_flags, config_from
+from osd.flags import HELP_DEFAULT, add_config_flags, config_from
+from osd.logs import configure_logging, uvicorn_options
 from osd.serve.settings import ServeSettings
 
 
 def register(sub) -> None:
-    """Add `osd serve` to the `osd` parser (sub)."""
+    """Add `osd serve` to the `osd` parser (sub). Its defaults are the configs' serving() instances, declared beside
+    the dataclasses, so that what --help shows is what runs (flags.py)."""
     from osd.config import ModelConfig, SpeculationConfig
     from osd.learn.online import LearnConfig
     from osd.route.config import RouteConfig
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding")
-    add_config_flags(p, ServeSettings, skip=("api_key", "model_name"))
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding",
+                       description="OpenAI-compatible HTTP server with speculative decoding and a draft distilled "
+                       "online from the traffic it serves. Learner flags are --learn-*.")
+    add_config_flags(p, ServeSettings, skip=("api_key",), title="server")
+    # the key's default comes from the environment, and help must not print it
     p.add_argument("--api-key", default=os.environ.get("OSD_API_KEY"),
-                   help="require 'Authorization: Bearer <key>' on /v1/* (and on /metrics with --metrics-require-key; "
-                   "default $OSD_API_KEY; none = open)")
-    p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
+                   help="require 'Authorization: Bearer <key>' on /v1/* (and on /metrics with --metrics-require-key) "
+                   "(default: $OSD_API_KEY; unset = open)")
     p.add_argument("--replicas", type=int, default=0,
                    help="serve from N engine replicas on Ray behind this one HTTP front, one learner fed by all "
-                        "(needs `pip install 'osd[ray]'`; 0 = one engine in this process, Ray never imported)")
+                        "(needs `pip install 'osd[ray]'`; 0 = one engine in this process, Ray never imported) "
+                        "(default: %(default)s)")
     p.add_argument("--ray-address", default=None,
                    help="with --replicas: join this Ray cluster (`auto`, or <head>:6379) instead of starting a local "
-                        "one; its actors then outlive this front")
-    p.add_argument("--learn", action=argparse.BooleanOptionalAction, default=True,
-                   help="distill the draft online from served traffic (on by default; LearnConfig flags)")
-    for cls in (ModelConfig, SpeculationConfig, LearnConfig, RouteConfig):
-        add_config_flags(p, cls)
-    p.set_defaults(max_batch=8)  # serving: continuous batching of up to 8 sequences per step
-    # serving under load: the learner's share of the busy time (learn/budget.py: earned from the serving steps' seconds),
-    # what learning costs there on top of observing. Under the old idle-window rule 0.05 let a 75 s load at 8 clients
-    # take 0 optimizer steps (benchmarks/bench-scale-noray-48-steps.json); 0.1 runs an update (~90 chunks) in ~15 s
-    # of learner time, so a busy server publishes within tens of requests. Idle windows are not limited by it.
-    p.set_defaults(busy_share=0.1)
-    p.set_defaults(schedule="background", checkpoint_dir="runs/draft-checkpoint", score_schedule="background")  # serving: learn in idle windows, resume on restart
+                        "one; its actors then outlive this front (default: %(default)s)")
+    learn = p.add_argument("--learn", action=argparse.BooleanOptionalAction, default=True)
+    learn.help = "distill the draft online from served traffic (the --learn-* flags)" + HELP_DEFAULT  # set after:
+    #   BooleanOptionalAction (Python 3.11) appends a default of its own
+    add_config_flags(p, ModelConfig, title="models")
+    add_config_flags(p, SpeculationConfig.serving(), title="speculative decoding")
+    add_config_flags(p, LearnConfig.serving(), prefix="learn-", title="online learning, with --learn")  # the bare
+    #   names (--top-k, ...) stay as hidden aliases
+    add_config_flags(p, RouteConfig.serving(), title="several drafts routed per request, with --drafts")
     p.set_defaults(func=cmd_serve)
 
 
@@ -50,9 +52,13 @@ def cmd_serve(args) -> None:
     from osd.learn.online import LearnConfig
     from osd.memory import return_freed_memory_to_the_system
     from osd.route.config import RouteConfig
+    from osd.serve.chat_template import load_chat_template
 
     return_freed_memory_to_the_system()  # a long-running process: freed tensors must not stay resident
     settings = config_from(args, ServeSettings)
+    configure_logging(settings.log_level)
+    if settings.chat_template:
+        load_chat_template(settings.chat_template)  # a bad one fails now, not after minutes of loading models
     models = config_from(args, ModelConfig)
     if args.replicas:
         cmd_serve_cluster(args, settings, models)
@@ -98,8 +104,8 @@ def serve(engine, tokenizer, model_name: str, settings: ServeSettings, learner=N
 
     app = create_app(engine, tokenizer, model_name, learner=learner, settings=settings, routing=routing,
                      worker_thread=False)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
-                                           timeout_graceful_shutdown=30))
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=30,
+                                           **uvicorn_options(settings.log_level)))
     http = threading.Thread(target=server.run, name="osd-http", daemon=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: setattr(server, "should_exit", True))

@@ -1,0 +1,1 @@
+"""Offline distillation: the target-output cache, sample sources, the trainer, acceptance evaluation."""

@@ -1,0 +1,1 @@
+"""Learning the draft: distillation losses (pure), compact target distributions, replay buffer, trainers."""

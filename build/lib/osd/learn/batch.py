@@ -1,0 +1,72 @@
+"""Distillation on replay items: the draft's logits at the supervised positions only, and losses on them.
+
+Only the hidden states at positions P-1 go through the LM head, so a 151,936-token vocabulary costs
+(positions x V), not (tokens x V).
+"""
+from __future__ import annotations
+
+import torch
+
+from osd.learn.buffer import ReplayItem
+from osd.learn.compact import CompactDist
+from osd.learn.losses import bucket_log_probs, distill_loss, tv_distance
+from osd.learn.trainable import head_logits_at, trunk_features
+from osd.models.vocab_map import in_target_vocab, restrict_to_draft
+
+
+def draft_logits_at(draft_model, items: list[ReplayItem], split: int = 0, rows_only: bool = True) -> torch.Tensor:
+    """(sum of positions, V') draft logits aligned with the items' targets (index P-1 for token P), over the
+    draft's own head (V' < V for a derived draft: models/vocab_map.py maps them).
+
+    split > 0: layers below `split` are frozen; their output is taken from item.features when an item
+    holds it, else computed (no grad) and kept on the item for the next time; rows_only: the last layer
+    runs at the supervised positions only (learn/trainable.py, same values).
+    """
+    width = max(len(it.tokens) for it in items)
+    input_ids = torch.zeros(len(items), width, dtype=torch.long)  # (B, T) right-padded
+    mask = torch.zeros(len(items), width, dtype=torch.long)
+    rows, cols = [], []
+    for b, it in enumerate(items):
+        input_ids[b, : len(it.tokens)] = torch.tensor(it.tokens)
+        mask[b, : len(it.tokens)] = 1
+        rows += [b] * len(it.positions)
+        cols += [p - 1 for p in it.positions]
+    rows, cols = torch.tensor(rows), torch.tensor(cols)
+    if split == 0:
+        hidden = draft_model.model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # (B, T, H)
+        return draft_model.lm_head(hidden[rows, cols]).float()  # (N, V)
+    missing = [b for b, it in enumerate(items) if it.features is None]
+    if missing:
+        computed = trunk_features(draft_model, input_ids[missing], split)
+        for j, b in enumerate(missing):
+            items[b].features = computed[j, : len(items[b].tokens)].to(torch.bfloat16)
+    features = torch.zeros(len(items), width, items[0].features.shape[-1])
+    for b, it in enumerate(items):
+        features[b, : len(it.tokens)] = it.features[: len(it.tokens)].float()
+    return head_logits_at(draft_model, features, split, rows, cols, rows_only)
+
+
+def items_loss(draft_model, items: list[ReplayItem], loss: str = "forward_kl", beta: float = 0.5,
+               temperature: float = 1.0, split: int = 0, rows_only: bool = True) -> torch.Tensor:
+    """A draft with a restricted head (models/vocab_map.py) learns the target conditioned on its vocabulary."""
+    target = restrict_to_draft(draft_model, CompactDist.cat([it.target for it in items]))
+    return distill_loss(draft_logits_at(draft_model, items, split, rows_only), target, loss, beta, temperature=temperature)
+
+
+@torch.no_grad()
+def acceptance_on(draft_model, items: list[ReplayItem], batch_size: int = 8, split: int = 0,
+                  pause=lambda: None) -> dict:
+    """Greedy agreement (draft argmax == target argmax) and expected acceptance 1 - TV on items;
+    `correct` is the agreement per position (for paired comparisons). `pause()` runs before each chunk."""
+    beta, correct = 0.0, []
+    for i in range(0, len(items), batch_size):
+        pause()
+        chunk = items[i : i + batch_size]
+        logits = in_target_vocab(draft_model, draft_logits_at(draft_model, chunk, split))  # (N, V)
+        target = CompactDist.cat([it.target for it in chunk])
+        correct += (logits.argmax(-1) == target.ids[:, 0]).tolist()
+        t, d = bucket_log_probs(logits, target)
+        beta += (1 - tv_distance(t, d)).sum().item()
+    n = len(correct)
+    return {"greedy_agreement": sum(correct) / n if n else None, "expected_acceptance": beta / n if n else None, "positions": n,
+            "correct": correct}

@@ -1,0 +1,541 @@
+"""The online learner: observe verification -> buffer -> distill -> guard -> publish (PAPER.md section 4).
+
+It touches the engine through two seams only: it observes StepRecords (which already hold the target's
+logits) and it publishes new draft weights with a version through a `publish(master) -> snapshot`
+callable. Training runs on its own fp32 master copy of the draft; serving uses published snapshots.
+
+Schedules: "sync" trains inside `after_request` (deterministic; stream replay, tests); "background"
+trains in its own thread, taking optimizer steps only while the engine is idle ("idle windows") so
+that serving latency suffers least on a 2-core CPU; under constant load it trains anyway, for about
+`busy_share` of the time (learn/idle.py), so that updates still publish on a saturated server.
+A rejected update restores the weights and the optimizer's state (its Adam moments) as they were
+(learn/restore.py RestorePoint); so does an update that an exception cuts short: the master is never left
+half-updated (it returns to its state when the update began, or when this update last published).
+Rehearsal (rehearsal > 0): a share of each batch comes from a uniform sample of the older traffic the buffer
+evicted (learn/rehearsal.py), so that learning a new domain does not erase an old one; with rehearsal_uniform
+that share is the older traffic's share of all traffic seen, so batches sample the whole history uniformly.
+The learner's fixed memory (Adam moments, the drift guard's weight copies) is taken when it is built
+(learn/memory.py).
+Averaging (average > 0): the master holds an exponential moving average of the optimizer's weights, which is what
+the guard judges and what is published and checkpointed; the optimizer steps its own trajectory, swapped in for
+the steps only (learn/average.py).
+Drift guard (drift_guard): after each update the draft that serves is also compared with the never-trained
+base (and the best version so far) on the same held-out requests; significantly below the base (paired
+z < -drift_z), it is rolled back to the best version or reset to the base (counters "rollbacks", "resets";
+learn/guard.py drift_action, learn/drift.py). Held-out requests are ones no optimizer step has seen.
+An exception inside an update is counted apart (`update_errors`, not `updates_rejected`: those are the guard's
+verdicts) and re-raised; the background thread logs it and goes on with the next update, and serving goes on with
+the last published draft. (In sync mode the exception reaches the caller of after_request.)
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+
+import torch
+
+from osd.errors import InvalidArgument
+from osd.flags import option
+from osd.learn.average import WeightAverage
+from osd.learn.batch import acceptance_on, items_loss
+from osd.learn.buffer import MODES, ReplayBuffer, items_of_step
+from osd.learn.checkpoint import load_checkpoint, load_extra, save_checkpoint
+from osd.learn.drift import VersionStore
+from osd.learn.guard import drift_action, is_worse, paired_flips, paired_z
+from osd.learn.idle import IdleWindows
+from osd.learn.losses import LOSSES
+from osd.learn.memory import items_bytes, optimizer_state_bytes, reserve_optimizer_state, tensor_bytes
+from osd.learn.rehearsal import Reservoir, Sweeps, history_share, mixed_batch
+from osd.learn.residual import add_difference
+from osd.learn.restore import RestorePoint
+from osd.learn.trainable import configure_trainable, split_index
+from osd.learn.triggers import UpdateTrigger
+from osd.schedule.turns import end_thread_team
+
+log = logging.getLogger("osd.learn")
+TRAJECTORY = "learner_trajectory"  # checkpoint file (.pt) of the learner's own weights (and step count) when the
+#   average serves
+
+
+@dataclass
+class LearnConfig:
+    mode: str = option("mismatch", "which positions feed the training buffer: mismatch (where the draft missed) or "
+                       "all (every output position)", choices=MODES)
+    top_k: int = option(64, "target distribution kept per position: its top K tokens and the tail's mass")
+    capacity: int = option(4096, "training buffer capacity in positions (oldest evicted first)")
+    every_requests: int = option(8, "update the draft every N finished requests (0 = off)")
+    min_positions: int = option(0, "... or when the buffer holds N positions (0 = off)")
+    max_age_seconds: float = option(0.0, "... or when the oldest buffered position is this many seconds old (0 = off)")
+    loss: str = option("forward_kl", "distillation loss: forward_kl (target||draft), reverse_kl, jsd, tv or "
+                       "reference_mix", choices=LOSSES)
+    beta: float = option(0.5, "the JSD's beta (loss jsd), in [0, 1]")
+    # AdamW on the top layers; 1e-4 made the offline loss diverge within steps (BENCHMARKS.md)
+    lr: float = option(1e-5, "learning rate (AdamW)")
+    batch_size: int = option(8, "training items (about one request each) per optimizer step")
+    micro_batch: int = option(0, "items per forward/backward, gradients summed into the same step; 0 = the whole "
+                              "batch in the sync schedule, 1 in background (a decode then waits for at most one item)")
+    steps_per_update: int = option(8, "optimizer steps per update (batches sampled from the buffer)")
+    rehearsal: float = option(0.5, (
+        "share of each training batch drawn from a uniform sample of older traffic (what the buffer evicted; "
+        "learn/rehearsal.py), against forgetting after a shift (cheap draft, gsm8k -> spider -> code: gsm8k held-out "
+        "-0.103 below the never-trained draft without it, +0.043 with 0.5; BENCHMARKS.md); 0 = the buffer alone"))
+    rehearsal_capacity: int = option(256, "items (about one request each) kept in that sample of older traffic")
+    rehearsal_uniform: bool = option(False, (
+        "the older traffic's share of each batch follows its share of all traffic seen, at most the rehearsal share: "
+        "batches sample the whole history uniformly, as an offline draft trained on everything so far does "
+        "(learn/rehearsal.py history_share); slower to follow a shift. Measured on a 600-request code stream: "
+        "held-out alpha 0.565 against 0.576 with the fixed share (BENCHMARKS.md), so it is off by default"))
+    sweep: bool = option(False, (
+        "draw each batch's recent and older items in shuffled sweeps (every item once before any twice, as offline "
+        "epochs do; learn/rehearsal.py Sweeps) instead of independently per step; a resumed --fast replay starts "
+        "new sweeps"))
+    max_context: int = option(384, "tokens of context kept per training item")
+    # (learn/trainable.py's "adapter" is set by --drafts' own learners, not a flag)
+    trainable: str = option("no_embeddings", "which draft weights train: all, no_embeddings or lora "
+                            "(learn/trainable.py)", choices=("all", "no_embeddings", "lora"))
+    train_layers: int = option(4, "only the top N decoder layers train (the rest frozen, their outputs cached); "
+                               "0 = all")
+    lora_rank: int = option(8, "rank of the LoRA update (trainable lora)")
+    guard: bool = option(True, "publish an update only if the draft's acceptance on held-out recent requests does "
+                         "not drop")
+    guard_holdout: float = option(0.2, "newest share of the guard's requests held out of training, in [0, 1)")
+    guard_capacity: int = option(2048, "positions of the guard's buffer (every output position of recent requests)")
+    guard_tolerance: float = option(0.0, "drop in held-out greedy agreement the guard allows")
+    guard_z: float = option(1.64, "... and a rejected drop must also exceed this many paired-noise standard "
+                            "deviations (learn/guard.py; 0 = any drop)")
+    drift_guard: bool = option(True, "(with the guard) also compare the serving draft with the never-trained one on "
+                               "the held-out requests; significantly below it: roll back to the best version so far "
+                               "or reset to the base")
+    drift_z: float = option(1.64, "\"significantly below\" for the drift guard: paired z < -this")
+    schedule: str = option("sync", "when updates train: sync = inside the finished request (deterministic; "
+                           "replays), background = in a thread, in idle windows (serving)",
+                           choices=("sync", "background"))
+    busy_share: float = option(0.2, (
+        "background schedule: the learner waits for idle windows (no request decoding) before each micro-batch, "
+        "but under constant load it waits at most (1 - share) / share x the seconds it has worked in the update, "
+        "then trains between their steps: saturated, it takes about this share of the time and an update about "
+        "its working time / share. In (0, 1]; 1 = never wait"))
+    average: float = option(0.98, (
+        "serve an exponential moving average of the learner's weights over its optimizer steps (this decay per "
+        "step; learn/average.py) instead of the last step's weights: held-out alpha +0.012 online, +0.017 offline "
+        "on a 600-request code stream (BENCHMARKS.md); costs one more copy of the trainable weights; 0 = off, "
+        "the last step's weights serve"))
+    checkpoint_dir: str = option("", "directory where the learner saves its draft and state, and resumes from on "
+                                 "restart; none = no checkpoints")
+    seed: int = option(0, "seed of the learner's sampling of batches")
+
+    @classmethod
+    def serving(cls, **overrides) -> "LearnConfig":
+        """`osd serve`'s defaults: learn in a background thread in idle windows, and resume on restart.
+        busy_share: the learner's share of a saturated machine, what learning costs there on top of observing
+        (bench serve-vs at 8 clients, AMD EPYC, arms alternating: 0.1 cost 13.8% of the aggregate tokens/s, 0.05
+        10.3%, and 2.8% once the learner's OpenMP team no longer outlived its chunks;
+        benchmarks/bench-serve-vs-learning-abba*.json). Idle windows are not limited by it."""
+        return cls(**{"schedule": "background", "busy_share": 0.05, "checkpoint_dir": "runs/draft-checkpoint",
+                      **overrides})
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise InvalidArgument(f"learn mode must be one of {MODES}, got {self.mode!r}")
+        if self.loss not in LOSSES:
+            raise InvalidArgument(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if not 0.0 <= self.beta <= 1.0:
+            raise InvalidArgument(f"beta must be in [0, 1], got {self.beta}")
+        if self.guard_z < 0 or self.guard_tolerance < 0 or self.drift_z < 0:
+            raise InvalidArgument("guard_z, guard_tolerance and drift_z must be >= 0")
+        if self.micro_batch < 0:
+            raise InvalidArgument(f"micro_batch must be >= 0 (0 = automatic), got {self.micro_batch}")
+        if min(self.lr, self.batch_size, self.steps_per_update, self.capacity, self.top_k, self.guard_capacity) <= 0:
+            raise InvalidArgument("lr, batch_size, steps_per_update, capacity, top_k and guard_capacity must be > 0")
+        if not 0.0 <= self.rehearsal <= 1.0 or self.rehearsal_capacity <= 0:
+            raise InvalidArgument(f"rehearsal must be in [0, 1] and rehearsal_capacity > 0, got {self.rehearsal}, "
+                                  f"{self.rehearsal_capacity}")
+        if not 0.0 <= self.average < 1.0:
+            raise InvalidArgument(f"average must be in [0, 1) (0 = off), got {self.average}")
+        if not 0.0 <= self.guard_holdout < 1.0:
+            raise InvalidArgument(f"guard_holdout must be in [0, 1), got {self.guard_holdout}")
+        if not 0.0 < self.busy_share <= 1.0:
+            raise InvalidArgument(f"busy_share must be in (0, 1], got {self.busy_share}")
+        if self.schedule not in ("sync", "background"):
+            raise InvalidArgument(f"schedule must be sync or background, got {self.schedule!r}")
+
+
+class OnlineLearner:
+    def __init__(self, master, publish, config: LearnConfig | None = None, engine_busy=lambda: False,
+                 clock=time.monotonic, sleep=time.sleep):
+        self.config = config or LearnConfig()
+        self.master, self.publish, self.engine_busy, self.clock = master, publish, engine_busy, clock
+        # older traffic the buffer evicts, sampled uniformly and mixed into batches (None: rehearsal off)
+        self.reservoir = Reservoir(self.config.rehearsal_capacity, self.config.seed) if self.config.rehearsal else None
+        self.buffer = ReplayBuffer(self.config.capacity, clock,  # the training signal (mismatches, or all)
+                                   self.reservoir.offer if self.reservoir is not None else None)
+        # The guard judges acceptance, so it needs every position (accepted ones too), not only
+        # the mismatches: on those alone agreement is ~0 before any update and can only look better after.
+        self.guard_buffer = ReplayBuffer(self.config.guard_capacity, clock)
+        self.trigger = UpdateTrigger(self.config.every_requests, self.config.min_positions, self.config.max_age_seconds)
+        self.params = configure_trainable(master, self.config.trainable, self.config.train_layers, self.config.lora_rank)
+        self.split = split_index(master, self.config.train_layers)
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, weight_decay=0.0)
+        # averaging: the master holds the average of the steps' weights (what serves), the optimizer steps its own
+        # trajectory (learn/average.py); None: the master's weights are the last step's
+        self.average = WeightAverage(self.params, self.config.average) if self.config.average else None
+        reserve_optimizer_state(self.optimizer)  # the moments now, not at the first step (learn/memory.py)
+        # the drift guard's base / best versions and the requests ever trained on (None: no drift guard)
+        self.versions = VersionStore(self.params) if self.config.guard and self.config.drift_guard else None
+        self.rng = random.Random(self.config.seed)
+        self.sweeps = (Sweeps(self.rng), Sweeps(self.rng)) if self.config.sweep else None  # recent, older
+        self.version = 0
+        self.counters = {"requests": 0, "requests_since_update": 0, "updates_published": 0, "updates_rejected": 0,
+                         "update_errors": 0,  # exceptions inside updates (not guard rejections)
+                         "steps_skipped_nonfinite": 0, "optimizer_steps": 0, "train_seconds": 0.0,
+                         "rollbacks": 0, "resets": 0,  # drift guard: back to the best version / to the base
+                         "parked_seconds": 0.0}  # updates parked by pause() (train_seconds, their wall time, includes it)
+        self.last_update: dict = {}
+        self.history: list[dict] = []  # one summary per update (bounded)
+        self._lock = threading.RLock()  # one update (or checkpoint) at a time
+        self._restore_point: RestorePoint | None = None  # during an update: what a failure or a rejection returns to
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # background: before each chunk of work, wait for an idle engine (engine_busy, set by attach), within budget
+        self.idle = IdleWindows(self.config.busy_share, lambda: self.engine_busy(), clock, sleep, stop=self._stop)
+        self.training = False
+        self.paused = False  # an operator's switch (pause / unpause): no update starts, one in flight parks
+        self._unpaused, self._parked = threading.Event(), threading.Event()
+
+    # --- seam 1: observing the engine ---------------------------------------------------------
+    def observe(self, record) -> None:
+        cfg = self.config  # (the top-k is computed once per step: ~0.8 ms a sequence-step in the serving thread)
+        self.observe_item(*items_of_step(record, cfg.mode, cfg.top_k, cfg.max_context, cfg.guard, self.clock()))
+
+    def observe_item(self, item, every_position_item=None) -> None:
+        """Items built elsewhere too (the greedy fast-path replay builds them from cached target outputs).
+
+        item: the training signal (None: nothing to learn here); every_position_item: the same step's
+        every proposed position, for the guard.
+        """
+        if item is not None:
+            self.buffer.add(item)
+        if every_position_item is not None and self.config.guard:
+            self.guard_buffer.add(every_position_item)
+
+    def after_request(self, result=None) -> None:
+        self.counters["requests"] += 1
+        self.counters["requests_since_update"] += 1
+        if self.config.schedule == "sync":
+            self.maybe_update()
+        else:
+            self._wake.set()
+
+    def attach(self, engine) -> "OnlineLearner":
+        engine.observers.append(self.observe)
+        engine.request_observers.append(self.after_request)
+        self.engine_busy = engine.busy
+        self.idle.turns = getattr(engine, "turns", None)  # chunks between steps, never beside one
+        return self
+
+    # --- updating -------------------------------------------------------------------------------
+    def maybe_update(self) -> dict | None:
+        if self.paused:
+            return None
+        reason = self.trigger.due(self.counters["requests_since_update"], len(self.buffer), self.buffer.oldest_age())
+        return self.update(reason) if reason else None
+
+    def update(self, reason: str = "manual") -> dict:
+        """Distill on the buffer; publish if the guard agrees. Never leaves a broken draft serving.
+
+        An exception midway (after some optimizer steps changed the master, before it is published) restores the
+        master's trainable weights and the optimizer's state as they were, counts it in update_errors and re-raises;
+        the published draft keeps serving and the next update starts from the restored master."""
+        with self._lock:
+            self.training = True
+            start = self.clock()
+            self._restore_point = RestorePoint(self.weights(), self.optimizer)
+            self.idle.begin()
+            try:
+                report = self._update(reason)
+            except Exception as e:
+                self._restore_point.restore()
+                self.master.eval()
+                self.counters["update_errors"] += 1
+                self.last_update = {"reason": reason, "error": repr(e), "published": False}
+                raise
+            finally:
+                self.idle.release()
+                self.training = False
+                self._restore_point = None
+            self.counters["train_seconds"] += self.clock() - start
+            self.counters["requests_since_update"] = 0
+            self.last_update = report
+            losses = report.get("losses") or []
+            self.history = (self.history + [{**{k: v for k, v in report.items() if k != "losses"},
+                                             "mean_loss": sum(losses) / len(losses) if losses else None,
+                                             "seconds": self.clock() - start, "at_request": self.counters["requests"]}])[-1000:]
+            return report
+
+    def _update(self, reason: str) -> dict:
+        cfg = self.config
+        held = self._holdout_requests()
+        train = [it for it in self.buffer.snapshot() if it.request_id not in held]
+        older = [] if self.reservoir is None else [it for it in self.reservoir.snapshot() if it.request_id not in held]
+        holdout = [it for it in self.guard_buffer.snapshot() if it.request_id in held]
+        if not train:
+            return {"reason": reason, "items": 0, "published": False, "rejected_because": "nothing to train on",
+                    "losses": []}
+        before = self._acceptance(holdout) if holdout else None
+        self.master.train()
+        losses = []
+        with self.average.training() if self.average is not None else nullcontext():
+            share = cfg.rehearsal if not cfg.rehearsal_uniform or self.reservoir is None else \
+                history_share(self.reservoir.offered, len(train), cfg.rehearsal)
+            for _ in range(cfg.steps_per_update):
+                batch = mixed_batch(self.rng, train, older, cfg.batch_size, share, stochastic=cfg.rehearsal_uniform,
+                                    sweeps=self.sweeps)
+                loss = self._accumulate_gradients(batch)
+                if loss is None:
+                    self.counters["steps_skipped_nonfinite"] += 1
+                    continue
+                torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+                self.optimizer.step()
+                if self.average is not None:
+                    self.average.step()
+                self.counters["optimizer_steps"] += 1
+                losses.append(loss)
+        self.master.eval()
+        if self.versions is not None:  # a request some step has seen is never held out again
+            self.versions.mark_trained({it.request_id for it in train + older},
+                                       {it.request_id for it in self.buffer.snapshot() + self.guard_buffer.snapshot() + older})
+        after = self._acceptance(holdout) if holdout else None
+        finite = all(torch.isfinite(p).all() for p in self.params)
+        before_correct = before.pop("correct") if before is not None else None
+        after_correct = after.pop("correct") if after is not None else None
+        worse = before is not None and is_worse(before_correct, after_correct, cfg.guard_z, cfg.guard_tolerance)
+        report = {"reason": reason, "items": len(train) + len(holdout), "train_items": len(train), "losses": losses,
+                  "holdout_before": before, "holdout_after": after, "published": False}
+        if not losses or not finite or worse:
+            self._restore_point.restore()  # moments too: a rejected update leaves no trace
+            self.counters["updates_rejected"] += 1
+            report["rejected_because"] = "no finite step" if not losses else "non-finite weights" if not finite else "guard"
+            if self._stop_drift(holdout, before_correct, report):
+                self._checkpoint()
+            return report
+        self._publish()
+        self.counters["updates_published"] += 1
+        report.update(published=True, version=self.version)
+        self._stop_drift(holdout, after_correct, report)
+        self._checkpoint()
+        return report
+
+    def _checkpoint(self) -> None:
+        """An update's checkpoint (where configured), written without the cores: serving goes on meanwhile."""
+        if self.config.checkpoint_dir:
+            self.idle.release()
+            self.save()
+
+    def _stop_drift(self, holdout: list, serving: list[bool] | None, report: dict) -> bool:
+        """The drift guard: the serving draft (`serving`: its correctness on `holdout`) against the never-trained
+        base and the best version so far, on the same held-out positions. Keeps, or rolls back / resets and then
+        publishes the restored weights as a new version, with fresh optimizer moments (returns True then)."""
+        if self.versions is None or not holdout or serving is None:
+            return False
+        evaluate = lambda items: self._acceptance(items)["correct"]
+        base = self.versions.correct_of("base", holdout, evaluate)
+        best = None if self.versions.best is None else (
+            serving if self.versions.best["version"] == self.version else self.versions.correct_of("best", holdout, evaluate))
+        action = drift_action(base, serving, best, self.config.drift_z)
+        lost, gained = paired_flips(base, serving)
+        report["vs_base"] = {"gained": gained, "lost": lost, "z": paired_z(base, serving), "action": action,
+                             "z_vs_best": paired_z(best, serving) if best is not None else None}
+        if action == "keep":
+            if sum(serving) > sum(best if best is not None else base):
+                self.versions.remember_best(self.version)
+            return False
+        report["vs_base"]["restored_version"] = self.versions.best["version"] if action == "rollback" else 0
+        self.versions.restore(action)
+        if self.average is not None:
+            self.average.reset()  # the trajectory restarts from the restored weights
+        self.optimizer.state.clear()  # the abandoned trajectory's Adam moments go with it
+        reserve_optimizer_state(self.optimizer)
+        self.counters["rollbacks" if action == "rollback" else "resets"] += 1
+        self._publish()
+        report["vs_base"]["published_version"] = self.version
+        return True
+
+    def _publish(self) -> None:
+        """Publish the master; it now matches what serves, so a later failure in this update returns to it."""
+        self.version = self.publish(self.master).version
+        self._restore_point = None  # (never two restore points in memory at once)
+        self._restore_point = RestorePoint(self.weights(), self.optimizer)
+
+    def weights(self) -> list[torch.Tensor]:
+        """What an update changes besides the optimizer: the master's trainable weights (and, when averaging, the
+        trajectory kept beside them). Moved together with a leader by learn/residual.py (under `lock()`)."""
+        return self.params + (self.average.trajectory if self.average is not None else [])
+
+    def move_with(self, after: list[torch.Tensor], before: list[torch.Tensor]) -> None:
+        """A residual follower (learn/residual.py): add a leader's weight change (`weights()` lists, same layout)
+        to this learner's weights, and to the drift guard's base and best versions. Hold `lock()`."""
+        add_difference(self.weights(), after, before)
+        if self.versions is not None:
+            n = len(self.params)
+            self.versions.shift(after[:n], before[:n])
+
+    def lock(self) -> threading.RLock:
+        """Held by an update (and a checkpoint): hold it to change `weights()` from outside."""
+        return self._lock
+
+    def _accumulate_gradients(self, batch: list) -> float | None:
+        """Gradients of the batch's mean loss over positions, one micro-batch at a time (the idle wait before
+        each); returns the loss, or None (gradients cleared) when the loss or a gradient is not finite."""
+        cfg = self.config
+        size = cfg.micro_batch or (1 if cfg.schedule == "background" else len(batch))
+        total = sum(len(it.positions) for it in batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for i in range(0, len(batch), size):
+            self._wait_idle()
+            micro = batch[i : i + size]
+            share = sum(len(it.positions) for it in micro) / total  # mean over the micro-batch -> over the batch
+            loss = items_loss(self.master, micro, cfg.loss, cfg.beta, split=self.split) * share
+            if not math.isfinite(loss.item()):
+                self.optimizer.zero_grad(set_to_none=True)
+                return None
+            loss.backward()
+            loss_sum += loss.item()
+        if not all(p.grad is None or torch.isfinite(p.grad).all() for p in self.params):
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        return loss_sum
+
+    def _acceptance(self, items: list) -> dict:
+        """The master's acceptance on held-out items; in background mode one item per chunk of work (a chunk of 8
+        items took 1.7-2.5 s of the draft here, every request's step held up meanwhile: schedule/turns.py)."""
+        return acceptance_on(self.master, items, batch_size=1 if self.config.schedule == "background" else 8,
+                             split=self.split, pause=self._wait_idle)
+
+    def _holdout_requests(self) -> set[str]:
+        """The newest `guard_holdout` share of the requests in the guard buffer (none with fewer than 2), among those
+        no optimizer step has seen (with the drift guard; without it, a request trained on may be held out later)."""
+        if not self.config.guard:
+            return set()
+        ids = list(dict.fromkeys(it.request_id for it in self.guard_buffer.snapshot()))  # oldest first
+        n_hold = int(len(ids) * self.config.guard_holdout) if len(ids) >= 2 else 0
+        fresh = [i for i in ids if self.versions is None or i not in self.versions.trained_ids]
+        return set(fresh[-n_hold:]) if n_hold else set()
+
+    def _wait_idle(self) -> None:
+        """In background mode, before a chunk of work: park while paused, then let in-flight decoding finish (within
+        the busy_share budget)."""
+        if self.config.schedule == "background":
+            self.idle.release()  # (never parked holding the cores)
+            self._park_while_paused()
+            self.idle.wait()
+
+    # --- pausing -------------------------------------------------------------------------------
+    def pause(self, timeout: float = 120.0) -> bool:
+        """No update starts until unpause(), and one in flight parks at its next chunk of work (before its next
+        micro-batch or evaluation chunk, background schedule: the one that pauses beside serving) and finishes after
+        unpause(). Returns True once the learner takes no time from serving (parked or idle), False if that did not
+        happen within timeout seconds. Traffic is still observed (the buffers keep filling): nothing is lost."""
+        self.paused = True
+        self._unpaused.clear()
+        deadline = time.monotonic() + timeout
+        while self.training and not self._parked.is_set():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def unpause(self) -> None:
+        self.paused = False
+        self._unpaused.set()
+        self._wake.set()
+
+    def _park_while_paused(self) -> None:
+        start = time.monotonic()
+        while self.paused and not self._stop.is_set():
+            self._parked.set()
+            self._unpaused.wait(timeout=0.5)
+        if self._parked.is_set():
+            self._parked.clear()
+            self.counters["parked_seconds"] += time.monotonic() - start
+
+    # --- background thread --------------------------------------------------------------------
+    def start(self) -> None:
+        if self.config.schedule != "background" or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="osd-learner", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            errors = self.counters["update_errors"]
+            try:
+                self.maybe_update()
+            except Exception as e:  # a failed update never takes serving down, nor passes for a guard rejection
+                if self.counters["update_errors"] == errors:  # (update() counts its own, having restored the master)
+                    self.counters["update_errors"] += 1
+                    self.last_update = {"error": repr(e)}
+                log.exception("background draft update failed (%d so far); serving goes on with draft version %d",
+                              self.counters["update_errors"], self.version)
+            finally:  # publishing and checkpointing ran torch here too: no OpenMP team idles beside serving
+                end_thread_team()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._unpaused.set()  # a parked update finishes
+        if self._thread is not None:
+            self._thread.join(timeout=120)
+            self._thread = None
+        if self.config.checkpoint_dir:
+            self.save()
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def save(self) -> None:
+        """draft.safetensors holds the master's weights: what serves (the average, when averaging: what
+        `--learned-draft` and `osd eval` load); the trajectory goes beside them (learner_trajectory.pt)."""
+        with self._lock:
+            state = {"version": self.version, "counters": self.counters, "config": asdict(self.config)}
+            extra = {TRAJECTORY: self.average.state_dict()} if self.average is not None else None
+            save_checkpoint(self.config.checkpoint_dir, self.master, self.optimizer, state, extra)
+
+    def resume(self) -> bool:
+        """Load the last checkpoint (if any) and publish it at its saved version."""
+        state = load_checkpoint(self.config.checkpoint_dir, self.master, self.optimizer) if self.config.checkpoint_dir else None
+        if state is None:
+            return False
+        self.counters.update(state["counters"])
+        self.version = self.publish(self.master, version=state["version"]).version
+        if self.average is not None:  # the trajectory as saved, or (a checkpoint without one) from the average
+            saved = load_extra(self.config.checkpoint_dir, TRAJECTORY)
+            self.average.load_state_dict(saved or {"trajectory": self.params, "steps": 0})
+        return True
+
+    def memory(self) -> dict:
+        """Bytes the learner holds: fixed at start (optimizer state, the drift guard's weight copies) and filling
+        with traffic up to the buffers' capacities (items' distributions and cached features)."""
+        older = self.reservoir.snapshot() if self.reservoir is not None else []
+        return {"memory_optimizer_bytes": optimizer_state_bytes(self.optimizer),
+                "memory_versions_bytes": self.versions.bytes() if self.versions is not None else 0,
+                "memory_average_bytes": tensor_bytes(self.average.other) if self.average is not None else 0,
+                "memory_trainable_bytes": tensor_bytes(self.params),
+                "memory_buffers_bytes": items_bytes(self.buffer.snapshot() + self.guard_buffer.snapshot() + older)}
+
+    def stats(self) -> dict:
+        return {**self.memory(), "version": self.version, "buffer_positions": len(self.buffer),
+                "buffer_added": self.buffer.added, "buffer_evicted": self.buffer.evicted,
+                "rehearsal_items": len(self.reservoir) if self.reservoir is not None else 0,
+                "training": int(self.training), "paused": int(self.paused),
+                "parked": int(self._parked.is_set()), **self.counters,
+                "idle_wait_seconds": self.idle.waited_total,  # background: waiting for idle windows
+                "chunks_under_load": self.idle.forced}  # ... and chunks run while requests decode once the wait budget was spent

@@ -1,0 +1,117 @@
+"""Speculation that knows the load (SmartSpec): per step, each sequence's k chosen to maximise goodput.
+
+goodput = expected tokens emitted by the step / the step's seconds
+        = sum_i E(alpha_i, k_i) / (t_target(rows) + sum_i [k_i * t_draft_i + (k_i > 0) * catch_up_i]),
+rows = sum_i (k_i + 1); catch_up_i: what sequence i's draft must feed first (a prompt admitted without the draft's
+prefill, tokens committed while it did not propose), ~0.5 ms a token for the cheap draft on the AMD machine, so a
+sequence 150 tokens behind pays ~75 ms, a whole step at 4 clients, before its first proposal.
+E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) (speed_model.expected_tokens); t_target(rows) is the measured cost of
+one target pass over that many rows, whatever sequences they belong to. On osd's Q4 kernel a pass over 8 rows costs
+~1.7x one row, so while the machine has room, proposals are almost free; when the pass is saturated each row costs
+its full share and speculation backs off (k = 0) where a sequence's acceptance does not pay for its rows.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Callable
+
+from osd.speed_model import expected_tokens
+
+
+def goodput(alphas: list[float], ks: list[int], draft_seconds: list[float], step_seconds: Callable[[int], float],
+            catch_up_seconds: list[float] | None = None) -> float:
+    """Expected tokens per second of one step in which sequence i verifies k_i proposals (catch_up_seconds: what
+    sequence i's draft feeds before it can propose at all, paid once if k_i > 0)."""
+    rows = sum(k + 1 for k in ks)
+    seconds = step_seconds(rows) + sum(k * t for k, t in zip(ks, draft_seconds))
+    if catch_up_seconds is not None:
+        seconds += sum(c for k, c in zip(ks, catch_up_seconds) if k)
+    return sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / seconds
+
+
+def allocate_k(alphas: list[float], draft_seconds: list[float], caps: list[int], step_seconds: Callable[[int], float],
+               catch_up_seconds: list[float] | None = None) -> list[int]:
+    """Each sequence's k (0..cap) for the largest goodput: greedy ascent from all-zero, one proposal at a time to
+    the sequence whose extra proposal raises goodput most (a run of two is tried too, so a k = 1 that does not pay
+    alone cannot hide a k = 2 that does); stops when no extra proposal raises it."""
+    ks = [0] * len(alphas)
+    best = goodput(alphas, ks, draft_seconds, step_seconds, catch_up_seconds)
+    while True:
+        choice, choice_rate = None, best
+        for i, cap in enumerate(caps):
+            for step in (1, 2):
+                if ks[i] + step > cap:
+                    break
+                ks[i] += step
+                rate = goodput(alphas, ks, draft_seconds, step_seconds, catch_up_seconds)
+                ks[i] -= step
+                if rate > choice_rate * (1 + 1e-9):
+                    choice, choice_rate = (i, step), rate
+        if choice is None:
+            return ks
+        ks[choice[0]] += choice[1]
+        best = choice_rate
+
+
+class RowCosts:
+    """Seconds of one target pass by total rows: calibrated at a few row counts, then EMAs of what steps took.
+
+    Read through the least-squares non-decreasing fit of those EMAs (pool adjacent violators), so that more rows never
+    cost less: each count's EMA rests on a few steps of one mix of decode and prompt rows, and a count that happened
+    to be measured cheap (16 rows at 108 ms beside 13 at 160 ms, seen under load at 8 clients) made proposals look
+    free up to it; the allocation then verified ~22% more rows for ~3% fewer steps. Between counts linear
+    interpolation; beyond the largest, linear extrapolation from the last two."""
+
+    def __init__(self, ema: float = 0.8):
+        self.ema = ema
+        self.seconds: dict[int, float] = {}
+        self._fitted: tuple[list[int], list[float]] | None = None  # the non-decreasing fit, made again after a change
+
+    def calibrate(self, rows_seconds: dict[int, float]) -> None:
+        self.seconds = {int(r): float(t) for r, t in rows_seconds.items() if math.isfinite(t)}
+        self._fitted = None
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows > 0 and math.isfinite(seconds):
+            old = self.seconds.get(rows)
+            self.seconds[rows] = seconds if old is None else self.ema * old + (1 - self.ema) * seconds
+            self._fitted = None
+
+    def fitted(self) -> tuple[list[int], list[float]]:
+        """(rows, seconds), by rows: the measured EMAs' non-decreasing fit (what the allocation reads)."""
+        if self._fitted is None:
+            points = non_decreasing(sorted(self.seconds.items()))
+            self._fitted = [r for r, _ in points], [t for _, t in points]
+        return self._fitted
+
+    @property
+    def known(self) -> bool:
+        return bool(self.seconds)
+
+    def __call__(self, rows: int) -> float:
+        xs, ys = self.fitted()  # read many times a step (allocate_k): a bisection, no scan
+        if not xs:
+            return float(rows)  # nothing measured: proportional to rows (speculation then never looks free)
+        if len(xs) == 1:
+            return ys[0] * rows / xs[0]
+        i = bisect.bisect_left(xs, rows)
+        if i < len(xs) and xs[i] == rows:
+            return ys[i]
+        i = min(max(i, 1), len(xs) - 1)  # the segment around rows, or the first / last one to extrapolate
+        (r0, t0), (r1, t1) = (xs[i - 1], ys[i - 1]), (xs[i], ys[i])
+        return max(t0 + (t1 - t0) * (rows - r0) / (r1 - r0), 1e-9)
+
+
+def non_decreasing(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """(x, y) sorted by x -> the same xs with the least-squares non-decreasing fit of the ys (pool adjacent
+    violators: a run that decreases is replaced by its mean)."""
+    blocks: list[list[float]] = []  # [sum of ys, count] per pooled run
+    for _, y in points:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, n = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += n
+    fitted = [total / n for total, n in blocks for _ in range(n)]
+    return [(x, y) for (x, _), y in zip(points, fitted)]

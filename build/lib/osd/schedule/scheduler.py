@@ -1,0 +1,473 @@
+"""The step loop over many sequences: schedule -> propose -> verify -> commit -> observe (PAPER.md section 1).
+
+Every running sequence advances in one step: each decoding sequence's pending token plus its proposals, and chunks
+of the prompts still being fed (chunked prefill), go through the target in one pass over each weight matrix
+(models/slots.py); attention stays per sequence on its own cache slot. New requests join between steps (`add`) and
+finished ones leave (continuous batching); a cancelled or failed sequence leaves without touching the others.
+
+k per sequence: alone, the engine's per-source policies choose exactly as they do for one request (speed_model.py
+KPolicy: probes, refreshes); with company, `allocate_k` (schedule/goodput.py) maximises the step's goodput from each
+sequence's live acceptance and the measured cost of a pass by rows, so speculation backs off where the machine is
+saturated. Sources that cost nothing to ask (the n-gram lookup) propose first; a draft model proposes after the
+allocation, with the k it was given. With company, no sequence proposes in a step that feeds prompt rows: such a step
+is compute-bound (16-256 prompt rows), where a proposal row costs a full row's share and takes a prompt row's place,
+and a prompt row is one row of work done where a proposal row is worth its acceptance (< 1). (`osd bench serve-vs` on
+the AMD machine, 4 clients: 0.78x osd target-only proposing beside prompt rows, `bench-serve-vs-teams.json`; 0.91x
+not, `bench-serve-vs-noprop-prefill.json`.)
+
+Lossless per request: a sequence's rows are computed bitwise as if it ran alone (Q4Slots; RunnerSlots feeds each
+slot on its own), and acceptance runs per sequence with its own generator, so a greedy answer is the one the request
+gets alone whatever shares its steps, and sampled output keeps its law (tests/schedule/).
+The draft forwards of the sequences that propose run as one per depth (`propose_together`: one pass over the draft's
+weights for all of them, where the draft runs on the compiled glue runner), each sequence picking from its own row.
+Limitations: a draft on the transformers runner drafts per sequence (one forward per sequence per token); a
+proposer that cannot fork (several routed drafts, a frozen runner draft) serves one sequence at a time; an error in
+the shared target pass fails every sequence in that step (each gets the error).
+"""
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from osd.config import SamplingConfig
+from osd.schedule.records import GenerationResult, StepRecord
+from osd.models.slots import Feed
+from osd.propose.base import Proposal, forkable
+from osd.propose.draft_model import DraftModelProposer, propose_together
+from osd.propose.tree import grow_tree
+from osd.schedule.goodput import allocate_k
+from osd.schedule.prefix import choose_slot, common_prefix
+from osd.schedule.sequence import LiveAlpha, Sequence
+from osd.stopping import StopChecker
+from osd.verify.acceptance import VerifyOutcome, acceptance_beta
+from osd.verify.sampling import warp_probs
+from osd.verify.step import verify_proposal
+from osd.verify.tree import greedy_tree_verify, sampled_tree_verify
+
+ALONE_PREFILL_ROWS = 512  # prompt rows per step while no sequence decodes (Q4Slots runs them in chunk_rows chunks)
+MIN_PREFILL_ROWS = 16  # prompt rows per step however many decode rows share it: a prompt always advances
+MAX_PREFILL_ROWS = 256  # prompt rows per step beside decoding sequences, however many prompts wait
+PROBE_EVERY = 16  # with company, the batch probes about once in this many steps (evidence for a better draft version)
+FREE_SECONDS = 1e-4  # a source whose proposal costs less than this per token is asked before the allocation
+
+
+def catch_up_seconds(source, policy, tokens: list[int]) -> float:
+    """What a proposal from `source` would first feed: the tokens its draft cache lags by, at the policy's calibrated
+    seconds per token (0 for a source without a cache, the lookup)."""
+    return source.lag(tokens) * policy.t_catch_up if hasattr(source, "lag") else 0.0
+
+
+class Ask(NamedTuple):
+    """What the allocation knows of one decoding sequence's next proposal (`_ask_free_sources`)."""
+    source: int | None  # index of the source that will propose (None: no source can)
+    proposal: Proposal | None  # a free source's proposal, made already (None: a draft proposes after the allocation)
+    alpha: float  # the sequence's live acceptance for that source
+    draft_seconds: float  # per proposed token (0 for a free source)
+    catch_up_seconds: float  # what a lagging draft cache feeds before its first proposal (goodput.py)
+    cap: int  # the most tokens it may propose
+
+
+@dataclass
+class StepStats:
+    """Counters of the scheduler's steps (rates derived when read)."""
+    steps: int = 0
+    rows: int = 0
+    decode_rows: int = 0
+    prefill_rows: int = 0
+    seconds: float = 0.0
+    emitted: int = 0
+    accepted: int = 0
+    sequence_steps: int = 0
+    proposed: int = 0
+    last_rows: int = 0
+    last_seconds: float = 0.0
+    reused_rows: int = 0  # prompt tokens whose keys/values a slot held already (prefix reuse)
+    tree_shapes: Counter = field(default_factory=Counter)  # nodes per depth of each verified tree -> steps
+
+
+class Scheduler:
+    """The running sequences of one engine and the step that advances them all."""
+
+    def __init__(self, engine, prefill_rows: int = 64):
+        self.engine, self.slots = engine, engine.slots
+        self.prefill_rows = int(prefill_rows)
+        self.running: list[Sequence] = []
+        self.stats = StepStats()
+        self.capacity = self.slots.n_slots if engine.proposer is None or forkable(engine.proposer) else 1
+        self._free = list(range(self.capacity))
+        self._proposers = {0: engine.proposer}  # slot -> its proposer: slot 0 the engine's own, the others forks
+        self._held: dict[int, list[int]] = {}  # slot -> the tokens its cache holds (exclusive slots only)
+
+    # ------------------------------------------------------------------------------------------ admission
+    def add(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str | None = None,
+            on_text=None) -> Sequence:
+        """Admit a request (checked first: a bad one raises here and touches nothing); it runs from the next step."""
+        e = self.engine
+        e.check(prompt_ids, sampling)
+        if not self._free:
+            raise RuntimeError("no free sequence slot: add only while len(running) < capacity")
+        with e.turns.serving():  # the draft's prompt prefill: never beside a background chunk (schedule/turns.py)
+            return self._admit(prompt_ids, sampling, request_id, on_text)
+
+    def _admit(self, prompt_ids, sampling: SamplingConfig, request_id: str | None, on_text) -> Sequence:
+        e = self.engine
+        slot, reused = self._slot_for(prompt_ids)
+        try:
+            start = e.clock()
+            generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+            proposer = self._proposer(slot)
+            seq = Sequence(request_id or uuid.uuid4().hex[:12], list(prompt_ids), sampling, slot, proposer,
+                           StopChecker(e.tokenizer, e.eos_ids, sampling.max_new_tokens, sampling.stop), generator,
+                           on_text, start, list(prompt_ids))
+            self.slots.rollback(slot, reused) if reused else self.slots.reset(slot)
+            if proposer is not None:
+                # the draft's snapshot (one version per request); its prompt prefill now only for a request that
+                # starts alone: beside others, under load, it may never be asked to propose (the first proposal
+                # feeds whatever the draft's cache lacks)
+                proposer.begin(seq.tokens, prefill=not self.running)
+                seq.draft = (proposer.name, proposer.version)
+                seq.sources = list(getattr(proposer, "sources", [proposer]))
+                for source, policy in zip(seq.sources, e.policies):  # a new draft version: probe it soon
+                    policy.on_draft_version(getattr(source, "version", None))
+        except BaseException:  # the slot goes back free, holding what is now sure: the prompt's first `reused`
+            self._held[slot] = list(prompt_ids[:reused])  # tokens (a copied prefix overwrote what it held before)
+            self._free.insert(0, slot)
+            raise
+        self.stats.reused_rows += reused
+        seq.alphas = [LiveAlpha() for _ in seq.sources]
+        seq.prefill_seconds = e.clock() - start
+        self.running.append(seq)
+        return seq
+
+    def _slot_for(self, prompt: list[int]) -> tuple[int, int]:
+        """A free slot, taken from the free list -> (slot, prompt tokens its cache holds already). Prefix reuse: the
+        longest prefix of the prompt (all but its last token, which is fed with the first proposals) that a slot's
+        cache holds, free or running; its keys/values at those positions are bitwise what feeding them again would
+        give (rows are computed independently), so the request's output is unchanged and its prefill shorter
+        (llama.cpp's server does the same per slot). Which free slot it takes, and when the prefix is copied
+        (`copy_prefix`, where the slots offer it) rather than reused in place: schedule/prefix.py."""
+        if not self.slots.exclusive:
+            return self._free.pop(0), 0
+        free = {slot: self._held.get(slot, []) for slot in self._free}
+        if not hasattr(self.slots, "copy_prefix"):  # in place only: the free slot holding the longest prefix
+            counts = [common_prefix(held, prompt[:-1]) for held in free.values()]
+            best = counts.index(max(counts))
+            return self._free.pop(best), counts[best]
+        running = {s.slot: s.tokens[: self.slots.length(s.slot)] for s in self.running}
+        slot, donor, n = choose_slot(free, running, prompt)
+        if donor != slot:
+            self.slots.copy_prefix(donor, slot, n)  # checks first: a refusal leaves the slot free and as it was
+        self._free.remove(slot)
+        return slot, n
+
+    def _proposer(self, slot: int):
+        if slot not in self._proposers:
+            self._proposers[slot] = self.engine.proposer.fork() if self.engine.proposer is not None else None
+        return self._proposers[slot]
+
+    def cancel(self, seq: Sequence) -> None:
+        """Take a sequence out between steps; the others are untouched. Its slot keeps what it cached (exclusive
+        slots: a later request with the same prefix reuses it)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self._free.append(seq.slot)
+            if self.slots.exclusive:
+                self._held[seq.slot] = seq.tokens[: self.slots.length(seq.slot)]
+
+    def fail_all(self, error: BaseException) -> list[Sequence]:
+        """End every running sequence with `error` (a fault of the shared step) -> them; the scheduler stays usable."""
+        return [self._end(seq, error) for seq in list(self.running)]
+
+    # ------------------------------------------------------------------------------------------ the step
+    def step(self) -> list[Sequence]:
+        """Advance every running sequence by one step -> the sequences that finished (`result`) or failed (`error`).
+        A background chunk (the learner's) never runs beside it (schedule/turns.py)."""
+        with self.engine.turns.serving():
+            return self._step()
+
+    def _step(self) -> list[Sequence]:
+        e = self.engine
+        decoding = [s for s in self.running if self.slots.length(s.slot) >= s.prefill_target]
+        prefilling = [s for s in self.running if self.slots.length(s.slot) < s.prefill_target]
+        t0 = e.clock()
+        plans, failed = self._propose(decoding, bool(prefilling))  # [(seq, proposal, source index, draft seconds)]
+        feeds = [self._verify_feed(s, p) for s, p, _, _ in plans]
+        decode_rows = sum(len(f.tokens) for f in feeds)
+        feeds += (self._prefill_feeds(prefilling, self._prefill_budget(decode_rows, len(prefilling))) if decoding
+                  else self._first_prompt_feeds(prefilling))
+        t1 = e.clock()
+        try:
+            logits = self.slots.feed(feeds)  # one pass over the weights for every row of every sequence
+        except Exception as err:  # noqa: BLE001 - the shared pass failed: every sequence in it gets the error
+            self._held.clear()  # what the caches hold is no longer known for sure
+            return failed + self.fail_all(err)
+        t2 = e.clock()
+        rows = sum(len(f.tokens) for f in feeds)
+        self._record(rows, decode_rows, t2 - t1, alone=len(self.running) == 1, plans=plans)
+        for s in prefilling:
+            s.prefill_seconds += t2 - t0
+        done = failed
+        for (seq, proposal, source, t_draft), target_logits in zip(plans, logits):
+            try:
+                if self._commit(seq, proposal, source, target_logits, t_draft, t2 - t1):
+                    done.append(self._end(seq))
+            except Exception as err:  # noqa: BLE001 - a failure of one sequence (its text callback, its stopping)
+                done.append(self._end(seq, err))
+        return done
+
+    def _propose(self, decoding: list[Sequence], prefilling: bool):
+        plans, failed = [], []
+        if len(decoding) == 1 and not prefilling and len(self.running) == 1:
+            seq = decoding[0]
+            try:
+                plans.append(self._propose_alone(seq))
+            except Exception as err:  # noqa: BLE001
+                failed.append(self._end(seq, err))
+            return plans, failed
+        if prefilling and self.engine.spec.adaptive:  # prompt rows fill this step (the module's docstring says why)
+            return [(seq, Proposal([]), None, 0.0) for seq in decoding], failed
+        asked: list[tuple[Sequence, Ask]] = []
+        for seq in decoding:
+            try:
+                asked.append((seq, self._ask_free_sources(seq)))
+            except Exception as err:  # noqa: BLE001
+                failed.append(self._end(seq, err))
+        asks = [a for _, a in asked]
+        caps = [a.cap for a in asks]
+        ks = caps if not self.engine.spec.adaptive else allocate_k(  # fixed k: every sequence at its cap
+            [a.alpha for a in asks], [a.draft_seconds for a in asks], caps, self.engine.row_costs,
+            [a.catch_up_seconds for a in asks])
+        ks = [self._probe(seq, k, a.source, len(asked)) for (seq, a), k in zip(asked, ks)]
+        drafted = self._draft_together([(seq, a.source, k) for (seq, a), k in zip(asked, ks)
+                                        if k and a.source is not None and a.proposal is None])
+        for (seq, a), k in zip(asked, ks):
+            try:
+                plans.append(drafted.get(id(seq)) or self._draft(seq, a.source, a.proposal, k))
+            except Exception as err:  # noqa: BLE001
+                failed.append(self._end(seq, err))
+        return plans, failed
+
+    def _draft_together(self, wanted: list[tuple[Sequence, int, int]]) -> dict:
+        """The draft proposals of several sequences (seq, source index, k), each draft's forwards for all of them in
+        one (`propose_together`) -> id(seq) -> plan. Where a joint forward fails, nothing is kept: each of its
+        sequences' draft caches is rolled back and drafts alone (`_draft`), so a failure stays with its sequence."""
+        groups: dict[int, list[tuple[Sequence, int, int]]] = {}  # by the draft model their forwards run on
+        for seq, source, k in wanted:
+            proposer = seq.sources[source]
+            if isinstance(proposer, DraftModelProposer):
+                groups.setdefault(id(getattr(proposer.runner, "model", proposer)), []).append((seq, source, k))
+        plans = {}
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            seqs, ks = [seq for seq, _, _ in group], [k for _, _, k in group]
+            proposers = [seq.sources[source] for seq, source, _ in group]
+            lengths = [p.runner.length for p in proposers]
+            t0 = self.engine.clock()
+            try:
+                proposals = propose_together(proposers, [s.tokens for s in seqs], ks, [s.sampling for s in seqs],
+                                             [s.generator for s in seqs])
+            except Exception:  # noqa: BLE001 - retried alone below, where a failure fails its own sequence only
+                for p, length in zip(proposers, lengths):
+                    p.rollback(min(length, p.runner.length))
+                continue
+            seconds = self.engine.clock() - t0
+            for (seq, source, k), proposal in zip(group, proposals):
+                plans[id(seq)] = (seq, proposal, source if proposal.k else None, seconds * k / sum(ks))
+        return plans
+
+    def _propose_alone(self, seq: Sequence):
+        """One sequence alone: the first source whose policy asks for k > 0 and that finds tokens (the engine's
+        single-request rule, policies and all), grown into a token tree where trees are on."""
+        e = self.engine
+        for j, (source, policy) in enumerate(zip(seq.sources, e.policies)):
+            k = policy.choose_k(seq.remaining, catch_up_seconds(source, policy, seq.tokens))
+            if k:
+                t0 = e.clock()
+                proposal = source.propose(seq.tokens, k, seq.sampling, seq.generator)
+                if proposal.k:
+                    t_draft = e.clock() - t0
+                    return seq, self._grow(seq, proposal, policy.alpha, t_draft), j, t_draft
+        return seq, self._grow(seq, Proposal([]), 0.0, 0.0), None, 0.0
+
+    def _grow(self, seq: Sequence, proposal: Proposal, alpha: float, t_draft: float) -> Proposal:
+        """The chain plus the draft's runners-up and the recycled table's branches (propose/tree.py), where the engine
+        has trees and the measured row costs say they pay (greedy and sampled requests alike: verify/tree.py)."""
+        e = self.engine
+        nodes = min(e.tree_nodes, seq.remaining - 1)
+        costs = e.target_costs.by_rows()
+        if e.recycled is None or nodes <= proposal.k or costs is None:
+            return proposal
+        rates = e.runner_up_rates
+        runners_up = [[(t, rates.chance(r)) for r, t in enumerate(tokens)] for tokens in proposal.runners_up or []]
+        tree = grow_tree(proposal.tokens, alpha, e.recycled.candidates, seq.tokens[-1], nodes,
+                         lambda rows: t_draft + costs[min(rows, len(costs)) - 1], runners_up=runners_up)
+        proposal.tree = tree if tree.size > proposal.k else None
+        return proposal
+
+    def _verify_feed(self, seq: Sequence, proposal: Proposal) -> Feed:
+        """The rows a sequence verifies: the tokens its cache lacks (the pending one) plus its chain or tree."""
+        pending = seq.tokens[self.slots.length(seq.slot):]
+        if proposal.tree is None:
+            return Feed(seq.slot, pending + proposal.tokens, proposal.k + 1)
+        return Feed(seq.slot, pending + proposal.tree.tokens, proposal.tree.size + 1, tree=proposal.tree.parents)
+
+    def _ask_free_sources(self, seq: Sequence) -> Ask:
+        """The first free source that finds tokens (its proposal made now), else the first source that costs draft
+        forwards (and, where its cache lags, a catch-up feed first: goodput.py)."""
+        e = self.engine
+        cap = max(0, min(e.k_max, seq.remaining - 1))
+        for j, (source, policy) in enumerate(zip(seq.sources, e.policies)):
+            if cap == 0:
+                break
+            t_draft = policy.t_draft if policy.t_draft is not None else float("inf")
+            alpha = seq.alphas[j].value(policy.alpha)
+            if t_draft < FREE_SECONDS:
+                proposal = source.propose(seq.tokens, cap, seq.sampling, seq.generator)
+                if proposal.k:
+                    return Ask(j, proposal, alpha, 0.0, 0.0, proposal.k)
+                continue
+            return Ask(j, None, alpha, t_draft, catch_up_seconds(source, policy, seq.tokens), cap)
+        return Ask(None, None, 0.0, 0.0, 0.0, 0)
+
+    def _probe(self, seq: Sequence, k: int, source: int | None, decoding: int) -> int:
+        """k, or 1 where the sequence has sat at k = 0 for PROBE_EVERY steps per decoding sequence with a source to ask:
+        the batch probes about once in PROBE_EVERY steps whatever the load. (Each sequence every PROBE_EVERY steps cost
+        ~19% of the aggregate at 8 clients on the Q4 kernel: a probe row beside 8 decoding rows makes a second pass
+        over the weights, ~25% of the step.)"""
+        seq.zero_steps = 0 if k or source is None else seq.zero_steps + 1
+        if seq.zero_steps >= PROBE_EVERY * max(1, decoding) and seq.remaining > 1:
+            seq.zero_steps = 0
+            return 1
+        return k
+
+    def _draft(self, seq: Sequence, source: int | None, proposal: Proposal | None, k: int):
+        e = self.engine
+        if k == 0 or source is None:
+            return seq, Proposal([]), None, 0.0
+        if proposal is not None:  # a free source's proposal, cut to the k allocated
+            probs = proposal.draft_probs[:k] if proposal.draft_probs is not None else None
+            return seq, Proposal(proposal.tokens[:k], probs, proposal.single_token_seconds, proposal.weights), source, 0.0
+        t0 = e.clock()
+        proposal = seq.sources[source].propose(seq.tokens, k, seq.sampling, seq.generator)
+        return seq, proposal, source if proposal.k else None, e.clock() - t0
+
+    def _prefill_budget(self, decode_rows: int, waiting: int) -> int:
+        """Prompt rows beside decoding sequences: prefill_rows less the decode rows (at least MIN_PREFILL_ROWS) for
+        each prompt waiting, up to MAX_PREFILL_ROWS: one new request barely slows the others' tokens, while a burst
+        of arrivals is fed about as fast as a prefill-first server would (its last prompt's wait, TTFT p95)."""
+        return min(max(self.prefill_rows - decode_rows, MIN_PREFILL_ROWS) * waiting, MAX_PREFILL_ROWS)
+
+    def _first_prompt_feeds(self, prefilling: list[Sequence]) -> list[Feed]:
+        """No sequence decodes: the oldest prompt (up to ALONE_PREFILL_ROWS rows), and the next ones in the same pass
+        only while it holds fewer than prefill_rows rows, so the first request's first token does not wait for the
+        prompts that arrived with it; they follow beside its decoding (a pass of many prompt rows is compute-bound:
+        grouping them saves little). Two requests arriving together at 2 clients waited for one 290-row pass, 2.0 s
+        to the first token each (AMD, serve-vs); now the first waits for its own 140 rows only."""
+        feeds = self._prefill_feeds(prefilling[:1], ALONE_PREFILL_ROWS)
+        rows = sum(len(f.tokens) for f in feeds)
+        return feeds + (self._prefill_feeds(prefilling[1:], self.prefill_rows - rows) if rows < self.prefill_rows else [])
+
+    def _prefill_feeds(self, prefilling: list[Sequence], budget: int) -> list[Feed]:
+        feeds = []
+        for seq in prefilling:  # in arrival order: the oldest prompt finishes first
+            n = min(budget, seq.prefill_target - self.slots.length(seq.slot))
+            if n <= 0:
+                break
+            start = self.slots.length(seq.slot)
+            feeds.append(Feed(seq.slot, seq.tokens[start : start + n], 0))
+            budget -= n
+        return feeds
+
+    def _commit(self, seq: Sequence, proposal: Proposal, source: int | None, target_logits, t_draft: float,
+                t_target: float) -> bool:
+        """Accept, emit, roll back the rejected tail, observe -> whether the sequence is done."""
+        e, k, tree, before = self.engine, proposal.k, proposal.tree, len(seq.tokens)
+        if e.recycled is not None:  # every verified row teaches the recycled table (accepted or not)
+            e.recycled.observe([seq.tokens[-1]] + (tree.tokens if tree else proposal.tokens), target_logits)
+        if tree is None:
+            outcome, betas = verify_proposal(target_logits, proposal.tokens, proposal.draft_probs, seq.sampling,
+                                             seq.generator)
+            emitted = proposal.tokens[: outcome.n_accepted] + [outcome.next_token]
+        else:
+            outcome, betas, emitted = self._verify_tree(seq, proposal, target_logits)
+            target_logits = target_logits[: k + 1]  # the chain's rows come first: the learner sees the chain's step
+        if proposal.runners_up and outcome.n_accepted < k and e.runner_up_rates is not None:  # the draft's best missed
+            e.runner_up_rates.observe(proposal.runners_up[outcome.n_accepted], outcome.next_token)
+        record = StepRecord(seq.request_id, seq.draft, seq.tokens[:], proposal.tokens, outcome.n_accepted,
+                            outcome.next_token, target_logits, proposal.draft_probs, betas, seq.sampling.temperature,
+                            t_draft, t_target, proposal.weights) if e.observers else None  # copy only when observed
+        seq.tokens += emitted
+        self.slots.rollback(seq.slot, len(seq.tokens) - 1)  # keep the accepted prefix; the last token is pending
+        if k:
+            for s in seq.sources:
+                s.rollback(before + outcome.n_accepted)  # the chain's accepted prefix: what the draft's cache holds
+        if source is not None:
+            e.policies[source].observe(k, outcome.n_accepted, proposal.single_token_seconds or [])
+            seq.alphas[source].observe(k, outcome.n_accepted)
+        seq.counters.add_step(k, outcome.n_accepted, len(emitted), betas, t_draft, t_target)
+        seq.counters.rows += 1 + (tree.size if tree else k)
+        if tree is not None:
+            self.stats.tree_shapes[tree.shape()] += 1
+            seq.counters.tree_steps += 1
+            seq.counters.tree_tokens += len(emitted) - 1 - outcome.n_accepted
+        seq.steps.append((k, outcome.n_accepted))
+        self.stats.accepted += outcome.n_accepted
+        self.stats.emitted += len(emitted)
+        for observe in e.observers:
+            observe(record)
+        seq.stopper.extend(emitted)
+        if seq.on_text is not None and len(text := seq.stopper.stable_text()) > len(seq.sent):
+            seq.on_text(text[len(seq.sent):])
+            seq.sent = text
+        return seq.finished
+
+    def _verify_tree(self, seq: Sequence, proposal: Proposal, target_logits):
+        """Walk down the tree (verify/tree.py: greedy, or lossless recursive rejection sampling); the cache keeps the
+        accepted path only -> (the outcome of the chain part, as a chain step would report it; its betas; the
+        emitted tokens)."""
+        tree, s = proposal.tree, seq.sampling
+        if s.greedy:
+            path, next_token = greedy_tree_verify(target_logits, tree)
+        else:
+            target_probs = warp_probs(target_logits, s.temperature, s.top_k, s.top_p)
+            path, next_token = sampled_tree_verify(target_probs, tree, proposal.draft_probs, seq.generator)
+        emitted = [tree.tokens[j] for j in path] + [next_token]
+        self.slots.keep_path(seq.slot, len(seq.tokens), path)
+        agreed = 0  # the chain's accepted prefix: chain node d is node d
+        while agreed < len(path) and agreed < tree.chain and path[agreed] == agreed:
+            agreed += 1
+        on_path = min(agreed + 1, tree.chain)
+        betas = [1.0] * agreed + [0.0] * (agreed < tree.chain) if s.greedy else acceptance_beta(
+            target_probs[:on_path], proposal.draft_probs[:on_path]).tolist() if tree.chain else []
+        return VerifyOutcome(agreed, emitted[agreed]), betas, emitted
+
+    def _record(self, rows: int, decode_rows: int, seconds: float, alone: bool, plans) -> None:
+        e, st = self.engine, self.stats
+        if alone and plans and rows == decode_rows:  # one sequence decoding: the per-rows costs the policies read
+            e.target_costs.observe(rows - 1, seconds)
+        elif rows and rows == decode_rows:  # decoding rows only (each with its logits: what a proposal costs); a step
+            e.row_costs.observe(rows, seconds)  # with prompt rows is cheaper per row and would make proposals look cheap
+        st.steps += 1
+        st.rows += rows
+        st.decode_rows += decode_rows
+        st.prefill_rows += rows - decode_rows
+        st.seconds += seconds
+        st.sequence_steps += len(plans)
+        st.proposed += sum(p.k for _, p, _, _ in plans)
+        st.last_rows, st.last_seconds = rows, seconds
+
+    def _end(self, seq: Sequence, error: BaseException | None = None) -> Sequence:
+        """The sequence leaves: its slot is freed; a finished one gets its result (and is counted in the metrics)."""
+        self.cancel(seq)
+        seq.error = error
+        if error is None:
+            self.engine.metrics.record(seq.draft, seq.counters)
+            seq.result = GenerationResult(seq.request_id, seq.prompt, seq.stopper.token_ids, seq.stopper.text,
+                                          seq.stopper.finish_reason, seq.draft, seq.counters,
+                                          self.engine.clock() - seq.started, seq.steps, seq.prefill_seconds)
+        return seq

@@ -1,0 +1,113 @@
+"""CLI entry for serving: `osd serve`. Parse -> config -> call the library."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from osd.flags import HELP_DEFAULT, add_config_flags, config_from
+from osd.logs import configure_logging, uvicorn_options
+from osd.serve.settings import ServeSettings
+
+
+def register(sub) -> None:
+    """Add `osd serve` to the `osd` parser (sub). Its defaults are the configs' serving() instances, declared beside
+    the dataclasses, so that what --help shows is what runs (flags.py)."""
+    from osd.config import ModelConfig, SpeculationConfig
+    from osd.learn.online import LearnConfig
+    from osd.route.config import RouteConfig
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding",
+                       description="OpenAI-compatible HTTP server with speculative decoding and a draft distilled "
+                       "online from the traffic it serves. Learner flags are --learn-*.")
+    add_config_flags(p, ServeSettings, skip=("api_key",))
+    # the key's default comes from the environment, and help must not print it
+    p.add_argument("--api-key", default=os.environ.get("OSD_API_KEY"),
+                   help="require 'Authorization: Bearer <key>' on /v1/* (and on /metrics with --metrics-require-key) "
+                   "(default: $OSD_API_KEY; unset = open)")
+    p.add_argument("--replicas", type=int, default=0,
+                   help="serve from N engine replicas on Ray behind this one HTTP front, one learner fed by all "
+                        "(needs `pip install 'osd[ray]'`; 0 = one engine in this process, Ray never imported) "
+                        "(default: %(default)s)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --replicas: join this Ray cluster (`auto`, or <head>:6379) instead of starting a local "
+                        "one; its actors then outlive this front (default: %(default)s)")
+    learn = p.add_argument("--learn", action=argparse.BooleanOptionalAction, default=True)
+    learn.help = "distill the draft online from served traffic (the --learn-* flags)" + HELP_DEFAULT  # set after:
+    #   BooleanOptionalAction (Python 3.11) appends a default of its own
+    add_config_flags(p, ModelConfig)
+    add_config_flags(p, SpeculationConfig.serving())
+    add_config_flags(p, LearnConfig.serving(), prefix="learn-")  # --learn-top-k, ...; the bare names stay, hidden
+    add_config_flags(p, RouteConfig.serving())
+    p.set_defaults(func=cmd_serve)
+
+
+def default_model_name(target: str) -> str:
+    return target.removeprefix("bundled:")
+
+
+def cmd_serve(args) -> None:
+    from osd.build import attach_learner, build_system
+    from osd.config import ModelConfig, SpeculationConfig
+    from osd.learn.online import LearnConfig
+    from osd.memory import return_freed_memory_to_the_system
+    from osd.route.config import RouteConfig
+    from osd.serve.chat_template import load_chat_template
+
+    return_freed_memory_to_the_system()  # a long-running process: freed tensors must not stay resident
+    settings = config_from(args, ServeSettings)
+    configure_logging(settings.log_level)
+    if settings.chat_template:
+        load_chat_template(settings.chat_template)  # a bad one fails now, not after minutes of loading models
+    models = config_from(args, ModelConfig)
+    if args.replicas:
+        cmd_serve_cluster(args, settings, models)
+        return
+    spec = config_from(args, SpeculationConfig)
+    system = build_system(models, spec, with_draft=spec.k > 0 or args.learn, route=config_from(args, RouteConfig))
+    system.engine.calibrate()
+    learner = attach_learner(system, config_from(args, LearnConfig)) if args.learn else None
+    name = settings.model_name or default_model_name(models.target)
+    serve(system.engine, system.tokenizer, name, settings, learner, system.routing)
+
+
+def cmd_serve_cluster(args, settings, models) -> None:
+    from osd.config import SpeculationConfig
+    from osd.errors import BackendUnavailable, InvalidArgument
+    from osd.learn.online import LearnConfig
+    from osd.route.config import RouteConfig
+
+    if config_from(args, RouteConfig).names():
+        raise InvalidArgument("--replicas with several drafts (--drafts) is not supported yet: one draft per cluster")
+    try:
+        from osd.cluster.launch import serve_cluster
+    except ImportError as e:
+        raise BackendUnavailable(f"--replicas needs Ray: pip install 'osd[ray]' ({e})") from e
+    learn = config_from(args, LearnConfig) if args.learn else None
+    name = settings.model_name or default_model_name(models.target)
+    serve_cluster(models, config_from(args, SpeculationConfig), learn, settings, name, args.replicas, args.ray_address)
+
+
+def serve(engine, tokenizer, model_name: str, settings: ServeSettings, learner=None, routing=None) -> None:
+    """Run the server until SIGINT/SIGTERM; shutdown cancels the running requests, then stops the learner.
+    The model work runs on this (the main) thread, the HTTP server on another (serve/worker.py says why)."""
+    import signal
+    import threading
+
+    import uvicorn
+
+    from osd.serve.app import create_app
+
+    app = create_app(engine, tokenizer, model_name, learner=learner, settings=settings, routing=routing,
+                     worker_thread=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=30,
+                                           **uvicorn_options(settings.log_level)))
+    http = threading.Thread(target=server.run, name="osd-http", daemon=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    http.start()
+    try:
+        app.state.worker.run_here(keep_going=http.is_alive)  # until the lifespan's shutdown stops the worker
+    finally:
+        server.should_exit = True
+        http.join(60)
+        app.state.lifecycle.stop()  # idempotent: normally done already by the lifespan shutdown

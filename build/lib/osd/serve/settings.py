@@ -1,0 +1,50 @@
+"""Server settings: one dataclass, validated on construction; `osd serve` maps its flags onto it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from osd.errors import InvalidArgument
+from osd.flags import option
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass
+class ServeSettings:
+    # loopback by default: exposing the server is an explicit choice
+    host: str = option("127.0.0.1", "address to listen on (0.0.0.0: every interface)")
+    port: int = option(8000, "port to listen on")
+    api_key: str | None = option(None, "require 'Authorization: Bearer <key>' on /v1/*; none = open")
+    max_body_bytes: int = option(1_000_000, "larger request bodies get 413")
+    default_max_tokens: int = option(256, "max_tokens of a request that gives none")
+    default_temperature: float = option(1.0, "temperature of a request that gives none (OpenAI's default)")
+    model_name: str | None = option(None, "the model id clients send as `model` (and /v1/models lists); none = the "
+                                    "target's name", aliases=("--served-model-name",))
+    metrics_require_key: bool = option(False, "GET /metrics needs the API key too (needs --api-key)")
+    chat_template: str | None = option(None, "a Jinja chat template (a file, or the template itself) used instead of "
+                                       "the tokenizer's to turn /v1/chat/completions messages into a prompt; none = "
+                                       "the tokenizer's own")
+    log_level: str = option("info", "logging level of the server (and of uvicorn's access log)", choices=LOG_LEVELS)
+    stats_interval: float = option(10.0, "log a line of what the server is doing (requests running and queued, "
+                                   "tokens/s, acceptance, k, draft version, learner) every this many seconds while "
+                                   "it works; 0 = never")
+
+    def __post_init__(self):
+        if not (0 <= self.port <= 65535):
+            raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes <= 0:
+            raise InvalidArgument(f"max_body_bytes must be > 0, got {self.max_body_bytes}")
+        if self.default_max_tokens <= 0:
+            raise InvalidArgument(f"default_max_tokens must be > 0, got {self.default_max_tokens}")
+        if self.default_temperature < 0:
+            raise InvalidArgument(f"default_temperature must be >= 0, got {self.default_temperature}")
+        if self.api_key == "":
+            self.api_key = None
+        if self.metrics_require_key and self.api_key is None:
+            raise InvalidArgument("metrics_require_key needs an api_key (--api-key or $OSD_API_KEY)")
+        if self.log_level not in LOG_LEVELS:
+            raise InvalidArgument(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.stats_interval is None or self.stats_interval < 0:
+            raise InvalidArgument(f"stats_interval must be >= 0 seconds (0 = off), got {self.stats_interval}")
+        if self.chat_template == "":
+            self.chat_template = None
