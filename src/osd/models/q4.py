@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -40,6 +40,7 @@ from osd.errors import BackendUnavailable, InvalidArgument
 QK = 256  # weights per K-quant block
 Q4K_BLOCK_BYTES = 144  # ggml's block_q4_K
 Q6K_BLOCK_BYTES = 210  # ggml's block_q6_K
+Q8_0_BLOCK_BYTES = 34  # ggml's block_q8_0: 32 weights
 ROWS_PER_PASS = 8  # q4_kernel.cpp MAX_R: rows multiplied per pass over a weight; one more row costs another pass
 ISAS = {"best": 0, "avx2": 1, "avx512_vnni": 2}
 TILE = 16  # output columns per tile of the weight layout (q4_kernel.cpp's TILE)
@@ -99,9 +100,10 @@ def resolve_isa(isa: str | None = None) -> str:
 
 # ------------------------------------------------------------------------------------------ tensors
 class Q8KActivations(NamedTuple):
-    """Rows quantized as ggml's Q8_K: one record per row and 256-block (the `Rec` struct of q4_kernel.cpp)."""
+    """Rows quantized as ggml's Q8_K, and per 32-weight sub-block as its Q8_0 (for the 32-block weight types): one
+    record per row and 256-block (the `Rec` struct of q4_kernel.cpp)."""
 
-    records: torch.Tensor  # (M, B, 384) uint8
+    records: torch.Tensor  # (M, B, 704) uint8
 
     def _field(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         return self.records[..., start:stop].contiguous().view(dtype)
@@ -122,9 +124,40 @@ class Q8KActivations(NamedTuple):
     def bs32(self) -> torch.Tensor:  # (M, B, 8) int16: sums of the quants of 32-element sub-blocks
         return self._field(324, 340, torch.int16)
 
+    @property
+    def q32(self) -> torch.Tensor:  # (M, B, 256) int8, kernel order: per-32 quants
+        return self._field(384, 640, torch.int8)
+
+    @property
+    def d32(self) -> torch.Tensor:  # (M, B, 8) float32: sub-block l = d32[l] * its q32
+        return self._field(640, 672, torch.float32)
+
+    @property
+    def s32(self) -> torch.Tensor:  # (M, B, 8) int32: sums of the per-32 quants of sub-block l
+        return self._field(672, 704, torch.int32)
+
+
+class _Weight:
+    """What every repacked weight has: `n` output features, then its tensors (the kernel function's arguments, in
+    order, each (T B, ...) for T = ceil(N / 16) tiles of columns and B blocks of 256 weights)."""
+
+    TYPE: ClassVar[str]  # the GGML type name
+    KERNEL: ClassVar[str]  # the kernel's function: (activations, *tensors, n, isa) -> (M, N)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self)[1:]]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.tensors()[0].shape[0] // -(-self.n // TILE) * QK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
 
 @dataclass(frozen=True)
-class Q4KWeight:
+class Q4KWeight(_Weight):
     """A Q4_K matrix (N, K) repacked for the kernel, columns interleaved 16 at a time (q4_kernel.cpp): 148 bytes per
     256 weights (the GGUF's 144, scales unpacked), N padded with zero columns to a multiple of 16.
 
@@ -136,18 +169,11 @@ class Q4KWeight:
     qs: torch.Tensor  # (T B, 2048) uint8: nibbles, T = ceil(N / 16)
     sm: torch.Tensor  # (T B, 256) uint8: 16 x 8 sub-block scales, 16 x 8 mins (6-bit)
     dd: torch.Tensor  # (T B, 32) float16: 16 d, 16 dmin
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.n, self.qs.shape[0] // -(-self.n // TILE) * QK
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.sm, self.dd))
+    TYPE, KERNEL = "Q4_K", "q4k_matmul"
 
 
 @dataclass(frozen=True)
-class Q6KWeight:
+class Q6KWeight(_Weight):
     """A Q6_K matrix (N, K) repacked for the kernel, 16 columns interleaved as Q4KWeight: 210 bytes per 256 weights,
     as in the GGUF; N padded with zero columns to a multiple of 16 (`interleave_q6k`)."""
 
@@ -156,14 +182,22 @@ class Q6KWeight:
     qh: torch.Tensor  # (T B, 1024) uint8: high 2 bits
     sc: torch.Tensor  # (T B, 256) int8: 16 x 16 sub-block scales
     d: torch.Tensor  # (T B, 16) float16
+    TYPE, KERNEL = "Q6_K", "q6k_matmul"
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.n, self.ql.shape[0] // -(-self.n // TILE) * QK
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.ql, self.qh, self.sc, self.d))
+@dataclass(frozen=True)
+class Q8_0Weight(_Weight):
+    """A Q8_0 matrix (N, K) repacked for the kernel, 16 columns interleaved: 34 bytes per 32 weights, as in the GGUF;
+    per (tile, 256 weights) `qs` 64 lines of 64 bytes, line 8 l + v's lane i = column i's int8 weights 32 l + 4 v +
+    (0..3) (`_interleaved_groups`), `d` the 16 columns' 8 sub-block scales, l-major (16 l + i)."""
+
+    n: int
+    qs: torch.Tensor  # (T B, 4096) uint8: the int8 quants' bytes
+    d: torch.Tensor  # (T B, 128) float16
+    TYPE, KERNEL = "Q8_0", "q8_0_matmul"
+
+
+Weight = Q4KWeight | Q6KWeight | Q8_0Weight
 
 
 def quantize_activations(x: torch.Tensor) -> Q8KActivations:
@@ -173,14 +207,12 @@ def quantize_activations(x: torch.Tensor) -> Q8KActivations:
     return Q8KActivations(kernel().quantize_q8k(x.float()))
 
 
-def matmul(acts: Q8KActivations, weight: Q4KWeight | Q6KWeight, isa: str | None = None) -> torch.Tensor:
+def matmul(acts: Q8KActivations, weight: Weight, isa: str | None = None) -> torch.Tensor:
     """(M, K) activations x (N, K) weight^T -> (M, N) float32, any M >= 1 (ROWS_PER_PASS rows per pass over the weight)."""
     code = ISAS[resolve_isa(isa)]
     if acts.records.shape[1] * QK != weight.shape[1]:
         raise InvalidArgument(f"activations have K = {acts.records.shape[1] * QK}, the weight {weight.shape[1]}")
-    if isinstance(weight, Q4KWeight):
-        return kernel().q4k_matmul(acts.records, weight.qs, weight.sm, weight.dd, weight.n, code)
-    return kernel().q6k_matmul(acts.records, weight.ql, weight.qh, weight.sc, weight.d, weight.n, code)
+    return getattr(kernel(), weight.KERNEL)(acts.records, *weight.tensors(), weight.n, code)
 
 
 # ------------------------------------------------------------------------------------------ repacking (pure)
@@ -296,17 +328,43 @@ def repack_q6k(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q6KWeight:
     return Q6KWeight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
 
 
-def repack(raw: torch.Tensor, type_name: str) -> Q4KWeight | Q6KWeight:
-    """GGUF tensor bytes of type 'Q4_K' or 'Q6_K' -> the kernel's weight."""
-    if type_name == "Q4_K":
-        return repack_q4k(raw)
-    if type_name == "Q6_K":
-        return repack_q6k(raw)
-    raise InvalidArgument(f"the Q4 kernel handles Q4_K and Q6_K weights, not {type_name}")
+def repack_q8_0(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q8_0Weight:
+    """A GGUF Q8_0 tensor's bytes (N, K / 32 * 34) uint8, K a multiple of 256 -> the kernel's layout."""
+    blocks = _blocks(raw, 8 * Q8_0_BLOCK_BYTES)
+    parts = []
+    for part in _pad_tiles(blocks).split(chunk_rows):
+        sub = part.reshape(*part.shape[:2], 8, Q8_0_BLOCK_BYTES)  # (N, B, 8 sub-blocks, 34)
+        q = sub[..., 2:].reshape(*part.shape[:2], QK)  # (N, B, 256) the int8 quants' bytes, element order
+        parts.append((_interleaved_groups(q).reshape(-1, 4096), _by_lane(_f16(sub[..., 0:2]))))
+    return Q8_0Weight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
 
 
-def load_gguf_weight(path: str | Path, name: str) -> Q4KWeight | Q6KWeight:
-    """One Q4_K/Q6_K tensor of a GGUF file (e.g. 'blk.0.ffn_up.weight'), repacked. The file is memory-mapped."""
+WEIGHTS = {cls.TYPE: cls for cls in (Q4KWeight, Q6KWeight, Q8_0Weight)}
+MATRIX_TYPES = tuple(WEIGHTS)  # the GGML types the kernel runs
+REPACK = {"Q4_K": repack_q4k, "Q6_K": repack_q6k, "Q8_0": repack_q8_0}
+
+
+def unsupported(type_name: str, what: str = "a matrix") -> str:
+    """The error for a type the kernel cannot run: it is never converted to another one (that would not be the
+    user's model); llama.cpp runs it."""
+    return (f"{what} is {type_name}: the osd kernel runs {', '.join(MATRIX_TYPES)} matrices, not {type_name} (it does "
+            "not convert one type into another); use --target-backend llama.cpp for this file")
+
+
+def repack(raw: torch.Tensor, type_name: str) -> Weight:
+    """GGUF tensor bytes of one of MATRIX_TYPES -> the kernel's weight."""
+    if type_name not in REPACK:
+        raise InvalidArgument(unsupported(type_name))
+    return REPACK[type_name](raw)
+
+
+def from_tensors(type_name: str, n: int, tensors: list[torch.Tensor]) -> Weight:
+    """A repacked weight from its type, N and tensors (`tensors()`), as stored."""
+    return WEIGHTS[type_name](n, *tensors)
+
+
+def load_gguf_weight(path: str | Path, name: str) -> Weight:
+    """One kernel-type tensor of a GGUF file (e.g. 'blk.0.ffn_up.weight'), repacked. The file is memory-mapped."""
     from gguf import GGUFReader
 
     for t in GGUFReader(str(path)).tensors:

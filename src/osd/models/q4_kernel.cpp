@@ -46,18 +46,23 @@ namespace {
 constexpr int QK = 256;       // weights per block
 constexpr int MAX_R = 8;      // rows per pass over the weights
 constexpr int64_t TILE = 16;  // output columns per tile: the weight layout stores a tile's blocks together
-constexpr int REC = 384;      // bytes per activation record (one row, one block; a multiple of 64), see Rec
+constexpr int REC = 704;      // bytes per activation record (one row, one block; a multiple of 64), see Rec
 
 #define VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
-// One row's 256-block of Q8_K activations and what the kernels derive from it once per row instead of once per
-// weight row: the sums of its sub-blocks' quants, as Q4_K's mins and Q6_K's -32 offset need them, in integers.
+// One row's 256-block of activations, quantized twice, and what the kernels derive from it once per row instead of
+// once per weight row. As Q8_K (one scale per 256, for the K-quants, as llama.cpp): the quants and the sums of its
+// sub-blocks' quants, as Q4_K's mins and Q6_K's -32 offset need them, in integers. And per 32-weight sub-block with
+// its own scale (the 32-block types Q8_0, Q4_0, Q4_1, as llama.cpp's Q8_0 / Q8_1 activations): quants and their sums.
 struct Rec {
-  int8_t q[QK];     // quants, kernel order
+  int8_t q[QK];     // Q8_K quants, kernel order
   int32_t nbs[16];  // -32 * (sum of the quants of 16-element sub-block 2l) for l = 0..7, then of sub-block 2l+1
   float d;          // row block = d * q
   int16_t bs32[8];  // sums of the quants of 32-element sub-block l (Q4_K's mins)
-  uint8_t pad[REC - QK - 64 - 4 - 16];
+  uint8_t pad[44];  // q32 starts at byte 384 (a cache line)
+  int8_t q32[QK];   // per-32 quants, kernel order: sub-block l of the row block = d32[l] * (its quants)
+  float d32[8];
+  int32_t s32[8];   // sums of the per-32 quants of sub-block l (Q4_0's -8 offset, Q4_1's m, Q8_0's unsigned shift)
 };
 static_assert(sizeof(Rec) == REC, "activation record size");
 
@@ -76,32 +81,50 @@ struct Q6W {  // per (tile, block): ql 2048 bytes, qh 1024 bytes, sc 256 bytes, 
   int64_t B;
 };
 
-// ---------------------------------------------------------------- activations: ggml's quantize_row_q8_K_ref
-void quantize_block(const float* x, Rec* rec) {
-  std::memset(rec, 0, sizeof(Rec));
+// ---------------------------------------------------------------- activations
+// 32 floats -> 32 int8 quants round(x * scale) (half to even), clamped to [-127, 127], natural order
+inline void quantize_32(const float* x, __m256 scale, int8_t* out) {
+  const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+  __m256i v[4];
+  for (int j = 0; j < 4; ++j)
+    v[j] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(scale, _mm256_loadu_ps(x + 8 * j))), top),
+                            bottom);
+  __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), p);
+}
+
+inline float abs_max(const float* x, int n) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 vmax = _mm256_setzero_ps();
-  for (int j = 0; j < QK; j += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + j), absmask));
+  for (int j = 0; j < n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + j), absmask));
   float lanes[8];
   _mm256_storeu_ps(lanes, vmax);
   float amax = 0.f;
   for (float a : lanes) amax = a > amax ? a : amax;
+  return amax;
+}
+
+// natural order -> kernel order: 4-byte word (v, l) <- natural word (l, v)
+inline void to_kernel_order(const int8_t* nat, int8_t* out) {
+  int32_t words[64], perm[64];
+  std::memcpy(words, nat, QK);
+  for (int l = 0; l < 8; ++l)
+    for (int v = 0; v < 8; ++v) perm[8 * v + l] = words[8 * l + v];
+  std::memcpy(out, perm, QK);
+}
+
+// Q8_K as ggml's quantize_row_q8_K_ref (bit for bit); per 32 as its quantize_row_q8_0_ref (d = amax / 127, quants
+// x / d rounded) except that d stays float32 and ties round to even
+void quantize_block(const float* x, Rec* rec) {
+  std::memset(rec, 0, sizeof(Rec));
+  const float amax = abs_max(x, QK);
   if (!(amax > 0.f)) return;  // all zero (ggml tests !amax): d = 0, quants 0
   int first = 0;  // ggml keeps the first element of largest magnitude, with its sign
   while (std::fabs(x[first]) != amax) ++first;
   const float iscale = -127.f / x[first];
-  const __m256 vs = _mm256_set1_ps(iscale);
-  const __m256i top = _mm256_set1_epi32(127);
   alignas(32) int8_t nat[QK];  // natural order
-  for (int j = 0; j < QK; j += 32) {
-    __m256i a = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + j))), top);  // round half even
-    __m256i b = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + j + 8))), top);
-    __m256i c = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + j + 16))), top);
-    __m256i e = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + j + 24))), top);
-    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, e));
-    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(nat + j), p);
-  }
+  for (int j = 0; j < QK; j += 32) quantize_32(x + j, _mm256_set1_ps(iscale), nat + j);  // 127 only at the top
   rec->d = 1.f / iscale;
   int bs[16];  // ggml's bsums: sums of 16 consecutive quants
   for (int g = 0; g < 16; ++g) {
@@ -113,12 +136,17 @@ void quantize_block(const float* x, Rec* rec) {
     rec->nbs[l] = -32 * bs[2 * l];
     rec->nbs[8 + l] = -32 * bs[2 * l + 1];
   }
-  int32_t words[64];  // kernel order: word (v, l) <- natural word (l, v)
-  std::memcpy(words, nat, QK);
-  int32_t out[64];
-  for (int l = 0; l < 8; ++l)
-    for (int v = 0; v < 8; ++v) out[8 * v + l] = words[8 * l + v];
-  std::memcpy(rec->q, out, QK);
+  to_kernel_order(nat, rec->q);
+  for (int l = 0; l < 8; ++l) {
+    const float am = abs_max(x + 32 * l, 32);
+    rec->d32[l] = am / 127.f;
+    const float id = am > 0.f ? 1.f / rec->d32[l] : 0.f;
+    quantize_32(x + 32 * l, _mm256_set1_ps(id), nat + 32 * l);
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) sum += nat[32 * l + i];
+    rec->s32[l] = sum;
+  }
+  to_kernel_order(nat, rec->q32);
 }
 
 // Weights stream in layout order; fetching them PREFETCH bytes ahead hides more of the memory latency than the
@@ -334,6 +362,129 @@ VNNI_TARGET void q6_vnni(const Rec* a, const Q6W& w, float* accs, int64_t t, int
   }
 }
 
+// ---------------------------------------------------------------- 32-weight blocks: Q8_0, Q4_0, Q4_1
+// Sub-block l of a 256-block is one GGUF block of 32 weights with its own fp16 scale d (Q4_1: and offset m): per
+// (row, sub-block, 16 columns) an exact integer dot product of its weights with the row's per-32 quants, then one
+// float step per lane (Q4_1: two): acc += isum * (d dy); [acc += s32 * (m dy)], dy the row's per-32 scale.
+// Integer sums: Q8_0 sum q y; Q4_0 sum (q - 8) y = sum q y - 8 s32; Q4_1 sum q y. VNNI multiplies unsigned weights by
+// signed activations, so Q8_0's signed weights go in as q + 128 (xor 0x80) and 128 s32 comes off; AVX2's maddubs
+// would saturate on those (2 x 255 x 127), so it multiplies |q| by y with q's sign (|pair| <= 2 x 128 x 127).
+enum Kind { K_Q8_0 = 0, K_Q4_0 = 1, K_Q4_1 = 2 };
+
+struct B32W {  // per (tile, block): qs (Q8_0: 4096 int8 bytes, 64 lines; Q4: 2048 nibble bytes), d 128 halves
+  const uint8_t* qs;  // (Q4_1: 128 d then 128 m)
+  const uint16_t* d;
+  int64_t B;
+};
+
+template <int KIND>
+constexpr int64_t qs_bytes() { return KIND == K_Q8_0 ? 4096 : 2048; }
+template <int KIND>
+constexpr int64_t d_halves() { return KIND == K_Q4_1 ? 256 : 128; }
+template <int KIND>
+inline int32_t offset32(const Rec* y, int l) { return KIND == K_Q8_0 ? 0 : KIND == K_Q4_0 ? -8 * y->s32[l] : 0; }
+
+template <int R, int KIND>
+void b32_avx2(const Rec* a, const B32W& w, float* accs, int64_t t, int64_t r0) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t B = w.B;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t tb = t * B + b;
+    const uint8_t* qs = w.qs + tb * qs_bytes<KIND>();
+    const uint16_t* wd = w.d + tb * d_halves<KIND>();
+    const Rec* y[R];
+    for (int r = 0; r < R; ++r) y[r] = a + (r0 + r) * B + b;
+    for (int half = 0; half < 2; ++half) {  // columns 8 half .. 8 half + 7
+      for (int l = 0; l < 8; ++l) {
+        __m256i s[R];
+        for (int r = 0; r < R; ++r) s[r] = _mm256_set1_epi32(offset32<KIND>(y[r], l));
+        if constexpr (KIND == K_Q8_0) {
+          for (int v = 0; v < 8; ++v) {
+            const uint8_t* line = qs + 64 * (8 * l + v);
+            prefetch(line, 1);
+            const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * half));
+            const __m256i mag = _mm256_abs_epi8(p);  // -128 -> 0x80 = 128 unsigned
+            for (int r = 0; r < R; ++r) {
+              const __m256i yv = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(y[r]->q32)[8 * v + l]);
+              s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(yv, p)), ones));
+            }
+          }
+        } else {
+          for (int h = 0; h < 4; ++h) {
+            const uint8_t* line = qs + 64 * (4 * l + h);
+            prefetch(line, 1);
+            const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * half));
+            const __m256i lo = _mm256_and_si256(p, m4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+            for (int r = 0; r < R; ++r) {  // |int16 pair| <= 2*15*127
+              const int32_t* yq = reinterpret_cast<const int32_t*>(y[r]->q32);
+              s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(yq[8 * h + l])), ones));
+              s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(yq[8 * (h + 4) + l])), ones));
+            }
+          }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + 16 * l + 8 * half)));
+        for (int r = 0; r < R; ++r) {
+          float* acc = accs + 16 * r + 8 * half;
+          const __m256 dy = _mm256_set1_ps(y[r]->d32[l]);
+          __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, dy), _mm256_load_ps(acc));
+          if constexpr (KIND == K_Q4_1) {
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + 128 + 16 * l + 8 * half)));
+            sum = _mm256_fmadd_ps(_mm256_set1_ps(static_cast<float>(y[r]->s32[l])), _mm256_mul_ps(m, dy), sum);
+          }
+          _mm256_store_ps(acc, sum);
+        }
+      }
+    }
+  }
+}
+
+template <int R, int KIND>
+VNNI_TARGET void b32_vnni(const Rec* a, const B32W& w, float* accs, int64_t t, int64_t r0) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), x80 = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t B = w.B;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t tb = t * B + b;
+    const uint8_t* qs = w.qs + tb * qs_bytes<KIND>();
+    const uint16_t* wd = w.d + tb * d_halves<KIND>();
+    const Rec* y[R];
+    for (int r = 0; r < R; ++r) y[r] = a + (r0 + r) * B + b;
+    for (int l = 0; l < 8; ++l) {
+      __m512i wv[8];
+      if constexpr (KIND == K_Q8_0) {
+        for (int v = 0; v < 8; ++v) {
+          const uint8_t* line = qs + 64 * (8 * l + v);
+          prefetch(line, 1);
+          wv[v] = _mm512_xor_si512(_mm512_loadu_si512(line), x80);  // q + 128
+        }
+      } else {
+        for (int h = 0; h < 4; ++h) {
+          const uint8_t* line = qs + 64 * (4 * l + h);
+          prefetch(line, 1);
+          const __m512i p = _mm512_loadu_si512(line);
+          wv[h] = _mm512_and_si512(p, m4);
+          wv[h + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + 16 * l)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int32_t* yq = reinterpret_cast<const int32_t*>(y[r]->q32);
+        const int32_t off = KIND == K_Q8_0 ? -128 * y[r]->s32[l] : offset32<KIND>(y[r], l);
+        __m512i s = _mm512_set1_epi32(off);
+        for (int v = 0; v < 8; ++v) s = _mm512_dpbusd_epi32(s, wv[v], _mm512_set1_epi32(yq[8 * v + l]));
+        float* acc = accs + 16 * r;
+        const __m512 dy = _mm512_set1_ps(y[r]->d32[l]);
+        __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, dy), _mm512_load_ps(acc));
+        if constexpr (KIND == K_Q4_1) {
+          const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + 128 + 16 * l)));
+          sum = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(y[r]->s32[l])), _mm512_mul_ps(m, dy), sum);
+        }
+        _mm512_store_ps(acc, sum);
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- dispatch
 bool cpu_has_vnni() {
   __builtin_cpu_init();
@@ -359,6 +510,14 @@ constexpr TileFn<Q6W> Q6_AVX2[MAX_R] = {q6_avx2<1>, q6_avx2<2>, q6_avx2<3>, q6_a
                                         q6_avx2<5>, q6_avx2<6>, q6_avx2<7>, q6_avx2<8>};
 constexpr TileFn<Q6W> Q6_VNNI[MAX_R] = {q6_vnni<1>, q6_vnni<2>, q6_vnni<3>, q6_vnni<4>,
                                         q6_vnni<5>, q6_vnni<6>, q6_vnni<7>, q6_vnni<8>};
+
+template <int KIND>
+struct B32Fns {
+  static constexpr TileFn<B32W> avx2[MAX_R] = {b32_avx2<1, KIND>, b32_avx2<2, KIND>, b32_avx2<3, KIND>, b32_avx2<4, KIND>,
+                                               b32_avx2<5, KIND>, b32_avx2<6, KIND>, b32_avx2<7, KIND>, b32_avx2<8, KIND>};
+  static constexpr TileFn<B32W> vnni[MAX_R] = {b32_vnni<1, KIND>, b32_vnni<2, KIND>, b32_vnni<3, KIND>, b32_vnni<4, KIND>,
+                                               b32_vnni<5, KIND>, b32_vnni<6, KIND>, b32_vnni<7, KIND>, b32_vnni<8, KIND>};
+};
 
 // Tiles of 16 columns split across threads; within a tile, rows in groups of MAX_R (a row's float sum runs over the
 // blocks in the same order whatever group it is in). Lane i of a row's accumulator is column i: written out directly
@@ -437,11 +596,25 @@ torch::Tensor q6k_matmul(torch::Tensor acts, torch::Tensor ql, torch::Tensor qh,
   return y;
 }
 
+// the 32-block types: qs (T B, qs bytes) u8, d (T B, 128 or 256) f16
+template <int KIND>
+torch::Tensor b32_matmul(torch::Tensor acts, torch::Tensor qs, torch::Tensor wd, int64_t N, int64_t isa) {
+  const Rec* a = check_act(acts);
+  const int64_t M = acts.size(0), B = acts.size(1), T = (N + TILE - 1) / TILE;
+  check_blocks(qs, T * B, qs_bytes<KIND>(), "qs", at::kByte);
+  check_blocks(wd, T * B, d_halves<KIND>(), "d", at::kHalf);
+  const B32W w{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(wd.data_ptr()), B};
+  auto y = torch::empty({M, N}, acts.options().dtype(at::kFloat));
+  run_tiles(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? B32Fns<KIND>::vnni : B32Fns<KIND>::avx2);
+  return y;
+}
+
 bool has_vnni() { return cpu_has_vnni(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quantize_q8k", &quantize_q8k, "x (M, K) f32 -> Q8_K activation records (M, K / 256, 384) u8");
+  m.def("quantize_q8k", &quantize_q8k, "x (M, K) f32 -> activation records (M, K / 256, 704) u8 (Q8_K and per-32 quants)");
   m.def("q4k_matmul", &q4k_matmul, "Q8_K activations x repacked Q4_K weights^T -> (M, N) f32");
   m.def("q6k_matmul", &q6k_matmul, "Q8_K activations x repacked Q6_K weights^T -> (M, N) f32");
+  m.def("q8_0_matmul", &b32_matmul<K_Q8_0>, "activations x repacked Q8_0 weights^T -> (M, N) f32");
   m.def("has_vnni", &has_vnni, "whether this CPU runs the AVX-512 VNNI path");
 }
