@@ -1,4 +1,4 @@
-"""The kernel's other GGUF matrix types (models/q4.py, q4_kernel.cpp): Q8_0 (so far) against independent references.
+"""The kernel's other GGUF matrix types (models/q4.py, q4_kernel.cpp): Q8_0, Q4_0, Q4_1, Q5_K against references.
 
 References: gguf's own numpy dequantization of the same GGUF block bytes (not our repacking), and the activations'
 per-32 quantization written out in torch below. Every type: within a stated tolerance of the float64 product of the
@@ -18,9 +18,9 @@ from tests.models.test_q4_kernel import activations, q8k_reference
 require_q4()
 
 ISAS = ["avx2"] + (["avx512_vnni"] if q4.available() and q4.has_vnni() else [])
-TYPES = ["Q8_0"]
-BLOCK = {"Q8_0": (32, 34)}  # weights, bytes per GGUF block
-TOLERANCE = 5e-7  # of sum |x| |w| per output (measured max: Q8_0 4.8e-8)
+TYPES = ["Q8_0", "Q4_0", "Q4_1"]
+BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_K": (256, 176)}  # weights, bytes per block
+TOLERANCE = 5e-7  # of sum |x| |w| per output (measured max: Q8_0 4.8e-8, Q4_0 5.2e-8, Q4_1 6.9e-8, Q5_K 4.2e-8)
 
 
 def random_blocks(n: int, k: int, type_name: str, seed: int) -> torch.Tensor:
@@ -28,9 +28,14 @@ def random_blocks(n: int, k: int, type_name: str, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     weights, size = BLOCK[type_name]
     raw = torch.randint(0, 256, (n, k // weights, size), dtype=torch.uint8, generator=g)
-    scale = ((torch.rand(n, k // weights, 2, generator=g) - 0.3) * 0.02).half().view(torch.uint8).reshape(n, -1, 4)
-    if type_name == "Q8_0":
-        raw[..., 0:2] = scale[..., 0:2]  # d (signed: a valid file's is not, the kernel does not care)
+    halves = ((torch.rand(n, k // weights, 2, generator=g) - 0.3) * 0.02).half()  # signed
+    if type_name == "Q5_K":
+        halves = halves.abs()  # d, dmin >= 0 as Q4_K's; its 6-bit scales and mins are random bytes
+    scale = halves.view(torch.uint8).reshape(n, -1, 4)
+    if type_name in ("Q8_0", "Q4_0"):
+        raw[..., 0:2] = scale[..., 0:2]  # d (Q8_0's is >= 0 in a real file, the kernel does not care)
+    else:
+        raw[..., 0:4] = scale  # Q4_1: d, m; Q5_K: d, dmin
     return raw.reshape(n, -1)
 
 

@@ -40,7 +40,9 @@ from osd.errors import BackendUnavailable, InvalidArgument
 QK = 256  # weights per K-quant block
 Q4K_BLOCK_BYTES = 144  # ggml's block_q4_K
 Q6K_BLOCK_BYTES = 210  # ggml's block_q6_K
-Q8_0_BLOCK_BYTES = 34  # ggml's block_q8_0: 32 weights
+Q8_0_BLOCK_BYTES = 34
+Q4_1_BLOCK_BYTES = 20  # ggml's block_q4_1: 32 weights
+Q4_0_BLOCK_BYTES = 18  # ggml's block_q4_0: 32 weights  # ggml's block_q8_0: 32 weights
 ROWS_PER_PASS = 8  # q4_kernel.cpp MAX_R: rows multiplied per pass over a weight; one more row costs another pass
 ISAS = {"best": 0, "avx2": 1, "avx512_vnni": 2}
 TILE = 16  # output columns per tile of the weight layout (q4_kernel.cpp's TILE)
@@ -197,7 +199,29 @@ class Q8_0Weight(_Weight):
     TYPE, KERNEL = "Q8_0", "q8_0_matmul"
 
 
-Weight = Q4KWeight | Q6KWeight | Q8_0Weight
+@dataclass(frozen=True)
+class Q4_1Weight(_Weight):
+    """A Q4_1 matrix (N, K) repacked for the kernel: `qs` as Q4_0Weight's (value q d + m), `dm` the 16 columns' 8
+    sub-block d, then their 8 m, l-major: 20 bytes per 32 weights, as in the GGUF."""
+
+    n: int
+    qs: torch.Tensor  # (T B, 2048) uint8
+    dm: torch.Tensor  # (T B, 256) float16: d at 16 l + i, m at 128 + 16 l + i
+    TYPE, KERNEL = "Q4_1", "q4_1_matmul"
+
+
+@dataclass(frozen=True)
+class Q4_0Weight(_Weight):
+    """A Q4_0 matrix (N, K) repacked for the kernel: per (tile, 256 weights) `qs` the 4-bit quants as Q4KWeight's (value
+    (q - 8) d), `d` the 16 columns' 8 sub-block scales, l-major: 18 bytes per 32 weights, as in the GGUF."""
+
+    n: int
+    qs: torch.Tensor  # (T B, 2048) uint8
+    d: torch.Tensor  # (T B, 128) float16
+    TYPE, KERNEL = "Q4_0", "q4_0_matmul"
+
+
+Weight = Q4KWeight | Q6KWeight | Q8_0Weight | Q4_0Weight | Q4_1Weight
 
 
 def quantize_activations(x: torch.Tensor) -> Q8KActivations:
@@ -339,9 +363,39 @@ def repack_q8_0(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q8_0Weight:
     return Q8_0Weight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
 
 
-WEIGHTS = {cls.TYPE: cls for cls in (Q4KWeight, Q6KWeight, Q8_0Weight)}
+def _nibbles_32(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_0 / Q4_1's 16 quant bytes (..., 16) -> the 32 quants 0..15 in element order (j low, j + 16 high)."""
+    return torch.cat([qs & 0xF, qs >> 4], dim=-1)
+
+
+def repack_q4_0(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q4_0Weight:
+    """A GGUF Q4_0 tensor's bytes (N, K / 32 * 18) uint8, K a multiple of 256 -> the kernel's layout."""
+    blocks = _blocks(raw, 8 * Q4_0_BLOCK_BYTES)
+    parts = []
+    for part in _pad_tiles(blocks).split(chunk_rows):
+        sub = part.reshape(*part.shape[:2], 8, Q4_0_BLOCK_BYTES)  # (N, B, 8 sub-blocks, 18)
+        q = _nibbles_32(sub[..., 2:]).reshape(*part.shape[:2], QK)
+        parts.append((_nibble_lines(_interleaved_groups(q)), _by_lane(_f16(sub[..., 0:2]))))
+    return Q4_0Weight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
+
+
+
+def repack_q4_1(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q4_1Weight:
+    """A GGUF Q4_1 tensor's bytes (N, K / 32 * 20) uint8, K a multiple of 256 -> the kernel's layout."""
+    blocks = _blocks(raw, 8 * Q4_1_BLOCK_BYTES)
+    parts = []
+    for part in _pad_tiles(blocks).split(chunk_rows):
+        sub = part.reshape(*part.shape[:2], 8, Q4_1_BLOCK_BYTES)  # (N, B, 8 sub-blocks, 20)
+        q = _nibbles_32(sub[..., 4:]).reshape(*part.shape[:2], QK)
+        dm = torch.cat([_by_lane(_f16(sub[..., 0:2])), _by_lane(_f16(sub[..., 2:4]))], dim=1)
+        parts.append((_nibble_lines(_interleaved_groups(q)), dm))
+    return Q4_1Weight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
+
+
+WEIGHTS = {cls.TYPE: cls for cls in (Q4KWeight, Q6KWeight, Q8_0Weight, Q4_0Weight, Q4_1Weight)}
 MATRIX_TYPES = tuple(WEIGHTS)  # the GGML types the kernel runs
-REPACK = {"Q4_K": repack_q4k, "Q6_K": repack_q6k, "Q8_0": repack_q8_0}
+REPACK = {"Q4_K": repack_q4k, "Q6_K": repack_q6k, "Q8_0": repack_q8_0, "Q4_0": repack_q4_0,
+          "Q4_1": repack_q4_1}
 
 
 def unsupported(type_name: str, what: str = "a matrix") -> str:

@@ -616,5 +616,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4k_matmul", &q4k_matmul, "Q8_K activations x repacked Q4_K weights^T -> (M, N) f32");
   m.def("q6k_matmul", &q6k_matmul, "Q8_K activations x repacked Q6_K weights^T -> (M, N) f32");
   m.def("q8_0_matmul", &b32_matmul<K_Q8_0>, "activations x repacked Q8_0 weights^T -> (M, N) f32");
+  m.def("q4_0_matmul", &b32_matmul<K_Q4_0>, "activations x repacked Q4_0 weights^T -> (M, N) f32");
+  m.def("q4_1_matmul", &b32_matmul<K_Q4_1>, "activations x repacked Q4_1 weights^T -> (M, N) f32");
   m.def("has_vnni", &has_vnni, "whether this CPU runs the AVX-512 VNNI path");
 }
