@@ -18,7 +18,7 @@ from tests.models.test_q4_kernel import activations, q8k_reference
 require_q4()
 
 ISAS = ["avx2"] + (["avx512_vnni"] if q4.available() and q4.has_vnni() else [])
-TYPES = ["Q8_0", "Q4_0", "Q4_1"]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_K"]
 BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_K": (256, 176)}  # weights, bytes per block
 TOLERANCE = 5e-7  # of sum |x| |w| per output (measured max: Q8_0 4.8e-8, Q4_0 5.2e-8, Q4_1 6.9e-8, Q5_K 4.2e-8)
 

@@ -40,6 +40,7 @@ from osd.errors import BackendUnavailable, InvalidArgument
 QK = 256  # weights per K-quant block
 Q4K_BLOCK_BYTES = 144  # ggml's block_q4_K
 Q6K_BLOCK_BYTES = 210  # ggml's block_q6_K
+Q5K_BLOCK_BYTES = 176  # ggml's block_q5_K
 Q8_0_BLOCK_BYTES = 34
 Q4_1_BLOCK_BYTES = 20  # ggml's block_q4_1: 32 weights
 Q4_0_BLOCK_BYTES = 18  # ggml's block_q4_0: 32 weights  # ggml's block_q8_0: 32 weights
@@ -188,6 +189,19 @@ class Q6KWeight(_Weight):
 
 
 @dataclass(frozen=True)
+class Q5KWeight(_Weight):
+    """A Q5_K matrix (N, K) repacked for the kernel: Q4KWeight's layout for the low 4 bits, scales and mins, plus `qh`
+    the fifth bits (`interleave_q5k`): 180 bytes per 256 weights (the GGUF's 176, scales unpacked)."""
+
+    n: int
+    qs: torch.Tensor  # (T B, 2048) uint8: low 4 bits, as Q4KWeight's
+    qh: torch.Tensor  # (T B, 512) uint8: line l's byte 4 i + t, bit v = column i's element 32 l + 4 v + t's fifth bit
+    sm: torch.Tensor  # (T B, 256) uint8: as Q4KWeight's
+    dd: torch.Tensor  # (T B, 32) float16: as Q4KWeight's
+    TYPE, KERNEL = "Q5_K", "q5k_matmul"
+
+
+@dataclass(frozen=True)
 class Q8_0Weight(_Weight):
     """A Q8_0 matrix (N, K) repacked for the kernel, 16 columns interleaved: 34 bytes per 32 weights, as in the GGUF;
     per (tile, 256 weights) `qs` 64 lines of 64 bytes, line 8 l + v's lane i = column i's int8 weights 32 l + 4 v +
@@ -221,7 +235,7 @@ class Q4_0Weight(_Weight):
     TYPE, KERNEL = "Q4_0", "q4_0_matmul"
 
 
-Weight = Q4KWeight | Q6KWeight | Q8_0Weight | Q4_0Weight | Q4_1Weight
+Weight = Q4KWeight | Q5KWeight | Q6KWeight | Q8_0Weight | Q4_0Weight | Q4_1Weight
 
 
 def quantize_activations(x: torch.Tensor) -> Q8KActivations:
@@ -352,6 +366,32 @@ def repack_q6k(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q6KWeight:
     return Q6KWeight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
 
 
+def q5k_high(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_K's 32 high-bit bytes (..., 32) -> the 256 fifth bits (0/1) in element order: element 32 s + j is bit s of
+    byte j (as ggml's dequantize_row_q5_K)."""
+    return torch.stack([(qh >> s) & 1 for s in range(8)], dim=-2).reshape(*qh.shape[:-1], QK)
+
+
+def interleave_q5k(q: torch.Tensor, sc: torch.Tensor, mins: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor):
+    """Q5_K's quants (N, B, 256) 0..31 in element order and Q4_K's other components -> the kernel's (qs, qh, sm, dd):
+    Q4_K's layout of the low 4 bits, and qh line l's byte holding in bit v the fifth bit of group (l, v)'s byte."""
+    qs, sm, dd = interleave_q4k(q & 0xF, sc, mins, d, dmin)
+    groups = _interleaved_groups(q >> 4)  # (T, B, 8 l, 8 v, 64) of 0/1
+    qh = sum(groups[:, :, :, v] << v for v in range(8))  # (T, B, 8 l, 64)
+    return qs, qh.reshape(-1, 512), sm, dd
+
+
+def repack_q5k(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q5KWeight:
+    """A GGUF Q5_K tensor's bytes (N, B * 176) uint8 -> the kernel's layout (zero columns pad N to tiles of 16)."""
+    blocks = _blocks(raw, Q5K_BLOCK_BYTES)
+    parts = []
+    for part in _pad_tiles(blocks).split(chunk_rows):
+        sc, mins = q4k_scales(part[..., 4:16])
+        q = q4k_quants(part[..., 48:176]) | (q5k_high(part[..., 16:48]) << 4)
+        parts.append(interleave_q5k(q, sc, mins, _f16(part[..., 0:2]), _f16(part[..., 2:4])))
+    return Q5KWeight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
+
+
 def repack_q8_0(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q8_0Weight:
     """A GGUF Q8_0 tensor's bytes (N, K / 32 * 34) uint8, K a multiple of 256 -> the kernel's layout."""
     blocks = _blocks(raw, 8 * Q8_0_BLOCK_BYTES)
@@ -392,10 +432,10 @@ def repack_q4_1(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q4_1Weight:
     return Q4_1Weight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
 
 
-WEIGHTS = {cls.TYPE: cls for cls in (Q4KWeight, Q6KWeight, Q8_0Weight, Q4_0Weight, Q4_1Weight)}
+WEIGHTS = {cls.TYPE: cls for cls in (Q4KWeight, Q5KWeight, Q6KWeight, Q8_0Weight, Q4_0Weight, Q4_1Weight)}
 MATRIX_TYPES = tuple(WEIGHTS)  # the GGML types the kernel runs
-REPACK = {"Q4_K": repack_q4k, "Q6_K": repack_q6k, "Q8_0": repack_q8_0, "Q4_0": repack_q4_0,
-          "Q4_1": repack_q4_1}
+REPACK = {"Q4_K": repack_q4k, "Q5_K": repack_q5k, "Q6_K": repack_q6k, "Q8_0": repack_q8_0,
+          "Q4_0": repack_q4_0, "Q4_1": repack_q4_1}
 
 
 def unsupported(type_name: str, what: str = "a matrix") -> str:

@@ -71,6 +71,7 @@ struct Q4W {  // per (tile, block): qs 2048 bytes, sm 256 bytes, dd 32 halves (s
   const uint8_t* sm;
   const uint16_t* dd;
   int64_t B;
+  const uint8_t* qh;  // Q5_K: the fifth bits, 512 bytes (nullptr for Q4_K)
 };
 
 struct Q6W {  // per (tile, block): ql 2048 bytes, qh 1024 bytes, sc 256 bytes, d 16 halves (see the layout above)
@@ -161,9 +162,17 @@ inline void prefetch(const uint8_t* p, int lines) {
 // rows (8 weight vectors in registers), each row's 8 activation groups broadcast against them.
 // Float steps per (row, block), identical in both paths lane by lane: acc += isum * (d dy); acc -= imin * (dmin dy).
 
-template <int R>
+// bit v of each byte -> bit 4 (the rest is masked off by the caller); 16-bit shifts move no other byte's bit there
+inline __m256i bit_to_4(__m256i h, int v) {
+  return v < 4 ? _mm256_slli_epi16(h, 4 - v) : v == 4 ? h : _mm256_srli_epi16(h, v - 4);
+}
+VNNI_TARGET inline __m512i bit_to_4(__m512i h, int v) {
+  return v < 4 ? _mm512_slli_epi16(h, 4 - v) : v == 4 ? h : _mm512_srli_epi16(h, v - 4);
+}
+
+template <int R, bool Q5>
 void q4_avx2(const Rec* a, const Q4W& w, float* accs, int64_t t, int64_t r0) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
   const int64_t B = w.B;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t tb = t * B + b;
@@ -181,6 +190,10 @@ void q4_avx2(const Rec* a, const Q4W& w, float* accs, int64_t t, int64_t r0) {
           const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * half));
           wv[h] = _mm256_and_si256(p, m4);
           wv[h + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+        }
+        if constexpr (Q5) {  // |int16 pair| <= 2*31*127
+          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qh + tb * 512 + 64 * l + 32 * half));
+          for (int v = 0; v < 8; ++v) wv[v] = _mm256_or_si256(wv[v], _mm256_and_si256(bit_to_4(hb, v), m10));
         }
         const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 16 * l + 8 * half)));
         for (int r = 0; r < R; ++r) {  // |int16 pair| <= 2*15*128 < 2^15
@@ -209,9 +222,9 @@ void q4_avx2(const Rec* a, const Q4W& w, float* accs, int64_t t, int64_t r0) {
   }
 }
 
-template <int R>
+template <int R, bool Q5>
 VNNI_TARGET void q4_vnni(const Rec* a, const Q4W& w, float* accs, int64_t t, int64_t r0) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
   const int64_t B = w.B;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t tb = t * B + b;
@@ -228,6 +241,10 @@ VNNI_TARGET void q4_vnni(const Rec* a, const Q4W& w, float* accs, int64_t t, int
         const __m512i p = _mm512_loadu_si512(line);
         wv[h] = _mm512_and_si512(p, m4);
         wv[h + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+      }
+      if constexpr (Q5) {
+        const __m512i hb = _mm512_loadu_si512(w.qh + tb * 512 + 64 * l);
+        for (int v = 0; v < 8; ++v) wv[v] = _mm512_or_si512(wv[v], _mm512_and_si512(bit_to_4(hb, v), m10));
       }
       const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 16 * l)));
 #pragma GCC unroll 8
@@ -502,10 +519,13 @@ bool use_vnni(int64_t isa) {
 
 template <class W>
 using TileFn = void (*)(const Rec*, const W&, float*, int64_t, int64_t);  // (records, weight, accs, tile, first row)
-constexpr TileFn<Q4W> Q4_AVX2[MAX_R] = {q4_avx2<1>, q4_avx2<2>, q4_avx2<3>, q4_avx2<4>,
-                                        q4_avx2<5>, q4_avx2<6>, q4_avx2<7>, q4_avx2<8>};
-constexpr TileFn<Q4W> Q4_VNNI[MAX_R] = {q4_vnni<1>, q4_vnni<2>, q4_vnni<3>, q4_vnni<4>,
-                                        q4_vnni<5>, q4_vnni<6>, q4_vnni<7>, q4_vnni<8>};
+template <bool Q5>
+struct Q4Fns {  // Q4_K, Q5_K (Q5 = true)
+  static constexpr TileFn<Q4W> avx2[MAX_R] = {q4_avx2<1, Q5>, q4_avx2<2, Q5>, q4_avx2<3, Q5>, q4_avx2<4, Q5>,
+                                              q4_avx2<5, Q5>, q4_avx2<6, Q5>, q4_avx2<7, Q5>, q4_avx2<8, Q5>};
+  static constexpr TileFn<Q4W> vnni[MAX_R] = {q4_vnni<1, Q5>, q4_vnni<2, Q5>, q4_vnni<3, Q5>, q4_vnni<4, Q5>,
+                                              q4_vnni<5, Q5>, q4_vnni<6, Q5>, q4_vnni<7, Q5>, q4_vnni<8, Q5>};
+};
 constexpr TileFn<Q6W> Q6_AVX2[MAX_R] = {q6_avx2<1>, q6_avx2<2>, q6_avx2<3>, q6_avx2<4>,
                                         q6_avx2<5>, q6_avx2<6>, q6_avx2<7>, q6_avx2<8>};
 constexpr TileFn<Q6W> Q6_VNNI[MAX_R] = {q6_vnni<1>, q6_vnni<2>, q6_vnni<3>, q6_vnni<4>,
@@ -575,9 +595,25 @@ torch::Tensor q4k_matmul(torch::Tensor acts, torch::Tensor qs, torch::Tensor sm,
   check_blocks(qs, T * B, 2048, "qs", at::kByte);
   check_blocks(sm, T * B, 256, "sm", at::kByte);
   check_blocks(dd, T * B, 32, "dd", at::kHalf);
-  const Q4W w{qs.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr()), B};
+  const Q4W w{qs.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr()), B,
+              nullptr};
   auto y = torch::empty({M, N}, acts.options().dtype(at::kFloat));
-  run_tiles(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? Q4_VNNI : Q4_AVX2);
+  run_tiles(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? Q4Fns<false>::vnni : Q4Fns<false>::avx2);
+  return y;
+}
+
+torch::Tensor q5k_matmul(torch::Tensor acts, torch::Tensor qs, torch::Tensor qh, torch::Tensor sm, torch::Tensor dd,
+                         int64_t N, int64_t isa) {
+  const Rec* a = check_act(acts);
+  const int64_t M = acts.size(0), B = acts.size(1), T = (N + TILE - 1) / TILE;
+  check_blocks(qs, T * B, 2048, "qs", at::kByte);
+  check_blocks(qh, T * B, 512, "qh", at::kByte);
+  check_blocks(sm, T * B, 256, "sm", at::kByte);
+  check_blocks(dd, T * B, 32, "dd", at::kHalf);
+  const Q4W w{qs.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr()), B,
+              qh.data_ptr<uint8_t>()};
+  auto y = torch::empty({M, N}, acts.options().dtype(at::kFloat));
+  run_tiles(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? Q4Fns<true>::vnni : Q4Fns<true>::avx2);
   return y;
 }
 
@@ -618,5 +654,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_0_matmul", &b32_matmul<K_Q8_0>, "activations x repacked Q8_0 weights^T -> (M, N) f32");
   m.def("q4_0_matmul", &b32_matmul<K_Q4_0>, "activations x repacked Q4_0 weights^T -> (M, N) f32");
   m.def("q4_1_matmul", &b32_matmul<K_Q4_1>, "activations x repacked Q4_1 weights^T -> (M, N) f32");
+  m.def("q5k_matmul", &q5k_matmul, "Q8_K activations x repacked Q5_K weights^T -> (M, N) f32");
   m.def("has_vnni", &has_vnni, "whether this CPU runs the AVX-512 VNNI path");
 }
