@@ -1,10 +1,13 @@
-"""Multi-row products on llama.cpp's 4-bit (Q4_K) and 6-bit (Q6_K) weights with our own CPU kernel (q4_kernel.cpp).
+"""Multi-row products on llama.cpp's quantized weights with our own CPU kernel (q4_kernel.cpp): Q4_K, Q5_K, Q6_K,
+Q8_0, Q4_0 and Q4_1 matrices (`MATRIX_TYPES`); any other type is an error naming it and llama.cpp (`unsupported`),
+never a conversion to one of these (that would not be the user's model).
 
 Verification multiplies k+1 rows by every target weight. `matmul(quantize_activations(x), weight)` reads each
-weight block once for up to 8 rows and computes ggml's Q4_K x Q8_K / Q6_K x Q8_K math: activations quantized per
-256-block to int8 with one scale exactly as llama.cpp does (`quantize_row_q8_K_ref`), exact integer block dot
-products, only the float sum over blocks in another order than ggml's. Each row's result is bitwise the same
-whatever the number of rows computed with it, and the AVX2 and AVX-512 VNNI paths give bitwise equal results.
+weight block once for up to 8 rows and computes ggml's math: activations quantized per 256-block to int8 with one
+scale exactly as llama.cpp does (`quantize_row_q8_K_ref`) for the K-quants, per 32 (as its Q8_0, scale kept float32)
+for the 32-weight types; exact integer block dot products, only the float sum over blocks in another order than
+ggml's. Each row's result is bitwise the same whatever the number of rows computed with it, and the AVX2 and AVX-512
+VNNI paths give bitwise equal results (every type).
 
 Measured here (`osd bench kernel --clock cpu`: 1 thread, CPU time, AMD EPYC Zen 4; ms per token for all 196 layer
 matrices + the LM head, weights streaming from memory; llama.cpp = its whole forward, same thread/clock;
@@ -15,15 +18,20 @@ benchmarks/bench-kernel-cpu-x16-rerun.json and bench-kernel-cpu-avx2-x16.json):
     this kernel, AVX2 path         53.3   61.4   91.3  173.7
     llama.cpp (AVX2 build)         53.7  106.5  177.8  500.3   (1.98x / 3.31x / 9.32x)
 
+The other types at one 8960x1536 matrix (scripts/bench_q4_types.py, same clock, rough: a shared machine), x Q4_K's
+cost at 1 / 4 / 8 rows, VNNI: Q5_K 1.03 / 1.25 / 1.04, Q8_0 2.05 / 2.74 / 1.68 (8.5 bits a weight: one row reads
+1.8x the bytes), Q4_0 1.03 / 1.11 / 0.91, Q4_1 0.99 / 1.25 / 1.04; AVX2 within 0.98-1.2x of Q4_K except Q8_0 (2.2x
+at 1 row, 1.2x at 8).
+
 One row is memory-bound; more rows are compute-bound. Each vector lane is one output column (16 columns interleaved),
 so the sub-block scales apply in exact integers and a row, block and 16 columns take one or two float steps. With
 only 16 vector registers the AVX2 path spills beyond ~4 rows (5-8 rows: 1.03-1.15x the per-column layout it replaced).
 
-Weights are repacked once from the GGUF's blocks (`repack_q4k`, `repack_q6k`: same bytes per block, another
-order; layout in q4_kernel.cpp). The path runs where the CPU has AVX2 (AVX-512 VNNI is used where present, chosen
+Weights are repacked once from the GGUF's blocks (`repack`: same bytes per block, another order, K-quant scales
+unpacked; layouts in q4_kernel.cpp). The path runs where the CPU has AVX2 (AVX-512 VNNI is used where present, chosen
 at run time; OSD_Q4_ISA=avx2 forces AVX2). The build (~1 min) happens once per machine and torch version, in
-torch's extension cache. Limitations: K must be a multiple of 256; no bias. Used by the `osd` target backend
-(models/q4_runner.py); `osd bench kernel` measures it alone against the target's shapes.
+torch's extension cache. Limitations: K a multiple of 256 (the 32-weight types too); no bias. Used by the `osd`
+target backend (models/q4_runner.py); `osd bench kernel` measures it alone against the target's shapes.
 """
 from __future__ import annotations
 

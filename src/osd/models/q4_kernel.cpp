@@ -1,8 +1,10 @@
-// Multi-row products with llama.cpp's K-quant weights (Q4_K, Q6_K) on a CPU: y (M, N) = x (M, K) W^T, M = 1..any.
+// Multi-row products with llama.cpp's quantized weights (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1) on a CPU:
+// y (M, N) = x (M, K) W^T, M = 1..any. A type not listed is not converted into one that is: the caller says so.
 //
-// The math is ggml's Q4_K x Q8_K and Q6_K x Q8_K dot products: each row of x is quantized per 256-block to int8
-// with one float scale (quantize_row_q8_K_ref, bit for bit), the integer part of each block's dot product is
-// exact, and only the float combination of blocks differs from ggml (its order, not its terms).
+// The math is ggml's: K-quants x Q8_K (each row of x quantized per 256-block to int8 with one float scale,
+// quantize_row_q8_K_ref, bit for bit) and the 32-weight types x per-32 int8 quants (as ggml's Q8_0 / Q8_1, except
+// that the scale stays float32 and ties round to even); the integer part of each block's dot product is exact, and
+// only the float combination of blocks differs from ggml (its order, not its terms).
 //
 // Why: verifying k+1 draft tokens multiplies k+1 rows by every weight. One row is memory-bound (~1 GB of 4-bit
 // weights per token); llama.cpp's CPU kernels cost ~1.8x for 2 rows and ~2.9x for 4 here. This kernel reads each
@@ -24,14 +26,18 @@
 // Q6_K, the same interleaving: ql (T B, 2048) u8 the low 4 bits as Q4_K's qs; qh (T B, 1024) u8: 16 lines of 64
 // bytes, line 2 l + j holding in bits 2c..2c+1 of its byte the high 2 bits of the same byte of group v = 4 j + c
 // (so line 4 l + h's low nibbles pair with line 2 l's bits 2h, its high nibbles with line 2 l + 1's); sc (T B, 256)
-// i8 the 16 columns' 16 signed sub-block scales (s-major); d (T B, 16) f16. Activations are in kernel order:
-// 4-byte group 8 v + l holds weights 32 l + 4 v + (0..3) of the block.
+// i8 the 16 columns' 16 signed sub-block scales (s-major); d (T B, 16) f16. Q5_K: Q4_K's qs, sm, dd and qh (T B, 512)
+// u8: line l's byte holds in bit v the fifth bit of the same byte of group (l, v) (unpacked into bit 4 of a nibble).
+// The 32-weight types (a 256-block is 8 GGUF blocks, sub-block l = GGUF block l): Q8_0 qs (T B, 4096) int8, line 8 l
+// + v's lane i = column i's weights 32 l + 4 v + (0..3); Q4_0 / Q4_1 qs as Q4_K's; d (T B, 128) f16 (16 l + i), Q4_1
+// then its m (T B, 128 more). Per (row, sub-block, 16 columns): one exact integer dot product, one float step (Q4_1:
+// two). Activations are in kernel order: 4-byte group 8 v + l holds weights 32 l + 4 v + (0..3) of the block.
 //
 // Two code paths: AVX2 (maddubs, 8 columns a vector) and AVX-512 VNNI (vpdpbusd, 16), chosen at run time. Both
 // compute the same exact int32 sums per (row, block, column) and then run identical float instructions lane by lane,
 // so their results are bitwise equal; and each row's float accumulation is the same whatever the number of rows
 // computed together (bitwise row-count invariance).
-// Limitations: K must be a multiple of 256; no bias (add it outside); rows beyond 8 go in further passes of 8
+// Limitations: K must be a multiple of 256 (the 32-weight types too); no bias (add it outside); rows beyond 8 go in further passes of 8
 // over the same weights (hot in cache per tile of output columns).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
