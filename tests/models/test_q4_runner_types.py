@@ -71,3 +71,23 @@ def test_rows_are_bitwise_independent_of_the_row_count(typed):
     _, runner, _ = typed
     start = len(PROMPT)
     assert_rows_match_one_at_a_time(runner, ROW_TOKENS, start, logits_one_at_a_time(runner, ROW_TOKENS, start))
+
+
+def test_a_width_not_a_multiple_of_256_runs_padded(tmp_path, monkeypatch):
+    """A Q8_0 file of hidden width 384 (as the Qwen2.5 0.5B's 896: whole 32-weight blocks, not whole 256-blocks): its
+    matrices are padded with zero blocks, the activations with zero columns, and it runs as the others do."""
+    from tests.models import tiny_gguf
+
+    monkeypatch.setattr(tiny_gguf, "HIDDEN", 384)  # head dim 96
+    path = tmp_path / "tiny-384-q8_0.gguf"
+    reference = write_tiny_gguf(path, seed=0, ftype="Q8_0")
+    runner = Q4Runner(path, n_ctx=256)
+    assert runner.shape.hidden == 384 and runner.layers[0].qkv.weights[0].shape[1] == 512
+    got = runner.feed(PROMPT, n_logits=len(PROMPT))
+    with torch.inference_mode():
+        want = reference(torch.tensor([PROMPT])).logits[0]
+    worst, mean = spread_errors(got, want)
+    _, max_worst, max_mean = FILES["Q8_0"]
+    assert worst < max_worst and mean < max_mean, (worst, mean)
+    start = len(PROMPT)
+    assert_rows_match_one_at_a_time(runner, ROW_TOKENS, start, logits_one_at_a_time(runner, ROW_TOKENS, start))

@@ -162,3 +162,17 @@ def test_extreme_quants_are_exact():
 def test_an_unsupported_type_is_an_error_naming_it_and_the_fallback(type_name):
     with pytest.raises(InvalidArgument, match=f"is {type_name}:.*not {type_name}.*llama.cpp"):
         q4.repack(torch.zeros(2, 256, dtype=torch.uint8), type_name)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_rows_of_a_multiple_of_32_are_padded_with_zero_blocks(type_name):
+    """K = 288 (9 GGUF blocks, as the 0.5B's 896 is 28): the weight is padded to K = 512 with zero blocks, the
+    activations with zero columns (q4_runner.padded), and the product is the unpadded one's."""
+    raw = random_blocks(20, 288, type_name, seed=9)
+    weight = q4.repack(raw, type_name)
+    assert weight.shape == (20, 512)
+    x = activations(3, 288, seed=10)
+    padded = torch.nn.functional.pad(x, (0, 512 - 288))
+    for isa in ISAS:
+        got = q4.matmul(q4.quantize_activations(padded), weight, isa)
+        assert max_error_ratio(got, raw, x, type_name) <= TOLERANCE

@@ -30,8 +30,9 @@ only 16 vector registers the AVX2 path spills beyond ~4 rows (5-8 rows: 1.03-1.1
 Weights are repacked once from the GGUF's blocks (`repack`: same bytes per block, another order, K-quant scales
 unpacked; layouts in q4_kernel.cpp). The path runs where the CPU has AVX2 (AVX-512 VNNI is used where present, chosen
 at run time; OSD_Q4_ISA=avx2 forces AVX2). The build (~1 min) happens once per machine and torch version, in
-torch's extension cache. Limitations: K a multiple of 256 (the 32-weight types too); no bias. Used by the `osd`
-target backend (models/q4_runner.py); `osd bench kernel` measures it alone against the target's shapes.
+torch's extension cache. Limitations: K a multiple of 256 (the 32-weight types' matrices are padded to one); no
+bias. Used by the `osd` target backend (models/q4_runner.py); `osd bench kernel` measures it alone against the
+target's shapes.
 """
 from __future__ import annotations
 
@@ -400,9 +401,19 @@ def repack_q5k(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q5KWeight:
     return Q5KWeight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
 
 
+def _whole_256(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """A 32-weight type's rows (N, K / 32 * block_bytes) -> K padded with zero blocks to a multiple of 256 (d = 0: their
+    weights are 0; the runner pads its activations with zero columns the same way, q4_runner.padded): the Qwen2.5
+    0.5B's width 896 in a Q8_0 file. The padding costs its share of the reads (896 -> 1024: 14%)."""
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % block_bytes:
+        return raw  # _blocks says what is wrong
+    extra = -(raw.shape[1] // block_bytes) % 8
+    return torch.cat([raw, raw.new_zeros(raw.shape[0], extra * block_bytes)], dim=1) if extra else raw
+
+
 def repack_q8_0(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q8_0Weight:
-    """A GGUF Q8_0 tensor's bytes (N, K / 32 * 34) uint8, K a multiple of 256 -> the kernel's layout."""
-    blocks = _blocks(raw, 8 * Q8_0_BLOCK_BYTES)
+    """A GGUF Q8_0 tensor's bytes (N, K / 32 * 34) uint8 -> the kernel's layout (K padded to a multiple of 256)."""
+    blocks = _blocks(_whole_256(raw, Q8_0_BLOCK_BYTES), 8 * Q8_0_BLOCK_BYTES)
     parts = []
     for part in _pad_tiles(blocks).split(chunk_rows):
         sub = part.reshape(*part.shape[:2], 8, Q8_0_BLOCK_BYTES)  # (N, B, 8 sub-blocks, 34)
@@ -417,8 +428,8 @@ def _nibbles_32(qs: torch.Tensor) -> torch.Tensor:
 
 
 def repack_q4_0(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q4_0Weight:
-    """A GGUF Q4_0 tensor's bytes (N, K / 32 * 18) uint8, K a multiple of 256 -> the kernel's layout."""
-    blocks = _blocks(raw, 8 * Q4_0_BLOCK_BYTES)
+    """A GGUF Q4_0 tensor's bytes (N, K / 32 * 18) uint8 -> the kernel's layout (K padded to a multiple of 256)."""
+    blocks = _blocks(_whole_256(raw, Q4_0_BLOCK_BYTES), 8 * Q4_0_BLOCK_BYTES)
     parts = []
     for part in _pad_tiles(blocks).split(chunk_rows):
         sub = part.reshape(*part.shape[:2], 8, Q4_0_BLOCK_BYTES)  # (N, B, 8 sub-blocks, 18)
@@ -429,8 +440,8 @@ def repack_q4_0(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q4_0Weight:
 
 
 def repack_q4_1(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q4_1Weight:
-    """A GGUF Q4_1 tensor's bytes (N, K / 32 * 20) uint8, K a multiple of 256 -> the kernel's layout."""
-    blocks = _blocks(raw, 8 * Q4_1_BLOCK_BYTES)
+    """A GGUF Q4_1 tensor's bytes (N, K / 32 * 20) uint8 -> the kernel's layout (K padded to a multiple of 256)."""
+    blocks = _blocks(_whole_256(raw, Q4_1_BLOCK_BYTES), 8 * Q4_1_BLOCK_BYTES)
     parts = []
     for part in _pad_tiles(blocks).split(chunk_rows):
         sub = part.reshape(*part.shape[:2], 8, Q4_1_BLOCK_BYTES)  # (N, B, 8 sub-blocks, 20)
@@ -444,6 +455,12 @@ WEIGHTS = {cls.TYPE: cls for cls in (Q4KWeight, Q5KWeight, Q6KWeight, Q8_0Weight
 MATRIX_TYPES = tuple(WEIGHTS)  # the GGML types the kernel runs
 REPACK = {"Q4_K": repack_q4k, "Q5_K": repack_q5k, "Q6_K": repack_q6k, "Q8_0": repack_q8_0,
           "Q4_0": repack_q4_0, "Q4_1": repack_q4_1}
+
+
+def row_multiple(type_name: str) -> int:
+    """What K (a matrix's row length) must be a multiple of in a GGUF of this type for the kernel to run it: 256 for the
+    K-quants, 32 for the 32-weight types (padded with zero blocks at repacking)."""
+    return 32 if type_name in ("Q8_0", "Q4_0", "Q4_1") else QK
 
 
 def unsupported(type_name: str, what: str = "a matrix") -> str:

@@ -37,8 +37,8 @@
 // compute the same exact int32 sums per (row, block, column) and then run identical float instructions lane by lane,
 // so their results are bitwise equal; and each row's float accumulation is the same whatever the number of rows
 // computed together (bitwise row-count invariance).
-// Limitations: K must be a multiple of 256 (the 32-weight types too); no bias (add it outside); rows beyond 8 go in further passes of 8
-// over the same weights (hot in cache per tile of output columns).
+// Limitations: K must be a multiple of 256 (models/q4.py pads the 32-weight types' rows with zero blocks); no bias
+// (add it outside); rows beyond 8 go in further passes of 8 over the same weights (hot in cache per tile of columns).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -231,8 +231,8 @@ def check_matrices(tensors: dict, names: dict[str, list[str]]) -> None:
         kind = tensors[name].tensor_type.name
         if kind not in MATRIX_TYPES:
             raise InvalidArgument(q4.unsupported(kind, name))
-        if tensors[name].shape[0] % q4.QK:
-            raise InvalidArgument(f"{name}: rows of {tensors[name].shape[0]} are not a multiple of {q4.QK}")
+        if tensors[name].shape[0] % q4.row_multiple(kind):
+            raise InvalidArgument(f"{name}: rows of {tensors[name].shape[0]} are not a multiple of {q4.row_multiple(kind)}")
 
 
 def repack_matrices(tensors: dict, names: dict[str, list[str]]) -> dict[str, list]:
