@@ -9,7 +9,9 @@ import torch
 
 require_module("llama_cpp")  # the tiny GGUFs are quantized by llama.cpp, as the real files were
 
-from osd.models.q4_runner import Q4Runner  # noqa: E402
+from osd.errors import InvalidArgument  # noqa: E402
+from osd.models import q4  # noqa: E402
+from osd.models.q4_runner import Q4Runner, serves  # noqa: E402
 from tests.models.test_q4_runner import spread_errors  # noqa: E402
 from tests.models.tiny_gguf import (PROMPT, ROW_TOKENS, VOCAB, assert_argmax_agrees_where_clear,  # noqa: E402
                                     assert_rows_match_one_at_a_time, logits_one_at_a_time, write_tiny_gguf)
@@ -71,6 +73,30 @@ def test_rows_are_bitwise_independent_of_the_row_count(typed):
     _, runner, _ = typed
     start = len(PROMPT)
     assert_rows_match_one_at_a_time(runner, ROW_TOKENS, start, logits_one_at_a_time(runner, ROW_TOKENS, start))
+
+
+def test_the_avx2_path_gives_bitwise_the_same_logits(typed, monkeypatch):
+    """OSD_Q4_ISA=avx2 (what an AVX2-only CPU runs) against the AVX-512 VNNI path of the same file."""
+    if not q4.has_vnni():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    _, runner, _ = typed
+    monkeypatch.setenv("OSD_Q4_ISA", "avx2")
+    avx2 = Q4Runner(runner.path, n_ctx=256)
+    runner.reset()
+    assert torch.equal(avx2.feed(PROMPT, n_logits=5), runner.feed(PROMPT, n_logits=5))
+
+
+@pytest.mark.parametrize("ftype,kind", [("Q3_K_M", "Q3_K"), ("IQ4_XS", "IQ4_XS")])
+def test_a_type_the_kernel_does_not_run_is_an_error_naming_it_and_llama_cpp(tmp_path, ftype, kind):
+    """Not converted to a type it runs: an error naming the type and llama.cpp, and `auto` serves the file there."""
+    from osd.build import target_backend
+    from osd.config import ModelConfig
+
+    path = tmp_path / f"tiny-{ftype}.gguf"
+    write_tiny_gguf(path, seed=0, ftype=ftype)
+    with pytest.raises(InvalidArgument, match=rf"is {kind}: the osd kernel runs .*not {kind} .*--target-backend llama\.cpp"):
+        Q4Runner(path, n_ctx=64)
+    assert not serves(str(path)) and target_backend(ModelConfig(target=str(path))) == "llama.cpp"
 
 
 def test_a_width_not_a_multiple_of_256_runs_padded(tmp_path, monkeypatch):
