@@ -1,4 +1,4 @@
-"""The kernel's other GGUF matrix types (models/q4.py, q4_kernel.cpp): Q8_0, Q4_0, Q4_1, Q5_K against references.
+"""The kernel's other GGUF matrix types (models/q4.py, q4_kernel.cpp): Q8_0, Q4_0, Q4_1, Q5_K, Q5_0, Q5_1 vs references.
 
 References: gguf's own numpy dequantization of the same GGUF block bytes (not our repacking), and the activations'
 per-32 quantization written out in torch below. Every type: within a stated tolerance of the float64 product of the
@@ -18,8 +18,10 @@ from tests.models.test_q4_kernel import activations, q8k_reference
 require_q4()
 
 ISAS = ["avx2"] + (["avx512_vnni"] if q4.available() and q4.has_vnni() else [])
-TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_K"]
-BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_K": (256, 176)}  # weights, bytes per block
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_K", "Q5_0", "Q5_1"]
+BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_K": (256, 176), "Q5_0": (32, 22),
+         "Q5_1": (32, 24)}  # weights, bytes per block
+BLOCK_32 = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 TOLERANCE = 5e-7  # of sum |x| |w| per output (measured max: Q8_0 4.8e-8, Q4_0 5.2e-8, Q4_1 6.9e-8, Q5_K 4.2e-8)
 
 
@@ -32,10 +34,10 @@ def random_blocks(n: int, k: int, type_name: str, seed: int) -> torch.Tensor:
     if type_name == "Q5_K":
         halves = halves.abs()  # d, dmin >= 0 as Q4_K's; its 6-bit scales and mins are random bytes
     scale = halves.view(torch.uint8).reshape(n, -1, 4)
-    if type_name in ("Q8_0", "Q4_0"):
+    if type_name in ("Q8_0", "Q4_0", "Q5_0"):
         raw[..., 0:2] = scale[..., 0:2]  # d (Q8_0's is >= 0 in a real file, the kernel does not care)
     else:
-        raw[..., 0:4] = scale  # Q4_1: d, m; Q5_K: d, dmin
+        raw[..., 0:4] = scale  # Q4_1, Q5_1: d, m; Q5_K: d, dmin
     return raw.reshape(n, -1)
 
 
@@ -96,7 +98,7 @@ def test_matmul_matches_dequantized_reference(type_name, n, k, isa):
     assert max_error_ratio(got, raw, x, type_name) <= TOLERANCE  # float32 sums of 8 sub-blocks a 256-block
 
 
-@pytest.mark.parametrize("type_name", [t for t in TYPES if t in ("Q8_0", "Q4_0", "Q4_1")])
+@pytest.mark.parametrize("type_name", BLOCK_32)
 def test_matmul_on_blocks_quantized_by_gguf(type_name):
     """Blocks as a real file holds them (gguf's own quantizer of a float matrix), not only random bytes."""
     g = torch.Generator().manual_seed(5)
@@ -158,13 +160,13 @@ def test_extreme_quants_are_exact():
         assert torch.allclose(got, torch.tensor([[255.0 * 128 * d] * 16, [-255.0 * 128 * d] * 16]), rtol=1e-6)
 
 
-@pytest.mark.parametrize("type_name", ["Q3_K", "IQ4_XS", "Q5_0", "F16"])
+@pytest.mark.parametrize("type_name", ["Q3_K", "IQ4_XS", "Q2_K", "F16"])
 def test_an_unsupported_type_is_an_error_naming_it_and_the_fallback(type_name):
     with pytest.raises(InvalidArgument, match=f"is {type_name}:.*not {type_name}.*llama.cpp"):
         q4.repack(torch.zeros(2, 256, dtype=torch.uint8), type_name)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("type_name", BLOCK_32)
 def test_rows_of_a_multiple_of_32_are_padded_with_zero_blocks(type_name):
     """K = 288 (9 GGUF blocks, as the 0.5B's 896 is 28): the weight is padded to K = 512 with zero blocks, the
     activations with zero columns (q4_runner.padded), and the product is the unpadded one's."""

@@ -1,6 +1,6 @@
 """Multi-row products on llama.cpp's quantized weights with our own CPU kernel (q4_kernel.cpp): Q4_K, Q5_K, Q6_K,
-Q8_0, Q4_0 and Q4_1 matrices (`MATRIX_TYPES`); any other type is an error naming it and llama.cpp (`unsupported`),
-never a conversion to one of these (that would not be the user's model).
+Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 matrices (`MATRIX_TYPES`); any other type is an error naming it and llama.cpp
+(`unsupported`), never a conversion to one of these (that would not be the user's model).
 
 Verification multiplies k+1 rows by every target weight. `matmul(quantize_activations(x), weight)` reads each
 weight block once for up to 8 rows and computes ggml's math: activations quantized per 256-block to int8 with one
@@ -52,6 +52,8 @@ Q6K_BLOCK_BYTES = 210  # ggml's block_q6_K
 Q5K_BLOCK_BYTES = 176  # ggml's block_q5_K
 Q8_0_BLOCK_BYTES = 34
 Q4_1_BLOCK_BYTES = 20  # ggml's block_q4_1: 32 weights
+Q5_0_BLOCK_BYTES = 22  # ggml's block_q5_0: 32 weights
+Q5_1_BLOCK_BYTES = 24  # ggml's block_q5_1: 32 weights
 Q4_0_BLOCK_BYTES = 18  # ggml's block_q4_0: 32 weights  # ggml's block_q8_0: 32 weights
 ROWS_PER_PASS = 8  # q4_kernel.cpp MAX_R: rows multiplied per pass over a weight; one more row costs another pass
 ISAS = {"best": 0, "avx2": 1, "avx512_vnni": 2}
@@ -234,6 +236,30 @@ class Q4_1Weight(_Weight):
 
 
 @dataclass(frozen=True)
+class Q5_0Weight(_Weight):
+    """A Q5_0 matrix (N, K) repacked for the kernel: Q4_0Weight's layout for the low 4 bits and d, plus `qh` the fifth
+    bits as Q5KWeight's (value (q - 16) d): 22 bytes per 32 weights, as in the GGUF. llama.cpp writes it for the
+    matrices of a Q4_K_M file whose rows are not whole 256-blocks (the Qwen2.5 0.5B's)."""
+
+    n: int
+    qs: torch.Tensor  # (T B, 2048) uint8
+    qh: torch.Tensor  # (T B, 512) uint8
+    d: torch.Tensor  # (T B, 128) float16
+    TYPE, KERNEL = "Q5_0", "q5_0_matmul"
+
+
+@dataclass(frozen=True)
+class Q5_1Weight(_Weight):
+    """A Q5_1 matrix: Q5_0Weight's layout with Q4_1Weight's `dm` (value q d + m): 24 bytes per 32 weights."""
+
+    n: int
+    qs: torch.Tensor  # (T B, 2048) uint8
+    qh: torch.Tensor  # (T B, 512) uint8
+    dm: torch.Tensor  # (T B, 256) float16
+    TYPE, KERNEL = "Q5_1", "q5_1_matmul"
+
+
+@dataclass(frozen=True)
 class Q4_0Weight(_Weight):
     """A Q4_0 matrix (N, K) repacked for the kernel: per (tile, 256 weights) `qs` the 4-bit quants as Q4KWeight's (value
     (q - 8) d), `d` the 16 columns' 8 sub-block scales, l-major: 18 bytes per 32 weights, as in the GGUF."""
@@ -244,7 +270,7 @@ class Q4_0Weight(_Weight):
     TYPE, KERNEL = "Q4_0", "q4_0_matmul"
 
 
-Weight = Q4KWeight | Q5KWeight | Q6KWeight | Q8_0Weight | Q4_0Weight | Q4_1Weight
+Weight = Q4KWeight | Q5KWeight | Q6KWeight | Q8_0Weight | Q4_0Weight | Q4_1Weight | Q5_0Weight | Q5_1Weight
 
 
 def quantize_activations(x: torch.Tensor) -> Q8KActivations:
@@ -451,16 +477,51 @@ def repack_q4_1(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q4_1Weight:
     return Q4_1Weight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
 
 
-WEIGHTS = {cls.TYPE: cls for cls in (Q4KWeight, Q5KWeight, Q6KWeight, Q8_0Weight, Q4_0Weight, Q4_1Weight)}
+
+def _fifth_bits_32(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1's 4 high-bit bytes (..., 4) -> the 32 fifth bits (0/1) in element order: element e is bit e of the
+    little-endian 32-bit word (as ggml's dequantize_row_q5_0)."""
+    return torch.stack([(qh >> s) & 1 for s in range(8)], dim=-1).reshape(*qh.shape[:-1], 32)
+
+
+def _repack_5bit(raw: torch.Tensor, block_bytes: int, with_m: bool, chunk_rows: int):
+    blocks = _blocks(_whole_256(raw, block_bytes), 8 * block_bytes)
+    parts, at = [], 4 if with_m else 2  # where qh starts in a block
+    for part in _pad_tiles(blocks).split(chunk_rows):
+        sub = part.reshape(*part.shape[:2], 8, block_bytes)  # (N, B, 8 sub-blocks, bytes)
+        q = _nibbles_32(sub[..., at + 4 :]) | (_fifth_bits_32(sub[..., at : at + 4]) << 4)
+        groups = _interleaved_groups(q.reshape(*part.shape[:2], QK))  # (T, B, 8 l, 8 v, 64) 0..31
+        qh = sum((groups[:, :, :, v] >> 4) << v for v in range(8)).reshape(-1, 512)
+        scales = _by_lane(_f16(sub[..., 0:2]))
+        if with_m:
+            scales = torch.cat([scales, _by_lane(_f16(sub[..., 2:4]))], dim=1)
+        parts.append((_nibble_lines(groups & 0xF), qh, scales))
+    return blocks.shape[0], [torch.cat(t).contiguous() for t in zip(*parts)]
+
+
+def repack_q5_0(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q5_0Weight:
+    """A GGUF Q5_0 tensor's bytes (N, K / 32 * 22) uint8 -> the kernel's layout (K padded to a multiple of 256)."""
+    n, tensors = _repack_5bit(raw, Q5_0_BLOCK_BYTES, False, chunk_rows)
+    return Q5_0Weight(n, *tensors)
+
+
+def repack_q5_1(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q5_1Weight:
+    """A GGUF Q5_1 tensor's bytes (N, K / 32 * 24) uint8 -> the kernel's layout (K padded to a multiple of 256)."""
+    n, tensors = _repack_5bit(raw, Q5_1_BLOCK_BYTES, True, chunk_rows)
+    return Q5_1Weight(n, *tensors)
+
+
+WEIGHTS = {cls.TYPE: cls for cls in (Q4KWeight, Q5KWeight, Q6KWeight, Q8_0Weight, Q4_0Weight, Q4_1Weight, Q5_0Weight,
+                                      Q5_1Weight)}
 MATRIX_TYPES = tuple(WEIGHTS)  # the GGML types the kernel runs
 REPACK = {"Q4_K": repack_q4k, "Q5_K": repack_q5k, "Q6_K": repack_q6k, "Q8_0": repack_q8_0,
-          "Q4_0": repack_q4_0, "Q4_1": repack_q4_1}
+          "Q4_0": repack_q4_0, "Q4_1": repack_q4_1, "Q5_0": repack_q5_0, "Q5_1": repack_q5_1}
 
 
 def row_multiple(type_name: str) -> int:
     """What K (a matrix's row length) must be a multiple of in a GGUF of this type for the kernel to run it: 256 for the
     K-quants, 32 for the 32-weight types (padded with zero blocks at repacking)."""
-    return 32 if type_name in ("Q8_0", "Q4_0", "Q4_1") else QK
+    return 32 if type_name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1") else QK
 
 
 def unsupported(type_name: str, what: str = "a matrix") -> str:

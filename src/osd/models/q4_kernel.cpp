@@ -1,4 +1,4 @@
-// Multi-row products with llama.cpp's quantized weights (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1) on a CPU:
+// Multi-row products with llama.cpp's quantized weights (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) on a CPU:
 // y (M, N) = x (M, K) W^T, M = 1..any. A type not listed is not converted into one that is: the caller says so.
 //
 // The math is ggml's: K-quants x Q8_K (each row of x quantized per 256-block to int8 with one float scale,
@@ -30,8 +30,9 @@
 // u8: line l's byte holds in bit v the fifth bit of the same byte of group (l, v) (unpacked into bit 4 of a nibble).
 // The 32-weight types (a 256-block is 8 GGUF blocks, sub-block l = GGUF block l): Q8_0 qs (T B, 4096) int8, line 8 l
 // + v's lane i = column i's weights 32 l + 4 v + (0..3); Q4_0 / Q4_1 qs as Q4_K's; d (T B, 128) f16 (16 l + i), Q4_1
-// then its m (T B, 128 more). Per (row, sub-block, 16 columns): one exact integer dot product, one float step (Q4_1:
-// two). Activations are in kernel order: 4-byte group 8 v + l holds weights 32 l + 4 v + (0..3) of the block.
+// then its m (T B, 128 more); Q5_0 / Q5_1 as Q4_0 / Q4_1 plus qh as Q5_K's. Per (row, sub-block, 16 columns): one
+// exact integer dot product, one float step (with m: two). Activations are in kernel order: 4-byte group 8 v + l
+// holds weights 32 l + 4 v + (0..3) of the block.
 //
 // Two code paths: AVX2 (maddubs, 8 columns a vector) and AVX-512 VNNI (vpdpbusd, 16), chosen at run time. Both
 // compute the same exact int32 sums per (row, block, column) and then run identical float instructions lane by lane,
@@ -385,31 +386,39 @@ VNNI_TARGET void q6_vnni(const Rec* a, const Q6W& w, float* accs, int64_t t, int
   }
 }
 
-// ---------------------------------------------------------------- 32-weight blocks: Q8_0, Q4_0, Q4_1
-// Sub-block l of a 256-block is one GGUF block of 32 weights with its own fp16 scale d (Q4_1: and offset m): per
-// (row, sub-block, 16 columns) an exact integer dot product of its weights with the row's per-32 quants, then one
-// float step per lane (Q4_1: two): acc += isum * (d dy); [acc += s32 * (m dy)], dy the row's per-32 scale.
-// Integer sums: Q8_0 sum q y; Q4_0 sum (q - 8) y = sum q y - 8 s32; Q4_1 sum q y. VNNI multiplies unsigned weights by
+// ---------------------------------------------------------------- 32-weight blocks: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
+// Sub-block l of a 256-block is one GGUF block of 32 weights with its own fp16 scale d (Q4_1, Q5_1: and offset m):
+// per (row, sub-block, 16 columns) an exact integer dot product of its weights with the row's per-32 quants, then
+// one float step per lane (with m: two): acc += isum * (d dy); [acc += s32 * (m dy)], dy the row's per-32 scale.
+// Integer sums: Q8_0 sum q y; Q4_0 sum (q - 8) y = sum q y - 8 s32; Q5_0 the same with q 0..31 (its fifth bits
+// from a qh plane laid out as Q5_K's) and - 16 s32; Q4_1, Q5_1 sum q y. VNNI multiplies unsigned weights by
 // signed activations, so Q8_0's signed weights go in as q + 128 (xor 0x80) and 128 s32 comes off; AVX2's maddubs
 // would saturate on those (2 x 255 x 127), so it multiplies |q| by y with q's sign (|pair| <= 2 x 128 x 127).
-enum Kind { K_Q8_0 = 0, K_Q4_0 = 1, K_Q4_1 = 2 };
+enum Kind { K_Q8_0 = 0, K_Q4_0 = 1, K_Q4_1 = 2, K_Q5_0 = 3, K_Q5_1 = 4 };
 
-struct B32W {  // per (tile, block): qs (Q8_0: 4096 int8 bytes, 64 lines; Q4: 2048 nibble bytes), d 128 halves
-  const uint8_t* qs;  // (Q4_1: 128 d then 128 m)
+struct B32W {  // per (tile, block): qs (Q8_0: 4096 int8 bytes, 64 lines; others: 2048 nibble bytes), d 128 halves
+  const uint8_t* qs;  // (Q4_1, Q5_1: 128 d then 128 m)
   const uint16_t* d;
   int64_t B;
+  const uint8_t* qh;  // Q5_0, Q5_1: the fifth bits, 512 bytes (as Q5_K's)
 };
 
 template <int KIND>
 constexpr int64_t qs_bytes() { return KIND == K_Q8_0 ? 4096 : 2048; }
 template <int KIND>
-constexpr int64_t d_halves() { return KIND == K_Q4_1 ? 256 : 128; }
+constexpr bool has_m() { return KIND == K_Q4_1 || KIND == K_Q5_1; }
 template <int KIND>
-inline int32_t offset32(const Rec* y, int l) { return KIND == K_Q8_0 ? 0 : KIND == K_Q4_0 ? -8 * y->s32[l] : 0; }
+constexpr bool five_bits() { return KIND == K_Q5_0 || KIND == K_Q5_1; }
+template <int KIND>
+constexpr int64_t d_halves() { return has_m<KIND>() ? 256 : 128; }
+template <int KIND>
+inline int32_t offset32(const Rec* y, int l) {
+  return KIND == K_Q4_0 ? -8 * y->s32[l] : KIND == K_Q5_0 ? -16 * y->s32[l] : 0;
+}
 
 template <int R, int KIND>
 void b32_avx2(const Rec* a, const B32W& w, float* accs, int64_t t, int64_t r0) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
   const int64_t B = w.B;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t tb = t * B + b;
@@ -433,12 +442,19 @@ void b32_avx2(const Rec* a, const B32W& w, float* accs, int64_t t, int64_t r0) {
             }
           }
         } else {
+          __m256i hb = _mm256_setzero_si256();
+          if constexpr (five_bits<KIND>())
+            hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qh + tb * 512 + 64 * l + 32 * half));
           for (int h = 0; h < 4; ++h) {
             const uint8_t* line = qs + 64 * (4 * l + h);
             prefetch(line, 1);
             const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * half));
-            const __m256i lo = _mm256_and_si256(p, m4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
-            for (int r = 0; r < R; ++r) {  // |int16 pair| <= 2*15*127
+            __m256i lo = _mm256_and_si256(p, m4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+            if constexpr (five_bits<KIND>()) {
+              lo = _mm256_or_si256(lo, _mm256_and_si256(bit_to_4(hb, h), m10));
+              hi = _mm256_or_si256(hi, _mm256_and_si256(bit_to_4(hb, h + 4), m10));
+            }
+            for (int r = 0; r < R; ++r) {  // |int16 pair| <= 2*31*127
               const int32_t* yq = reinterpret_cast<const int32_t*>(y[r]->q32);
               s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(yq[8 * h + l])), ones));
               s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(yq[8 * (h + 4) + l])), ones));
@@ -450,7 +466,7 @@ void b32_avx2(const Rec* a, const B32W& w, float* accs, int64_t t, int64_t r0) {
           float* acc = accs + 16 * r + 8 * half;
           const __m256 dy = _mm256_set1_ps(y[r]->d32[l]);
           __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, dy), _mm256_load_ps(acc));
-          if constexpr (KIND == K_Q4_1) {
+          if constexpr (has_m<KIND>()) {
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + 128 + 16 * l + 8 * half)));
             sum = _mm256_fmadd_ps(_mm256_set1_ps(static_cast<float>(y[r]->s32[l])), _mm256_mul_ps(m, dy), sum);
           }
@@ -463,7 +479,7 @@ void b32_avx2(const Rec* a, const B32W& w, float* accs, int64_t t, int64_t r0) {
 
 template <int R, int KIND>
 VNNI_TARGET void b32_vnni(const Rec* a, const B32W& w, float* accs, int64_t t, int64_t r0) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F), x80 = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10), x80 = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t B = w.B;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t tb = t * B + b;
@@ -487,6 +503,10 @@ VNNI_TARGET void b32_vnni(const Rec* a, const B32W& w, float* accs, int64_t t, i
           wv[h] = _mm512_and_si512(p, m4);
           wv[h + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
         }
+        if constexpr (five_bits<KIND>()) {
+          const __m512i hb = _mm512_loadu_si512(w.qh + tb * 512 + 64 * l);
+          for (int v = 0; v < 8; ++v) wv[v] = _mm512_or_si512(wv[v], _mm512_and_si512(bit_to_4(hb, v), m10));
+        }
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + 16 * l)));
 #pragma GCC unroll 8
@@ -498,7 +518,7 @@ VNNI_TARGET void b32_vnni(const Rec* a, const B32W& w, float* accs, int64_t t, i
         float* acc = accs + 16 * r;
         const __m512 dy = _mm512_set1_ps(y[r]->d32[l]);
         __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, dy), _mm512_load_ps(acc));
-        if constexpr (KIND == K_Q4_1) {
+        if constexpr (has_m<KIND>()) {
           const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + 128 + 16 * l)));
           sum = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(y[r]->s32[l])), _mm512_mul_ps(m, dy), sum);
         }
@@ -645,7 +665,22 @@ torch::Tensor b32_matmul(torch::Tensor acts, torch::Tensor qs, torch::Tensor wd,
   const int64_t M = acts.size(0), B = acts.size(1), T = (N + TILE - 1) / TILE;
   check_blocks(qs, T * B, qs_bytes<KIND>(), "qs", at::kByte);
   check_blocks(wd, T * B, d_halves<KIND>(), "d", at::kHalf);
-  const B32W w{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(wd.data_ptr()), B};
+  const B32W w{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(wd.data_ptr()), B, nullptr};
+  auto y = torch::empty({M, N}, acts.options().dtype(at::kFloat));
+  run_tiles(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? B32Fns<KIND>::vnni : B32Fns<KIND>::avx2);
+  return y;
+}
+
+// Q5_0, Q5_1: qs (T B, 2048) u8, qh (T B, 512) u8, d (T B, 128 or 256) f16
+template <int KIND>
+torch::Tensor b32h_matmul(torch::Tensor acts, torch::Tensor qs, torch::Tensor qh, torch::Tensor wd, int64_t N,
+                          int64_t isa) {
+  const Rec* a = check_act(acts);
+  const int64_t M = acts.size(0), B = acts.size(1), T = (N + TILE - 1) / TILE;
+  check_blocks(qs, T * B, qs_bytes<KIND>(), "qs", at::kByte);
+  check_blocks(qh, T * B, 512, "qh", at::kByte);
+  check_blocks(wd, T * B, d_halves<KIND>(), "d", at::kHalf);
+  const B32W w{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(wd.data_ptr()), B, qh.data_ptr<uint8_t>()};
   auto y = torch::empty({M, N}, acts.options().dtype(at::kFloat));
   run_tiles(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? B32Fns<KIND>::vnni : B32Fns<KIND>::avx2);
   return y;
@@ -661,5 +696,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_0_matmul", &b32_matmul<K_Q4_0>, "activations x repacked Q4_0 weights^T -> (M, N) f32");
   m.def("q4_1_matmul", &b32_matmul<K_Q4_1>, "activations x repacked Q4_1 weights^T -> (M, N) f32");
   m.def("q5k_matmul", &q5k_matmul, "Q8_K activations x repacked Q5_K weights^T -> (M, N) f32");
+  m.def("q5_0_matmul", &b32h_matmul<K_Q5_0>, "activations x repacked Q5_0 weights^T -> (M, N) f32");
+  m.def("q5_1_matmul", &b32h_matmul<K_Q5_1>, "activations x repacked Q5_1 weights^T -> (M, N) f32");
   m.def("has_vnni", &has_vnni, "whether this CPU runs the AVX-512 VNNI path");
 }
