@@ -18,11 +18,11 @@ from tests.models.tiny_gguf import (PROMPT, ROW_TOKENS, VOCAB, assert_argmax_agr
 
 require_q4()
 
-# llama.cpp file type -> (the matrix types it writes: llama.cpp keeps the LM head Q6_K and Q5_K_M some attn_v / ffn_down;
-# max and mean error bounds, as fractions of the logits' spread, vs the reference: measured 3.1/0.7% Q8_0, 4.6/1.0%
-# Q4_0, 5.3/0.9% Q4_1, 6.0/1.1% Q5_K_M, 4.1/0.9% Q5_0, 4.4/0.9% Q5_1; vs llama.cpp on the file: 4.1/0.9%, 5.5/1.2%,
-# 4.6/1.0%, 5.6/1.1%, 5.9/1.1%, 4.8/1.0% (llama.cpp
-# itself is 4.1-4.8% max from the reference: activations rounded to 8 bits, as both do, are most of it))
+# llama.cpp file type -> (the matrix types it writes: llama.cpp keeps the LM head Q6_K and Q5_K_M some attn_v /
+# ffn_down Q6_K; max and mean error bounds, as fractions of the logits' spread). Measured vs the fp32 reference:
+# 3.1/0.7% Q8_0, 4.6/1.0% Q4_0, 5.3/0.9% Q4_1, 6.0/1.1% Q5_K_M, 4.1/0.9% Q5_0, 4.4/0.9% Q5_1; vs llama.cpp on the file:
+# 4.1/0.9%, 5.5/1.2%, 4.6/1.0%, 5.6/1.1%, 5.9/1.1%, 4.8/1.0%. llama.cpp itself is 4.1-4.8% max from the reference:
+# activations rounded to 8 bits, as both do, are most of it.
 FILES = {"Q8_0": ({"Q8_0"}, 0.05, 0.012), "Q4_0": ({"Q4_0", "Q6_K"}, 0.07, 0.015),
          "Q4_1": ({"Q4_1", "Q6_K"}, 0.08, 0.015), "Q5_K_M": ({"Q5_K", "Q6_K"}, 0.09, 0.016),
          "Q5_0": ({"Q5_0", "Q6_K"}, 0.09, 0.016), "Q5_1": ({"Q5_1", "Q6_K"}, 0.09, 0.016)}

@@ -21,7 +21,7 @@ benchmarks/bench-kernel-cpu-x16-rerun.json and bench-kernel-cpu-avx2-x16.json):
 The other types at one 8960x1536 matrix (scripts/bench_q4_types.py, same clock, rough: a shared machine), x Q4_K's
 cost at 1 / 4 / 8 rows, VNNI: Q5_K 1.03 / 1.25 / 1.04, Q8_0 2.05 / 2.74 / 1.68 (8.5 bits a weight: one row reads
 1.8x the bytes), Q4_0 1.03 / 1.11 / 0.91, Q4_1 0.99 / 1.25 / 1.04; AVX2 within 0.98-1.2x of Q4_K except Q8_0 (2.2x
-at 1 row, 1.2x at 8).
+at 1 row, 1.2x at 8). Q5_0 / Q5_1 (Q4_0 / Q4_1's loop plus Q5_K's bit plane) were not measured.
 
 One row is memory-bound; more rows are compute-bound. Each vector lane is one output column (16 columns interleaved),
 so the sub-block scales apply in exact integers and a row, block and 16 columns take one or two float steps. With

@@ -19,8 +19,8 @@ the next feed overwrites. Weights are repacked once per GGUF file (~1-3 min for 
 under ~/.cache/osd/q4 (memory-mapped on later loads); norms and biases are float32.
 
 Limitations: the `qwen2` architecture only (q/k/v biases, NEOX RoPE, no RoPE scaling, SiLU MLP); matrices must be
-one of q4.MATRIX_TYPES (Q4_K_M/S, Q5_K_M/S, Q6_K, Q8_0, Q4_0, Q4_1 files; an error names any other type and llama.cpp,
-nothing is converted); the runner's own cache holds one sequence
+one of q4.MATRIX_TYPES (Q4_K_M/S, Q5_K_M/S, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 files; an error names any other type
+and llama.cpp, nothing is converted); the runner's own cache holds one sequence
 (models/slots.py Q4Slots runs several, one pass over the weights for all their rows: `forward_rows`); CPU with
 AVX2; a float32 KV cache of the whole context window is reserved (touched as it fills: ~235 MB at 4096 tokens).
 """
