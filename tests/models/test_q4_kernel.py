@@ -148,7 +148,7 @@ def test_refuses_what_it_does_not_handle():
     weight = q4.repack_q4k(random_blocks(4, 512, "Q4_K", seed=0))
     with pytest.raises(InvalidArgument, match="K = 256"):
         q4.matmul(q4.quantize_activations(torch.randn(2, 256)), weight)
-    with pytest.raises(InvalidArgument, match="Q4_K and Q6_K"):
-        q4.repack(torch.zeros(2, 34, dtype=torch.uint8), "Q8_0")
+    with pytest.raises(InvalidArgument, match="runs Q4_K, .*not Q3_K"):
+        q4.repack(torch.zeros(2, 110, dtype=torch.uint8), "Q3_K")
     with pytest.raises(InvalidArgument, match="block bytes"):
         q4.repack_q4k(torch.zeros(2, 100, dtype=torch.uint8))

@@ -57,10 +57,10 @@ def _gguf_names(layers: int) -> dict[str, str]:
     return names
 
 
-def write_tiny_gguf(path: Path, seed: int = 0, quantize: bool = True):
+def write_tiny_gguf(path: Path, seed: int = 0, quantize: bool = True, ftype: str = "Q4_K_M"):
     """Write a Q4_K_M GGUF of a seeded tiny Qwen2 (quantized by llama.cpp itself, as the real GGUFs were);
     return the torch model holding exactly the dequantized weights llama.cpp serves. quantize=False: the float32
-    GGUF as written (every tensor F32)."""
+    GGUF as written (every tensor F32). `ftype`: llama.cpp's file type (LLAMA_FTYPE_MOSTLY_<ftype>: Q8_0, Q4_0, ...)."""
     import ctypes
 
     import gguf
@@ -100,7 +100,7 @@ def write_tiny_gguf(path: Path, seed: int = 0, quantize: bool = True):
         return model
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = 1
     if llama_cpp.llama_model_quantize(str(f32).encode(), str(path).encode(), ctypes.byref(params)) != 0:
         raise RuntimeError("llama_model_quantize failed")

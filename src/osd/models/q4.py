@@ -1,10 +1,13 @@
-"""Multi-row products on llama.cpp's 4-bit (Q4_K) and 6-bit (Q6_K) weights with our own CPU kernel (q4_kernel.cpp).
+"""Multi-row products on llama.cpp's quantized weights with our own CPU kernel (q4_kernel.cpp): Q4_K, Q5_K, Q6_K,
+Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 matrices (`MATRIX_TYPES`); any other type is an error naming it and llama.cpp
+(`unsupported`), never a conversion to one of these (that would not be the user's model).
 
 Verification multiplies k+1 rows by every target weight. `matmul(quantize_activations(x), weight)` reads each
-weight block once for up to 8 rows and computes ggml's Q4_K x Q8_K / Q6_K x Q8_K math: activations quantized per
-256-block to int8 with one scale exactly as llama.cpp does (`quantize_row_q8_K_ref`), exact integer block dot
-products, only the float sum over blocks in another order than ggml's. Each row's result is bitwise the same
-whatever the number of rows computed with it, and the AVX2 and AVX-512 VNNI paths give bitwise equal results.
+weight block once for up to 8 rows and computes ggml's math: activations quantized per 256-block to int8 with one
+scale exactly as llama.cpp does (`quantize_row_q8_K_ref`) for the K-quants, per 32 (as its Q8_0, scale kept float32)
+for the 32-weight types; exact integer block dot products, only the float sum over blocks in another order than
+ggml's. Each row's result is bitwise the same whatever the number of rows computed with it, and the AVX2 and AVX-512
+VNNI paths give bitwise equal results (every type).
 
 Measured here (`osd bench kernel --clock cpu`: 1 thread, CPU time, AMD EPYC Zen 4; ms per token for all 196 layer
 matrices + the LM head, weights streaming from memory; llama.cpp = its whole forward, same thread/clock;
@@ -15,23 +18,29 @@ benchmarks/bench-kernel-cpu-x16-rerun.json and bench-kernel-cpu-avx2-x16.json):
     this kernel, AVX2 path         53.3   61.4   91.3  173.7
     llama.cpp (AVX2 build)         53.7  106.5  177.8  500.3   (1.98x / 3.31x / 9.32x)
 
+The other types at one 8960x1536 matrix (scripts/bench_q4_types.py, same clock, rough: a shared machine), x Q4_K's
+cost at 1 / 4 / 8 rows, VNNI: Q5_K 1.03 / 1.25 / 1.04, Q8_0 2.05 / 2.74 / 1.68 (8.5 bits a weight: one row reads
+1.8x the bytes), Q4_0 1.03 / 1.11 / 0.91, Q4_1 0.99 / 1.25 / 1.04; AVX2 within 0.98-1.2x of Q4_K except Q8_0 (2.2x
+at 1 row, 1.2x at 8). Q5_0 / Q5_1 (Q4_0 / Q4_1's loop plus Q5_K's bit plane) were not measured.
+
 One row is memory-bound; more rows are compute-bound. Each vector lane is one output column (16 columns interleaved),
 so the sub-block scales apply in exact integers and a row, block and 16 columns take one or two float steps. With
 only 16 vector registers the AVX2 path spills beyond ~4 rows (5-8 rows: 1.03-1.15x the per-column layout it replaced).
 
-Weights are repacked once from the GGUF's blocks (`repack_q4k`, `repack_q6k`: same bytes per block, another
-order; layout in q4_kernel.cpp). The path runs where the CPU has AVX2 (AVX-512 VNNI is used where present, chosen
+Weights are repacked once from the GGUF's blocks (`repack`: same bytes per block, another order, K-quant scales
+unpacked; layouts in q4_kernel.cpp). The path runs where the CPU has AVX2 (AVX-512 VNNI is used where present, chosen
 at run time; OSD_Q4_ISA=avx2 forces AVX2). The build (~1 min) happens once per machine and torch version, in
-torch's extension cache. Limitations: K must be a multiple of 256; no bias. Used by the `osd` target backend
-(models/q4_runner.py); `osd bench kernel` measures it alone against the target's shapes.
+torch's extension cache. Limitations: K a multiple of 256 (the 32-weight types' matrices are padded to one); no
+bias. Used by the `osd` target backend (models/q4_runner.py); `osd bench kernel` measures it alone against the
+target's shapes.
 """
 from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -40,6 +49,12 @@ from osd.errors import BackendUnavailable, InvalidArgument
 QK = 256  # weights per K-quant block
 Q4K_BLOCK_BYTES = 144  # ggml's block_q4_K
 Q6K_BLOCK_BYTES = 210  # ggml's block_q6_K
+Q5K_BLOCK_BYTES = 176  # ggml's block_q5_K
+Q8_0_BLOCK_BYTES = 34
+Q4_1_BLOCK_BYTES = 20  # ggml's block_q4_1: 32 weights
+Q5_0_BLOCK_BYTES = 22  # ggml's block_q5_0: 32 weights
+Q5_1_BLOCK_BYTES = 24  # ggml's block_q5_1: 32 weights
+Q4_0_BLOCK_BYTES = 18  # ggml's block_q4_0: 32 weights  # ggml's block_q8_0: 32 weights
 ROWS_PER_PASS = 8  # q4_kernel.cpp MAX_R: rows multiplied per pass over a weight; one more row costs another pass
 ISAS = {"best": 0, "avx2": 1, "avx512_vnni": 2}
 TILE = 16  # output columns per tile of the weight layout (q4_kernel.cpp's TILE)
@@ -99,9 +114,10 @@ def resolve_isa(isa: str | None = None) -> str:
 
 # ------------------------------------------------------------------------------------------ tensors
 class Q8KActivations(NamedTuple):
-    """Rows quantized as ggml's Q8_K: one record per row and 256-block (the `Rec` struct of q4_kernel.cpp)."""
+    """Rows quantized as ggml's Q8_K, and per 32-weight sub-block as its Q8_0 (for the 32-block weight types): one
+    record per row and 256-block (the `Rec` struct of q4_kernel.cpp)."""
 
-    records: torch.Tensor  # (M, B, 384) uint8
+    records: torch.Tensor  # (M, B, 704) uint8
 
     def _field(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         return self.records[..., start:stop].contiguous().view(dtype)
@@ -122,9 +138,40 @@ class Q8KActivations(NamedTuple):
     def bs32(self) -> torch.Tensor:  # (M, B, 8) int16: sums of the quants of 32-element sub-blocks
         return self._field(324, 340, torch.int16)
 
+    @property
+    def q32(self) -> torch.Tensor:  # (M, B, 256) int8, kernel order: per-32 quants
+        return self._field(384, 640, torch.int8)
+
+    @property
+    def d32(self) -> torch.Tensor:  # (M, B, 8) float32: sub-block l = d32[l] * its q32
+        return self._field(640, 672, torch.float32)
+
+    @property
+    def s32(self) -> torch.Tensor:  # (M, B, 8) int32: sums of the per-32 quants of sub-block l
+        return self._field(672, 704, torch.int32)
+
+
+class _Weight:
+    """What every repacked weight has: `n` output features, then its tensors (the kernel function's arguments, in
+    order, each (T B, ...) for T = ceil(N / 16) tiles of columns and B blocks of 256 weights)."""
+
+    TYPE: ClassVar[str]  # the GGML type name
+    KERNEL: ClassVar[str]  # the kernel's function: (activations, *tensors, n, isa) -> (M, N)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self)[1:]]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.tensors()[0].shape[0] // -(-self.n // TILE) * QK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
 
 @dataclass(frozen=True)
-class Q4KWeight:
+class Q4KWeight(_Weight):
     """A Q4_K matrix (N, K) repacked for the kernel, columns interleaved 16 at a time (q4_kernel.cpp): 148 bytes per
     256 weights (the GGUF's 144, scales unpacked), N padded with zero columns to a multiple of 16.
 
@@ -136,18 +183,11 @@ class Q4KWeight:
     qs: torch.Tensor  # (T B, 2048) uint8: nibbles, T = ceil(N / 16)
     sm: torch.Tensor  # (T B, 256) uint8: 16 x 8 sub-block scales, 16 x 8 mins (6-bit)
     dd: torch.Tensor  # (T B, 32) float16: 16 d, 16 dmin
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.n, self.qs.shape[0] // -(-self.n // TILE) * QK
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.sm, self.dd))
+    TYPE, KERNEL = "Q4_K", "q4k_matmul"
 
 
 @dataclass(frozen=True)
-class Q6KWeight:
+class Q6KWeight(_Weight):
     """A Q6_K matrix (N, K) repacked for the kernel, 16 columns interleaved as Q4KWeight: 210 bytes per 256 weights,
     as in the GGUF; N padded with zero columns to a multiple of 16 (`interleave_q6k`)."""
 
@@ -156,14 +196,81 @@ class Q6KWeight:
     qh: torch.Tensor  # (T B, 1024) uint8: high 2 bits
     sc: torch.Tensor  # (T B, 256) int8: 16 x 16 sub-block scales
     d: torch.Tensor  # (T B, 16) float16
+    TYPE, KERNEL = "Q6_K", "q6k_matmul"
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.n, self.ql.shape[0] // -(-self.n // TILE) * QK
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.ql, self.qh, self.sc, self.d))
+@dataclass(frozen=True)
+class Q5KWeight(_Weight):
+    """A Q5_K matrix (N, K) repacked for the kernel: Q4KWeight's layout for the low 4 bits, scales and mins, plus `qh`
+    the fifth bits (`interleave_q5k`): 180 bytes per 256 weights (the GGUF's 176, scales unpacked)."""
+
+    n: int
+    qs: torch.Tensor  # (T B, 2048) uint8: low 4 bits, as Q4KWeight's
+    qh: torch.Tensor  # (T B, 512) uint8: line l's byte 4 i + t, bit v = column i's element 32 l + 4 v + t's fifth bit
+    sm: torch.Tensor  # (T B, 256) uint8: as Q4KWeight's
+    dd: torch.Tensor  # (T B, 32) float16: as Q4KWeight's
+    TYPE, KERNEL = "Q5_K", "q5k_matmul"
+
+
+@dataclass(frozen=True)
+class Q8_0Weight(_Weight):
+    """A Q8_0 matrix (N, K) repacked for the kernel, 16 columns interleaved: 34 bytes per 32 weights, as in the GGUF;
+    per (tile, 256 weights) `qs` 64 lines of 64 bytes, line 8 l + v's lane i = column i's int8 weights 32 l + 4 v +
+    (0..3) (`_interleaved_groups`), `d` the 16 columns' 8 sub-block scales, l-major (16 l + i)."""
+
+    n: int
+    qs: torch.Tensor  # (T B, 4096) uint8: the int8 quants' bytes
+    d: torch.Tensor  # (T B, 128) float16
+    TYPE, KERNEL = "Q8_0", "q8_0_matmul"
+
+
+@dataclass(frozen=True)
+class Q4_1Weight(_Weight):
+    """A Q4_1 matrix (N, K) repacked for the kernel: `qs` as Q4_0Weight's (value q d + m), `dm` the 16 columns' 8
+    sub-block d, then their 8 m, l-major: 20 bytes per 32 weights, as in the GGUF."""
+
+    n: int
+    qs: torch.Tensor  # (T B, 2048) uint8
+    dm: torch.Tensor  # (T B, 256) float16: d at 16 l + i, m at 128 + 16 l + i
+    TYPE, KERNEL = "Q4_1", "q4_1_matmul"
+
+
+@dataclass(frozen=True)
+class Q5_0Weight(_Weight):
+    """A Q5_0 matrix (N, K) repacked for the kernel: Q4_0Weight's layout for the low 4 bits and d, plus `qh` the fifth
+    bits as Q5KWeight's (value (q - 16) d): 22 bytes per 32 weights, as in the GGUF. llama.cpp writes it for the
+    matrices of a Q4_K_M file whose rows are not whole 256-blocks (the Qwen2.5 0.5B's)."""
+
+    n: int
+    qs: torch.Tensor  # (T B, 2048) uint8
+    qh: torch.Tensor  # (T B, 512) uint8
+    d: torch.Tensor  # (T B, 128) float16
+    TYPE, KERNEL = "Q5_0", "q5_0_matmul"
+
+
+@dataclass(frozen=True)
+class Q5_1Weight(_Weight):
+    """A Q5_1 matrix: Q5_0Weight's layout with Q4_1Weight's `dm` (value q d + m): 24 bytes per 32 weights."""
+
+    n: int
+    qs: torch.Tensor  # (T B, 2048) uint8
+    qh: torch.Tensor  # (T B, 512) uint8
+    dm: torch.Tensor  # (T B, 256) float16
+    TYPE, KERNEL = "Q5_1", "q5_1_matmul"
+
+
+@dataclass(frozen=True)
+class Q4_0Weight(_Weight):
+    """A Q4_0 matrix (N, K) repacked for the kernel: per (tile, 256 weights) `qs` the 4-bit quants as Q4KWeight's (value
+    (q - 8) d), `d` the 16 columns' 8 sub-block scales, l-major: 18 bytes per 32 weights, as in the GGUF."""
+
+    n: int
+    qs: torch.Tensor  # (T B, 2048) uint8
+    d: torch.Tensor  # (T B, 128) float16
+    TYPE, KERNEL = "Q4_0", "q4_0_matmul"
+
+
+Weight = Q4KWeight | Q5KWeight | Q6KWeight | Q8_0Weight | Q4_0Weight | Q4_1Weight | Q5_0Weight | Q5_1Weight
 
 
 def quantize_activations(x: torch.Tensor) -> Q8KActivations:
@@ -173,14 +280,12 @@ def quantize_activations(x: torch.Tensor) -> Q8KActivations:
     return Q8KActivations(kernel().quantize_q8k(x.float()))
 
 
-def matmul(acts: Q8KActivations, weight: Q4KWeight | Q6KWeight, isa: str | None = None) -> torch.Tensor:
+def matmul(acts: Q8KActivations, weight: Weight, isa: str | None = None) -> torch.Tensor:
     """(M, K) activations x (N, K) weight^T -> (M, N) float32, any M >= 1 (ROWS_PER_PASS rows per pass over the weight)."""
     code = ISAS[resolve_isa(isa)]
     if acts.records.shape[1] * QK != weight.shape[1]:
         raise InvalidArgument(f"activations have K = {acts.records.shape[1] * QK}, the weight {weight.shape[1]}")
-    if isinstance(weight, Q4KWeight):
-        return kernel().q4k_matmul(acts.records, weight.qs, weight.sm, weight.dd, weight.n, code)
-    return kernel().q6k_matmul(acts.records, weight.ql, weight.qh, weight.sc, weight.d, weight.n, code)
+    return getattr(kernel(), weight.KERNEL)(acts.records, *weight.tensors(), weight.n, code)
 
 
 # ------------------------------------------------------------------------------------------ repacking (pure)
@@ -296,17 +401,150 @@ def repack_q6k(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q6KWeight:
     return Q6KWeight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
 
 
-def repack(raw: torch.Tensor, type_name: str) -> Q4KWeight | Q6KWeight:
-    """GGUF tensor bytes of type 'Q4_K' or 'Q6_K' -> the kernel's weight."""
-    if type_name == "Q4_K":
-        return repack_q4k(raw)
-    if type_name == "Q6_K":
-        return repack_q6k(raw)
-    raise InvalidArgument(f"the Q4 kernel handles Q4_K and Q6_K weights, not {type_name}")
+def q5k_high(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_K's 32 high-bit bytes (..., 32) -> the 256 fifth bits (0/1) in element order: element 32 s + j is bit s of
+    byte j (as ggml's dequantize_row_q5_K)."""
+    return torch.stack([(qh >> s) & 1 for s in range(8)], dim=-2).reshape(*qh.shape[:-1], QK)
 
 
-def load_gguf_weight(path: str | Path, name: str) -> Q4KWeight | Q6KWeight:
-    """One Q4_K/Q6_K tensor of a GGUF file (e.g. 'blk.0.ffn_up.weight'), repacked. The file is memory-mapped."""
+def interleave_q5k(q: torch.Tensor, sc: torch.Tensor, mins: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor):
+    """Q5_K's quants (N, B, 256) 0..31 in element order and Q4_K's other components -> the kernel's (qs, qh, sm, dd):
+    Q4_K's layout of the low 4 bits, and qh line l's byte holding in bit v the fifth bit of group (l, v)'s byte."""
+    qs, sm, dd = interleave_q4k(q & 0xF, sc, mins, d, dmin)
+    groups = _interleaved_groups(q >> 4)  # (T, B, 8 l, 8 v, 64) of 0/1
+    qh = sum(groups[:, :, :, v] << v for v in range(8))  # (T, B, 8 l, 64)
+    return qs, qh.reshape(-1, 512), sm, dd
+
+
+def repack_q5k(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q5KWeight:
+    """A GGUF Q5_K tensor's bytes (N, B * 176) uint8 -> the kernel's layout (zero columns pad N to tiles of 16)."""
+    blocks = _blocks(raw, Q5K_BLOCK_BYTES)
+    parts = []
+    for part in _pad_tiles(blocks).split(chunk_rows):
+        sc, mins = q4k_scales(part[..., 4:16])
+        q = q4k_quants(part[..., 48:176]) | (q5k_high(part[..., 16:48]) << 4)
+        parts.append(interleave_q5k(q, sc, mins, _f16(part[..., 0:2]), _f16(part[..., 2:4])))
+    return Q5KWeight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
+
+
+def _whole_256(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """A 32-weight type's rows (N, K / 32 * block_bytes) -> K padded with zero blocks to a multiple of 256 (d = 0: their
+    weights are 0; the runner pads its activations with zero columns the same way, q4_runner.padded): the Qwen2.5
+    0.5B's width 896 in a Q8_0 file. The padding costs its share of the reads (896 -> 1024: 14%)."""
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % block_bytes:
+        return raw  # _blocks says what is wrong
+    extra = -(raw.shape[1] // block_bytes) % 8
+    return torch.cat([raw, raw.new_zeros(raw.shape[0], extra * block_bytes)], dim=1) if extra else raw
+
+
+def repack_q8_0(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q8_0Weight:
+    """A GGUF Q8_0 tensor's bytes (N, K / 32 * 34) uint8 -> the kernel's layout (K padded to a multiple of 256)."""
+    blocks = _blocks(_whole_256(raw, Q8_0_BLOCK_BYTES), 8 * Q8_0_BLOCK_BYTES)
+    parts = []
+    for part in _pad_tiles(blocks).split(chunk_rows):
+        sub = part.reshape(*part.shape[:2], 8, Q8_0_BLOCK_BYTES)  # (N, B, 8 sub-blocks, 34)
+        q = sub[..., 2:].reshape(*part.shape[:2], QK)  # (N, B, 256) the int8 quants' bytes, element order
+        parts.append((_interleaved_groups(q).reshape(-1, 4096), _by_lane(_f16(sub[..., 0:2]))))
+    return Q8_0Weight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
+
+
+def _nibbles_32(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_0 / Q4_1's 16 quant bytes (..., 16) -> the 32 quants 0..15 in element order (j low, j + 16 high)."""
+    return torch.cat([qs & 0xF, qs >> 4], dim=-1)
+
+
+def repack_q4_0(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q4_0Weight:
+    """A GGUF Q4_0 tensor's bytes (N, K / 32 * 18) uint8 -> the kernel's layout (K padded to a multiple of 256)."""
+    blocks = _blocks(_whole_256(raw, Q4_0_BLOCK_BYTES), 8 * Q4_0_BLOCK_BYTES)
+    parts = []
+    for part in _pad_tiles(blocks).split(chunk_rows):
+        sub = part.reshape(*part.shape[:2], 8, Q4_0_BLOCK_BYTES)  # (N, B, 8 sub-blocks, 18)
+        q = _nibbles_32(sub[..., 2:]).reshape(*part.shape[:2], QK)
+        parts.append((_nibble_lines(_interleaved_groups(q)), _by_lane(_f16(sub[..., 0:2]))))
+    return Q4_0Weight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
+
+
+
+def repack_q4_1(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q4_1Weight:
+    """A GGUF Q4_1 tensor's bytes (N, K / 32 * 20) uint8 -> the kernel's layout (K padded to a multiple of 256)."""
+    blocks = _blocks(_whole_256(raw, Q4_1_BLOCK_BYTES), 8 * Q4_1_BLOCK_BYTES)
+    parts = []
+    for part in _pad_tiles(blocks).split(chunk_rows):
+        sub = part.reshape(*part.shape[:2], 8, Q4_1_BLOCK_BYTES)  # (N, B, 8 sub-blocks, 20)
+        q = _nibbles_32(sub[..., 4:]).reshape(*part.shape[:2], QK)
+        dm = torch.cat([_by_lane(_f16(sub[..., 0:2])), _by_lane(_f16(sub[..., 2:4]))], dim=1)
+        parts.append((_nibble_lines(_interleaved_groups(q)), dm))
+    return Q4_1Weight(blocks.shape[0], *(torch.cat(t).contiguous() for t in zip(*parts)))
+
+
+
+def _fifth_bits_32(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1's 4 high-bit bytes (..., 4) -> the 32 fifth bits (0/1) in element order: element e is bit e of the
+    little-endian 32-bit word (as ggml's dequantize_row_q5_0)."""
+    return torch.stack([(qh >> s) & 1 for s in range(8)], dim=-1).reshape(*qh.shape[:-1], 32)
+
+
+def _repack_5bit(raw: torch.Tensor, block_bytes: int, with_m: bool, chunk_rows: int):
+    blocks = _blocks(_whole_256(raw, block_bytes), 8 * block_bytes)
+    parts, at = [], 4 if with_m else 2  # where qh starts in a block
+    for part in _pad_tiles(blocks).split(chunk_rows):
+        sub = part.reshape(*part.shape[:2], 8, block_bytes)  # (N, B, 8 sub-blocks, bytes)
+        q = _nibbles_32(sub[..., at + 4 :]) | (_fifth_bits_32(sub[..., at : at + 4]) << 4)
+        groups = _interleaved_groups(q.reshape(*part.shape[:2], QK))  # (T, B, 8 l, 8 v, 64) 0..31
+        qh = sum((groups[:, :, :, v] >> 4) << v for v in range(8)).reshape(-1, 512)
+        scales = _by_lane(_f16(sub[..., 0:2]))
+        if with_m:
+            scales = torch.cat([scales, _by_lane(_f16(sub[..., 2:4]))], dim=1)
+        parts.append((_nibble_lines(groups & 0xF), qh, scales))
+    return blocks.shape[0], [torch.cat(t).contiguous() for t in zip(*parts)]
+
+
+def repack_q5_0(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q5_0Weight:
+    """A GGUF Q5_0 tensor's bytes (N, K / 32 * 22) uint8 -> the kernel's layout (K padded to a multiple of 256)."""
+    n, tensors = _repack_5bit(raw, Q5_0_BLOCK_BYTES, False, chunk_rows)
+    return Q5_0Weight(n, *tensors)
+
+
+def repack_q5_1(raw: torch.Tensor, chunk_rows: int = 512 * TILE) -> Q5_1Weight:
+    """A GGUF Q5_1 tensor's bytes (N, K / 32 * 24) uint8 -> the kernel's layout (K padded to a multiple of 256)."""
+    n, tensors = _repack_5bit(raw, Q5_1_BLOCK_BYTES, True, chunk_rows)
+    return Q5_1Weight(n, *tensors)
+
+
+WEIGHTS = {cls.TYPE: cls for cls in (Q4KWeight, Q5KWeight, Q6KWeight, Q8_0Weight, Q4_0Weight, Q4_1Weight, Q5_0Weight,
+                                      Q5_1Weight)}
+MATRIX_TYPES = tuple(WEIGHTS)  # the GGML types the kernel runs
+REPACK = {"Q4_K": repack_q4k, "Q5_K": repack_q5k, "Q6_K": repack_q6k, "Q8_0": repack_q8_0,
+          "Q4_0": repack_q4_0, "Q4_1": repack_q4_1, "Q5_0": repack_q5_0, "Q5_1": repack_q5_1}
+
+
+def row_multiple(type_name: str) -> int:
+    """What K (a matrix's row length) must be a multiple of in a GGUF of this type for the kernel to run it: 256 for the
+    K-quants, 32 for the 32-weight types (padded with zero blocks at repacking)."""
+    return 32 if type_name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1") else QK
+
+
+def unsupported(type_name: str, what: str = "a matrix") -> str:
+    """The error for a type the kernel cannot run: it is never converted to another one (that would not be the
+    user's model); llama.cpp runs it."""
+    return (f"{what} is {type_name}: the osd kernel runs {', '.join(MATRIX_TYPES)} matrices, not {type_name} (it does "
+            "not convert one type into another); use --target-backend llama.cpp for this file")
+
+
+def repack(raw: torch.Tensor, type_name: str) -> Weight:
+    """GGUF tensor bytes of one of MATRIX_TYPES -> the kernel's weight."""
+    if type_name not in REPACK:
+        raise InvalidArgument(unsupported(type_name))
+    return REPACK[type_name](raw)
+
+
+def from_tensors(type_name: str, n: int, tensors: list[torch.Tensor]) -> Weight:
+    """A repacked weight from its type, N and tensors (`tensors()`), as stored."""
+    return WEIGHTS[type_name](n, *tensors)
+
+
+def load_gguf_weight(path: str | Path, name: str) -> Weight:
+    """One kernel-type tensor of a GGUF file (e.g. 'blk.0.ffn_up.weight'), repacked. The file is memory-mapped."""
     from gguf import GGUFReader
 
     for t in GGUFReader(str(path)).tensors:

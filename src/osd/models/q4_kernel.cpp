@@ -1,8 +1,10 @@
-// Multi-row products with llama.cpp's K-quant weights (Q4_K, Q6_K) on a CPU: y (M, N) = x (M, K) W^T, M = 1..any.
+// Multi-row products with llama.cpp's quantized weights (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) on a CPU:
+// y (M, N) = x (M, K) W^T, M = 1..any. A type not listed is not converted into one that is: the caller says so.
 //
-// The math is ggml's Q4_K x Q8_K and Q6_K x Q8_K dot products: each row of x is quantized per 256-block to int8
-// with one float scale (quantize_row_q8_K_ref, bit for bit), the integer part of each block's dot product is
-// exact, and only the float combination of blocks differs from ggml (its order, not its terms).
+// The math is ggml's: K-quants x Q8_K (each row of x quantized per 256-block to int8 with one float scale,
+// quantize_row_q8_K_ref, bit for bit) and the 32-weight types x per-32 int8 quants (as ggml's Q8_0 / Q8_1, except
+// that the scale stays float32 and ties round to even); the integer part of each block's dot product is exact, and
+// only the float combination of blocks differs from ggml (its order, not its terms).
 //
 // Why: verifying k+1 draft tokens multiplies k+1 rows by every weight. One row is memory-bound (~1 GB of 4-bit
 // weights per token); llama.cpp's CPU kernels cost ~1.8x for 2 rows and ~2.9x for 4 here. This kernel reads each
@@ -24,15 +26,20 @@
 // Q6_K, the same interleaving: ql (T B, 2048) u8 the low 4 bits as Q4_K's qs; qh (T B, 1024) u8: 16 lines of 64
 // bytes, line 2 l + j holding in bits 2c..2c+1 of its byte the high 2 bits of the same byte of group v = 4 j + c
 // (so line 4 l + h's low nibbles pair with line 2 l's bits 2h, its high nibbles with line 2 l + 1's); sc (T B, 256)
-// i8 the 16 columns' 16 signed sub-block scales (s-major); d (T B, 16) f16. Activations are in kernel order:
-// 4-byte group 8 v + l holds weights 32 l + 4 v + (0..3) of the block.
+// i8 the 16 columns' 16 signed sub-block scales (s-major); d (T B, 16) f16. Q5_K: Q4_K's qs, sm, dd and qh (T B, 512)
+// u8: line l's byte holds in bit v the fifth bit of the same byte of group (l, v) (unpacked into bit 4 of a nibble).
+// The 32-weight types (a 256-block is 8 GGUF blocks, sub-block l = GGUF block l): Q8_0 qs (T B, 4096) int8, line 8 l
+// + v's lane i = column i's weights 32 l + 4 v + (0..3); Q4_0 / Q4_1 qs as Q4_K's; d (T B, 128) f16 (16 l + i), Q4_1
+// then its m (T B, 128 more); Q5_0 / Q5_1 as Q4_0 / Q4_1 plus qh as Q5_K's. Per (row, sub-block, 16 columns): one
+// exact integer dot product, one float step (with m: two). Activations are in kernel order: 4-byte group 8 v + l
+// holds weights 32 l + 4 v + (0..3) of the block.
 //
 // Two code paths: AVX2 (maddubs, 8 columns a vector) and AVX-512 VNNI (vpdpbusd, 16), chosen at run time. Both
 // compute the same exact int32 sums per (row, block, column) and then run identical float instructions lane by lane,
 // so their results are bitwise equal; and each row's float accumulation is the same whatever the number of rows
 // computed together (bitwise row-count invariance).
-// Limitations: K must be a multiple of 256; no bias (add it outside); rows beyond 8 go in further passes of 8
-// over the same weights (hot in cache per tile of output columns).
+// Limitations: K must be a multiple of 256 (models/q4.py pads the 32-weight types' rows with zero blocks); no bias
+// (add it outside); rows beyond 8 go in further passes of 8 over the same weights (hot in cache per tile of columns).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -46,18 +53,23 @@ namespace {
 constexpr int QK = 256;       // weights per block
 constexpr int MAX_R = 8;      // rows per pass over the weights
 constexpr int64_t TILE = 16;  // output columns per tile: the weight layout stores a tile's blocks together
-constexpr int REC = 384;      // bytes per activation record (one row, one block; a multiple of 64), see Rec
+constexpr int REC = 704;      // bytes per activation record (one row, one block; a multiple of 64), see Rec
 
 #define VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
-// One row's 256-block of Q8_K activations and what the kernels derive from it once per row instead of once per
-// weight row: the sums of its sub-blocks' quants, as Q4_K's mins and Q6_K's -32 offset need them, in integers.
+// One row's 256-block of activations, quantized twice, and what the kernels derive from it once per row instead of
+// once per weight row. As Q8_K (one scale per 256, for the K-quants, as llama.cpp): the quants and the sums of its
+// sub-blocks' quants, as Q4_K's mins and Q6_K's -32 offset need them, in integers. And per 32-weight sub-block with
+// its own scale (the 32-block types Q8_0, Q4_0, Q4_1, as llama.cpp's Q8_0 / Q8_1 activations): quants and their sums.
 struct Rec {
-  int8_t q[QK];     // quants, kernel order
+  int8_t q[QK];     // Q8_K quants, kernel order
   int32_t nbs[16];  // -32 * (sum of the quants of 16-element sub-block 2l) for l = 0..7, then of sub-block 2l+1
   float d;          // row block = d * q
   int16_t bs32[8];  // sums of the quants of 32-element sub-block l (Q4_K's mins)
-  uint8_t pad[REC - QK - 64 - 4 - 16];
+  uint8_t pad[44];  // q32 starts at byte 384 (a cache line)
+  int8_t q32[QK];   // per-32 quants, kernel order: sub-block l of the row block = d32[l] * (its quants)
+  float d32[8];
+  int32_t s32[8];   // sums of the per-32 quants of sub-block l (Q4_0's -8 offset, Q4_1's m, Q8_0's unsigned shift)
 };
 static_assert(sizeof(Rec) == REC, "activation record size");
 
@@ -66,6 +78,7 @@ struct Q4W {  // per (tile, block): qs 2048 bytes, sm 256 bytes, dd 32 halves (s
   const uint8_t* sm;
   const uint16_t* dd;
   int64_t B;
+  const uint8_t* qh;  // Q5_K: the fifth bits, 512 bytes (nullptr for Q4_K)
 };
 
 struct Q6W {  // per (tile, block): ql 2048 bytes, qh 1024 bytes, sc 256 bytes, d 16 halves (see the layout above)
@@ -76,32 +89,50 @@ struct Q6W {  // per (tile, block): ql 2048 bytes, qh 1024 bytes, sc 256 bytes, 
   int64_t B;
 };
 
-// ---------------------------------------------------------------- activations: ggml's quantize_row_q8_K_ref
-void quantize_block(const float* x, Rec* rec) {
-  std::memset(rec, 0, sizeof(Rec));
+// ---------------------------------------------------------------- activations
+// 32 floats -> 32 int8 quants round(x * scale) (half to even), clamped to [-127, 127], natural order
+inline void quantize_32(const float* x, __m256 scale, int8_t* out) {
+  const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+  __m256i v[4];
+  for (int j = 0; j < 4; ++j)
+    v[j] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(scale, _mm256_loadu_ps(x + 8 * j))), top),
+                            bottom);
+  __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), p);
+}
+
+inline float abs_max(const float* x, int n) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 vmax = _mm256_setzero_ps();
-  for (int j = 0; j < QK; j += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + j), absmask));
+  for (int j = 0; j < n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + j), absmask));
   float lanes[8];
   _mm256_storeu_ps(lanes, vmax);
   float amax = 0.f;
   for (float a : lanes) amax = a > amax ? a : amax;
+  return amax;
+}
+
+// natural order -> kernel order: 4-byte word (v, l) <- natural word (l, v)
+inline void to_kernel_order(const int8_t* nat, int8_t* out) {
+  int32_t words[64], perm[64];
+  std::memcpy(words, nat, QK);
+  for (int l = 0; l < 8; ++l)
+    for (int v = 0; v < 8; ++v) perm[8 * v + l] = words[8 * l + v];
+  std::memcpy(out, perm, QK);
+}
+
+// Q8_K as ggml's quantize_row_q8_K_ref (bit for bit); per 32 as its quantize_row_q8_0_ref (d = amax / 127, quants
+// x / d rounded) except that d stays float32 and ties round to even
+void quantize_block(const float* x, Rec* rec) {
+  std::memset(rec, 0, sizeof(Rec));
+  const float amax = abs_max(x, QK);
   if (!(amax > 0.f)) return;  // all zero (ggml tests !amax): d = 0, quants 0
   int first = 0;  // ggml keeps the first element of largest magnitude, with its sign
   while (std::fabs(x[first]) != amax) ++first;
   const float iscale = -127.f / x[first];
-  const __m256 vs = _mm256_set1_ps(iscale);
-  const __m256i top = _mm256_set1_epi32(127);
   alignas(32) int8_t nat[QK];  // natural order
-  for (int j = 0; j < QK; j += 32) {
-    __m256i a = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + j))), top);  // round half even
-    __m256i b = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + j + 8))), top);
-    __m256i c = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + j + 16))), top);
-    __m256i e = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + j + 24))), top);
-    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, e));
-    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(nat + j), p);
-  }
+  for (int j = 0; j < QK; j += 32) quantize_32(x + j, _mm256_set1_ps(iscale), nat + j);  // 127 only at the top
   rec->d = 1.f / iscale;
   int bs[16];  // ggml's bsums: sums of 16 consecutive quants
   for (int g = 0; g < 16; ++g) {
@@ -113,12 +144,17 @@ void quantize_block(const float* x, Rec* rec) {
     rec->nbs[l] = -32 * bs[2 * l];
     rec->nbs[8 + l] = -32 * bs[2 * l + 1];
   }
-  int32_t words[64];  // kernel order: word (v, l) <- natural word (l, v)
-  std::memcpy(words, nat, QK);
-  int32_t out[64];
-  for (int l = 0; l < 8; ++l)
-    for (int v = 0; v < 8; ++v) out[8 * v + l] = words[8 * l + v];
-  std::memcpy(rec->q, out, QK);
+  to_kernel_order(nat, rec->q);
+  for (int l = 0; l < 8; ++l) {
+    const float am = abs_max(x + 32 * l, 32);
+    rec->d32[l] = am / 127.f;
+    const float id = am > 0.f ? 1.f / rec->d32[l] : 0.f;
+    quantize_32(x + 32 * l, _mm256_set1_ps(id), nat + 32 * l);
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) sum += nat[32 * l + i];
+    rec->s32[l] = sum;
+  }
+  to_kernel_order(nat, rec->q32);
 }
 
 // Weights stream in layout order; fetching them PREFETCH bytes ahead hides more of the memory latency than the
@@ -133,9 +169,17 @@ inline void prefetch(const uint8_t* p, int lines) {
 // rows (8 weight vectors in registers), each row's 8 activation groups broadcast against them.
 // Float steps per (row, block), identical in both paths lane by lane: acc += isum * (d dy); acc -= imin * (dmin dy).
 
-template <int R>
+// bit v of each byte -> bit 4 (the rest is masked off by the caller); 16-bit shifts move no other byte's bit there
+inline __m256i bit_to_4(__m256i h, int v) {
+  return v < 4 ? _mm256_slli_epi16(h, 4 - v) : v == 4 ? h : _mm256_srli_epi16(h, v - 4);
+}
+VNNI_TARGET inline __m512i bit_to_4(__m512i h, int v) {
+  return v < 4 ? _mm512_slli_epi16(h, 4 - v) : v == 4 ? h : _mm512_srli_epi16(h, v - 4);
+}
+
+template <int R, bool Q5>
 void q4_avx2(const Rec* a, const Q4W& w, float* accs, int64_t t, int64_t r0) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
   const int64_t B = w.B;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t tb = t * B + b;
@@ -153,6 +197,10 @@ void q4_avx2(const Rec* a, const Q4W& w, float* accs, int64_t t, int64_t r0) {
           const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * half));
           wv[h] = _mm256_and_si256(p, m4);
           wv[h + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+        }
+        if constexpr (Q5) {  // |int16 pair| <= 2*31*127
+          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qh + tb * 512 + 64 * l + 32 * half));
+          for (int v = 0; v < 8; ++v) wv[v] = _mm256_or_si256(wv[v], _mm256_and_si256(bit_to_4(hb, v), m10));
         }
         const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 16 * l + 8 * half)));
         for (int r = 0; r < R; ++r) {  // |int16 pair| <= 2*15*128 < 2^15
@@ -181,9 +229,9 @@ void q4_avx2(const Rec* a, const Q4W& w, float* accs, int64_t t, int64_t r0) {
   }
 }
 
-template <int R>
+template <int R, bool Q5>
 VNNI_TARGET void q4_vnni(const Rec* a, const Q4W& w, float* accs, int64_t t, int64_t r0) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
   const int64_t B = w.B;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t tb = t * B + b;
@@ -200,6 +248,10 @@ VNNI_TARGET void q4_vnni(const Rec* a, const Q4W& w, float* accs, int64_t t, int
         const __m512i p = _mm512_loadu_si512(line);
         wv[h] = _mm512_and_si512(p, m4);
         wv[h + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+      }
+      if constexpr (Q5) {
+        const __m512i hb = _mm512_loadu_si512(w.qh + tb * 512 + 64 * l);
+        for (int v = 0; v < 8; ++v) wv[v] = _mm512_or_si512(wv[v], _mm512_and_si512(bit_to_4(hb, v), m10));
       }
       const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 16 * l)));
 #pragma GCC unroll 8
@@ -334,6 +386,148 @@ VNNI_TARGET void q6_vnni(const Rec* a, const Q6W& w, float* accs, int64_t t, int
   }
 }
 
+// ---------------------------------------------------------------- 32-weight blocks: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
+// Sub-block l of a 256-block is one GGUF block of 32 weights with its own fp16 scale d (Q4_1, Q5_1: and offset m):
+// per (row, sub-block, 16 columns) an exact integer dot product of its weights with the row's per-32 quants, then
+// one float step per lane (with m: two): acc += isum * (d dy); [acc += s32 * (m dy)], dy the row's per-32 scale.
+// Integer sums: Q8_0 sum q y; Q4_0 sum (q - 8) y = sum q y - 8 s32; Q5_0 the same with q 0..31 (its fifth bits
+// from a qh plane laid out as Q5_K's) and - 16 s32; Q4_1, Q5_1 sum q y. VNNI multiplies unsigned weights by
+// signed activations, so Q8_0's signed weights go in as q + 128 (xor 0x80) and 128 s32 comes off; AVX2's maddubs
+// would saturate on those (2 x 255 x 127), so it multiplies |q| by y with q's sign (|pair| <= 2 x 128 x 127).
+enum Kind { K_Q8_0 = 0, K_Q4_0 = 1, K_Q4_1 = 2, K_Q5_0 = 3, K_Q5_1 = 4 };
+
+struct B32W {  // per (tile, block): qs (Q8_0: 4096 int8 bytes, 64 lines; others: 2048 nibble bytes), d 128 halves
+  const uint8_t* qs;  // (Q4_1, Q5_1: 128 d then 128 m)
+  const uint16_t* d;
+  int64_t B;
+  const uint8_t* qh;  // Q5_0, Q5_1: the fifth bits, 512 bytes (as Q5_K's)
+};
+
+template <int KIND>
+constexpr int64_t qs_bytes() { return KIND == K_Q8_0 ? 4096 : 2048; }
+template <int KIND>
+constexpr bool has_m() { return KIND == K_Q4_1 || KIND == K_Q5_1; }
+template <int KIND>
+constexpr bool five_bits() { return KIND == K_Q5_0 || KIND == K_Q5_1; }
+template <int KIND>
+constexpr int64_t d_halves() { return has_m<KIND>() ? 256 : 128; }
+template <int KIND>
+inline int32_t offset32(const Rec* y, int l) {
+  return KIND == K_Q4_0 ? -8 * y->s32[l] : KIND == K_Q5_0 ? -16 * y->s32[l] : 0;
+}
+
+template <int R, int KIND>
+void b32_avx2(const Rec* a, const B32W& w, float* accs, int64_t t, int64_t r0) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+  const int64_t B = w.B;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t tb = t * B + b;
+    const uint8_t* qs = w.qs + tb * qs_bytes<KIND>();
+    const uint16_t* wd = w.d + tb * d_halves<KIND>();
+    const Rec* y[R];
+    for (int r = 0; r < R; ++r) y[r] = a + (r0 + r) * B + b;
+    for (int half = 0; half < 2; ++half) {  // columns 8 half .. 8 half + 7
+      for (int l = 0; l < 8; ++l) {
+        __m256i s[R];
+        for (int r = 0; r < R; ++r) s[r] = _mm256_set1_epi32(offset32<KIND>(y[r], l));
+        if constexpr (KIND == K_Q8_0) {
+          for (int v = 0; v < 8; ++v) {
+            const uint8_t* line = qs + 64 * (8 * l + v);
+            prefetch(line, 1);
+            const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * half));
+            const __m256i mag = _mm256_abs_epi8(p);  // -128 -> 0x80 = 128 unsigned
+            for (int r = 0; r < R; ++r) {
+              const __m256i yv = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(y[r]->q32)[8 * v + l]);
+              s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(yv, p)), ones));
+            }
+          }
+        } else {
+          __m256i hb = _mm256_setzero_si256();
+          if constexpr (five_bits<KIND>())
+            hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qh + tb * 512 + 64 * l + 32 * half));
+          for (int h = 0; h < 4; ++h) {
+            const uint8_t* line = qs + 64 * (4 * l + h);
+            prefetch(line, 1);
+            const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * half));
+            __m256i lo = _mm256_and_si256(p, m4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+            if constexpr (five_bits<KIND>()) {
+              lo = _mm256_or_si256(lo, _mm256_and_si256(bit_to_4(hb, h), m10));
+              hi = _mm256_or_si256(hi, _mm256_and_si256(bit_to_4(hb, h + 4), m10));
+            }
+            for (int r = 0; r < R; ++r) {  // |int16 pair| <= 2*31*127
+              const int32_t* yq = reinterpret_cast<const int32_t*>(y[r]->q32);
+              s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(yq[8 * h + l])), ones));
+              s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(yq[8 * (h + 4) + l])), ones));
+            }
+          }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + 16 * l + 8 * half)));
+        for (int r = 0; r < R; ++r) {
+          float* acc = accs + 16 * r + 8 * half;
+          const __m256 dy = _mm256_set1_ps(y[r]->d32[l]);
+          __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, dy), _mm256_load_ps(acc));
+          if constexpr (has_m<KIND>()) {
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + 128 + 16 * l + 8 * half)));
+            sum = _mm256_fmadd_ps(_mm256_set1_ps(static_cast<float>(y[r]->s32[l])), _mm256_mul_ps(m, dy), sum);
+          }
+          _mm256_store_ps(acc, sum);
+        }
+      }
+    }
+  }
+}
+
+template <int R, int KIND>
+VNNI_TARGET void b32_vnni(const Rec* a, const B32W& w, float* accs, int64_t t, int64_t r0) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10), x80 = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t B = w.B;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t tb = t * B + b;
+    const uint8_t* qs = w.qs + tb * qs_bytes<KIND>();
+    const uint16_t* wd = w.d + tb * d_halves<KIND>();
+    const Rec* y[R];
+    for (int r = 0; r < R; ++r) y[r] = a + (r0 + r) * B + b;
+    for (int l = 0; l < 8; ++l) {
+      __m512i wv[8];
+      if constexpr (KIND == K_Q8_0) {
+        for (int v = 0; v < 8; ++v) {
+          const uint8_t* line = qs + 64 * (8 * l + v);
+          prefetch(line, 1);
+          wv[v] = _mm512_xor_si512(_mm512_loadu_si512(line), x80);  // q + 128
+        }
+      } else {
+        for (int h = 0; h < 4; ++h) {
+          const uint8_t* line = qs + 64 * (4 * l + h);
+          prefetch(line, 1);
+          const __m512i p = _mm512_loadu_si512(line);
+          wv[h] = _mm512_and_si512(p, m4);
+          wv[h + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+        }
+        if constexpr (five_bits<KIND>()) {
+          const __m512i hb = _mm512_loadu_si512(w.qh + tb * 512 + 64 * l);
+          for (int v = 0; v < 8; ++v) wv[v] = _mm512_or_si512(wv[v], _mm512_and_si512(bit_to_4(hb, v), m10));
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + 16 * l)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int32_t* yq = reinterpret_cast<const int32_t*>(y[r]->q32);
+        const int32_t off = KIND == K_Q8_0 ? -128 * y[r]->s32[l] : offset32<KIND>(y[r], l);
+        __m512i s = _mm512_set1_epi32(off);
+        for (int v = 0; v < 8; ++v) s = _mm512_dpbusd_epi32(s, wv[v], _mm512_set1_epi32(yq[8 * v + l]));
+        float* acc = accs + 16 * r;
+        const __m512 dy = _mm512_set1_ps(y[r]->d32[l]);
+        __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, dy), _mm512_load_ps(acc));
+        if constexpr (has_m<KIND>()) {
+          const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + 128 + 16 * l)));
+          sum = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(y[r]->s32[l])), _mm512_mul_ps(m, dy), sum);
+        }
+        _mm512_store_ps(acc, sum);
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- dispatch
 bool cpu_has_vnni() {
   __builtin_cpu_init();
@@ -351,14 +545,25 @@ bool use_vnni(int64_t isa) {
 
 template <class W>
 using TileFn = void (*)(const Rec*, const W&, float*, int64_t, int64_t);  // (records, weight, accs, tile, first row)
-constexpr TileFn<Q4W> Q4_AVX2[MAX_R] = {q4_avx2<1>, q4_avx2<2>, q4_avx2<3>, q4_avx2<4>,
-                                        q4_avx2<5>, q4_avx2<6>, q4_avx2<7>, q4_avx2<8>};
-constexpr TileFn<Q4W> Q4_VNNI[MAX_R] = {q4_vnni<1>, q4_vnni<2>, q4_vnni<3>, q4_vnni<4>,
-                                        q4_vnni<5>, q4_vnni<6>, q4_vnni<7>, q4_vnni<8>};
+template <bool Q5>
+struct Q4Fns {  // Q4_K, Q5_K (Q5 = true)
+  static constexpr TileFn<Q4W> avx2[MAX_R] = {q4_avx2<1, Q5>, q4_avx2<2, Q5>, q4_avx2<3, Q5>, q4_avx2<4, Q5>,
+                                              q4_avx2<5, Q5>, q4_avx2<6, Q5>, q4_avx2<7, Q5>, q4_avx2<8, Q5>};
+  static constexpr TileFn<Q4W> vnni[MAX_R] = {q4_vnni<1, Q5>, q4_vnni<2, Q5>, q4_vnni<3, Q5>, q4_vnni<4, Q5>,
+                                              q4_vnni<5, Q5>, q4_vnni<6, Q5>, q4_vnni<7, Q5>, q4_vnni<8, Q5>};
+};
 constexpr TileFn<Q6W> Q6_AVX2[MAX_R] = {q6_avx2<1>, q6_avx2<2>, q6_avx2<3>, q6_avx2<4>,
                                         q6_avx2<5>, q6_avx2<6>, q6_avx2<7>, q6_avx2<8>};
 constexpr TileFn<Q6W> Q6_VNNI[MAX_R] = {q6_vnni<1>, q6_vnni<2>, q6_vnni<3>, q6_vnni<4>,
                                         q6_vnni<5>, q6_vnni<6>, q6_vnni<7>, q6_vnni<8>};
+
+template <int KIND>
+struct B32Fns {
+  static constexpr TileFn<B32W> avx2[MAX_R] = {b32_avx2<1, KIND>, b32_avx2<2, KIND>, b32_avx2<3, KIND>, b32_avx2<4, KIND>,
+                                               b32_avx2<5, KIND>, b32_avx2<6, KIND>, b32_avx2<7, KIND>, b32_avx2<8, KIND>};
+  static constexpr TileFn<B32W> vnni[MAX_R] = {b32_vnni<1, KIND>, b32_vnni<2, KIND>, b32_vnni<3, KIND>, b32_vnni<4, KIND>,
+                                               b32_vnni<5, KIND>, b32_vnni<6, KIND>, b32_vnni<7, KIND>, b32_vnni<8, KIND>};
+};
 
 // Tiles of 16 columns split across threads; within a tile, rows in groups of MAX_R (a row's float sum runs over the
 // blocks in the same order whatever group it is in). Lane i of a row's accumulator is column i: written out directly
@@ -416,9 +621,25 @@ torch::Tensor q4k_matmul(torch::Tensor acts, torch::Tensor qs, torch::Tensor sm,
   check_blocks(qs, T * B, 2048, "qs", at::kByte);
   check_blocks(sm, T * B, 256, "sm", at::kByte);
   check_blocks(dd, T * B, 32, "dd", at::kHalf);
-  const Q4W w{qs.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr()), B};
+  const Q4W w{qs.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr()), B,
+              nullptr};
   auto y = torch::empty({M, N}, acts.options().dtype(at::kFloat));
-  run_tiles(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? Q4_VNNI : Q4_AVX2);
+  run_tiles(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? Q4Fns<false>::vnni : Q4Fns<false>::avx2);
+  return y;
+}
+
+torch::Tensor q5k_matmul(torch::Tensor acts, torch::Tensor qs, torch::Tensor qh, torch::Tensor sm, torch::Tensor dd,
+                         int64_t N, int64_t isa) {
+  const Rec* a = check_act(acts);
+  const int64_t M = acts.size(0), B = acts.size(1), T = (N + TILE - 1) / TILE;
+  check_blocks(qs, T * B, 2048, "qs", at::kByte);
+  check_blocks(qh, T * B, 512, "qh", at::kByte);
+  check_blocks(sm, T * B, 256, "sm", at::kByte);
+  check_blocks(dd, T * B, 32, "dd", at::kHalf);
+  const Q4W w{qs.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr()), B,
+              qh.data_ptr<uint8_t>()};
+  auto y = torch::empty({M, N}, acts.options().dtype(at::kFloat));
+  run_tiles(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? Q4Fns<true>::vnni : Q4Fns<true>::avx2);
   return y;
 }
 
@@ -437,11 +658,45 @@ torch::Tensor q6k_matmul(torch::Tensor acts, torch::Tensor ql, torch::Tensor qh,
   return y;
 }
 
+// the 32-block types: qs (T B, qs bytes) u8, d (T B, 128 or 256) f16
+template <int KIND>
+torch::Tensor b32_matmul(torch::Tensor acts, torch::Tensor qs, torch::Tensor wd, int64_t N, int64_t isa) {
+  const Rec* a = check_act(acts);
+  const int64_t M = acts.size(0), B = acts.size(1), T = (N + TILE - 1) / TILE;
+  check_blocks(qs, T * B, qs_bytes<KIND>(), "qs", at::kByte);
+  check_blocks(wd, T * B, d_halves<KIND>(), "d", at::kHalf);
+  const B32W w{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(wd.data_ptr()), B, nullptr};
+  auto y = torch::empty({M, N}, acts.options().dtype(at::kFloat));
+  run_tiles(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? B32Fns<KIND>::vnni : B32Fns<KIND>::avx2);
+  return y;
+}
+
+// Q5_0, Q5_1: qs (T B, 2048) u8, qh (T B, 512) u8, d (T B, 128 or 256) f16
+template <int KIND>
+torch::Tensor b32h_matmul(torch::Tensor acts, torch::Tensor qs, torch::Tensor qh, torch::Tensor wd, int64_t N,
+                          int64_t isa) {
+  const Rec* a = check_act(acts);
+  const int64_t M = acts.size(0), B = acts.size(1), T = (N + TILE - 1) / TILE;
+  check_blocks(qs, T * B, qs_bytes<KIND>(), "qs", at::kByte);
+  check_blocks(qh, T * B, 512, "qh", at::kByte);
+  check_blocks(wd, T * B, d_halves<KIND>(), "d", at::kHalf);
+  const B32W w{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(wd.data_ptr()), B, qh.data_ptr<uint8_t>()};
+  auto y = torch::empty({M, N}, acts.options().dtype(at::kFloat));
+  run_tiles(a, w, y.data_ptr<float>(), M, N, use_vnni(isa) ? B32Fns<KIND>::vnni : B32Fns<KIND>::avx2);
+  return y;
+}
+
 bool has_vnni() { return cpu_has_vnni(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quantize_q8k", &quantize_q8k, "x (M, K) f32 -> Q8_K activation records (M, K / 256, 384) u8");
+  m.def("quantize_q8k", &quantize_q8k, "x (M, K) f32 -> activation records (M, K / 256, 704) u8 (Q8_K and per-32 quants)");
   m.def("q4k_matmul", &q4k_matmul, "Q8_K activations x repacked Q4_K weights^T -> (M, N) f32");
   m.def("q6k_matmul", &q6k_matmul, "Q8_K activations x repacked Q6_K weights^T -> (M, N) f32");
+  m.def("q8_0_matmul", &b32_matmul<K_Q8_0>, "activations x repacked Q8_0 weights^T -> (M, N) f32");
+  m.def("q4_0_matmul", &b32_matmul<K_Q4_0>, "activations x repacked Q4_0 weights^T -> (M, N) f32");
+  m.def("q4_1_matmul", &b32_matmul<K_Q4_1>, "activations x repacked Q4_1 weights^T -> (M, N) f32");
+  m.def("q5k_matmul", &q5k_matmul, "Q8_K activations x repacked Q5_K weights^T -> (M, N) f32");
+  m.def("q5_0_matmul", &b32h_matmul<K_Q5_0>, "activations x repacked Q5_0 weights^T -> (M, N) f32");
+  m.def("q5_1_matmul", &b32h_matmul<K_Q5_1>, "activations x repacked Q5_1 weights^T -> (M, N) f32");
   m.def("has_vnni", &has_vnni, "whether this CPU runs the AVX-512 VNNI path");
 }

@@ -23,10 +23,11 @@ the next feed overwrites. Weights are repacked once per GGUF file (~1-3 min for 
 under ~/.cache/osd/q4 (memory-mapped on later loads); norms and biases are float32.
 
 Limitations: the families of models/architectures.py only (qwen2, llama, qwen3, gemma3: any other is refused with
-its name; no YaRN/LongRoPE scaling, partial RoPE or logit softcapping); matrices must be Q4_K or Q6_K (a
-Q4_K_M/Q4_K_S/Q6_K file; an error names any other type); the runner's own cache holds one sequence (models/slots.py
-Q4Slots runs several, one pass over the weights for all their rows: `forward_rows`); CPU with AVX2; a float32 KV
-cache of the whole context window is reserved (touched as it fills: ~235 MB at 4096 tokens; a sliding layer's too).
+its name; no YaRN/LongRoPE scaling, partial RoPE or logit softcapping); matrices must be one of q4.MATRIX_TYPES
+(Q4_K_M/S, Q5_K_M/S, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 files; an error names any other type and llama.cpp, nothing
+is converted); the runner's own cache holds one sequence (models/slots.py Q4Slots runs several, one pass over the
+weights for all their rows: `forward_rows`); CPU with AVX2; a float32 KV cache of the whole context window is
+reserved (touched as it fills: ~235 MB at 4096 tokens; a sliding layer's too).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import hashlib
 import os
 import sys
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,7 @@ from osd.models.runner import PositionCache
 from osd.models.tree_rows import TreeRows
 
 ARCHITECTURES = tuple(FAMILIES)  # general.architecture values this backend runs (models/architectures.py)
-MATRIX_TYPES = ("Q4_K", "Q6_K")
+MATRIX_TYPES = q4.MATRIX_TYPES  # Q4_K, Q6_K, Q8_0, ...: the types the kernel runs (never converted)
 LAYOUT_VERSION = 3  # bump when the cached repacked layout changes
 CACHE_MIN_BYTES = 64 << 20  # files at least this large keep their repacked weights on disk
 
@@ -223,7 +224,7 @@ class FusedLinear:
     One kernel call per run of adjacent matrices of one quant type (their GGUF rows concatenated before repacking).
     """
 
-    def __init__(self, weights: list[q4.Q4KWeight | q4.Q6KWeight]):
+    def __init__(self, weights: list[q4.Weight]):
         module, code = q4.kernel(), q4.ISAS[q4.resolve_isa()]
         self.weights = weights
         self.calls = [_bound(module, w, code) for w in weights]
@@ -236,21 +237,16 @@ class FusedLinear:
 
 
 def _bound(module, w, code):
-    if isinstance(w, q4.Q4KWeight):
-        return lambda records: module.q4k_matmul(records, w.qs, w.sm, w.dd, w.n, code)
-    return lambda records: module.q6k_matmul(records, w.ql, w.qh, w.sc, w.d, w.n, code)
+    fn, tensors = getattr(module, w.KERNEL), w.tensors()
+    return lambda records: fn(records, *tensors, w.n, code)
 
 
 def _weight_tensors(w) -> dict:
-    if isinstance(w, q4.Q4KWeight):
-        return {"type": "Q4_K", "n": w.n, "qs": w.qs, "sm": w.sm, "dd": w.dd}
-    return {"type": "Q6_K", "n": w.n, "ql": w.ql, "qh": w.qh, "sc": w.sc, "d": w.d}
+    return {"type": w.TYPE, "n": w.n, **{f.name: getattr(w, f.name) for f in fields(w)[1:]}}
 
 
 def _weight_from(d: dict):
-    if d["type"] == "Q4_K":
-        return q4.Q4KWeight(d["n"], d["qs"], d["sm"], d["dd"])
-    return q4.Q6KWeight(d["n"], d["ql"], d["qh"], d["sc"], d["d"])
+    return q4.WEIGHTS[d["type"]](**{k: v for k, v in d.items() if k != "type"})
 
 
 def matrix_names(layers: int, tied: bool) -> dict[str, list[str]]:
@@ -273,10 +269,9 @@ def check_matrices(tensors: dict, names: dict[str, list[str]]) -> None:
             raise InvalidArgument(f"the GGUF has no tensor {name!r}")
         kind = tensors[name].tensor_type.name
         if kind not in MATRIX_TYPES:
-            raise InvalidArgument(f"{name} is {kind}: the osd Q4 backend runs Q4_K and Q6_K matrices only "
-                                  "(a Q4_K_M file; use --target-backend llama.cpp for others)")
-        if tensors[name].shape[0] % q4.QK:
-            raise InvalidArgument(f"{name}: rows of {tensors[name].shape[0]} are not a multiple of {q4.QK}")
+            raise InvalidArgument(q4.unsupported(kind, name))
+        if tensors[name].shape[0] % q4.row_multiple(kind):
+            raise InvalidArgument(f"{name}: rows of {tensors[name].shape[0]} are not a multiple of {q4.row_multiple(kind)}")
 
 
 def repack_matrices(tensors: dict, names: dict[str, list[str]], row_order: dict | None = None) -> dict[str, list]:
