@@ -50,7 +50,7 @@ from osd.models.tree_rows import TreeRows
 
 ARCHITECTURES = tuple(FAMILIES)  # general.architecture values this backend runs (models/architectures.py)
 MATRIX_TYPES = q4.MATRIX_TYPES  # Q4_K, Q6_K, Q8_0, ...: the types the kernel runs (never converted)
-LAYOUT_VERSION = 3  # bump when the cached repacked layout changes
+LAYOUT_VERSION = 4  # bump when the cached repacked layout changes (4: the architecture table and the matrix types)
 CACHE_MIN_BYTES = 64 << 20  # files at least this large keep their repacked weights on disk
 
 _lock = threading.Lock()
