@@ -109,12 +109,12 @@ def test_target_costs_take_a_faster_timing_at_once_and_bound_fewer_rows_by_more(
     assert bounded_by_larger([(0, 3.0), (1, 1.0), (2, 2.0), (5, 1.5)]) == [(0, 1.0), (1, 1.0), (2, 1.5), (5, 1.5)]
 
 
-def test_the_readme_states_these_simulations():
-    """The README's simulated figures are this file's: alpha 0.40 under the current and the earlier policy, and the
+def test_the_design_page_states_these_simulations():
+    """docs/design.md's simulated figures are this file's: alpha 0.40 under the current and the earlier policy, and the
     stale-cost streams at alpha 0.35 / 0.40 with and without refreshes."""
     from pathlib import Path
 
-    flat = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    flat = " ".join((Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text().split())
     assert (f"alpha 0.40 realises ~{realised(0.4):.2f}x where the earlier, quicker-to-give-up policy realised "
             f"~{realised(0.4, ema=0.9, upper_z=0.0):.2f}x") in flat
     stale = list(T_TARGET)

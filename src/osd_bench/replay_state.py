@@ -54,7 +54,7 @@ def learner_state(learner) -> dict:
     return {"params": [p.detach().clone() for p in learner.params], "optimizer": learner.optimizer.state_dict(),
             "version": learner.version, "counters": dict(learner.counters), "rng": learner.rng.getstate(),
             "buffer": _buffer_state(learner.buffer), "guard_buffer": _buffer_state(learner.guard_buffer),
-            "history": list(learner.history), "last_update": learner.last_update,
+            "history": list(learner.history), "last_update": learner.last_update, "heldout": dict(learner.heldout),
             "versions": learner.versions.state_dict() if learner.versions is not None else None,
             "reservoir": learner.reservoir.state_dict() if learner.reservoir is not None else None,
             "average": learner.average.state_dict() if learner.average is not None else None}
@@ -71,6 +71,7 @@ def restore_learner(learner, state: dict) -> None:
     _restore_buffer(learner.buffer, state["buffer"])
     _restore_buffer(learner.guard_buffer, state["guard_buffer"])
     learner.history, learner.last_update = list(state["history"]), state["last_update"]
+    learner.heldout = dict(state.get("heldout", {}))  # the drift guard's last same-positions agreement
     if learner.versions is not None and state["versions"] is not None:
         learner.versions.load_state_dict(state["versions"])
     if learner.reservoir is not None and state.get("reservoir") is not None:  # after the buffers: nothing evicts later
@@ -80,7 +81,8 @@ def restore_learner(learner, state: dict) -> None:
 
 
 def _buffer_state(buffer: ReplayBuffer) -> dict:
-    return {"items": buffer.snapshot(), "added": buffer.added, "evicted": buffer.evicted}
+    return {"items": buffer.snapshot(), "added": buffer.added, "evicted": buffer.evicted,
+            "evicted_unused": buffer.evicted_unused}
 
 
 def _restore_buffer(buffer: ReplayBuffer, state: dict) -> None:
@@ -89,3 +91,4 @@ def _restore_buffer(buffer: ReplayBuffer, state: dict) -> None:
     for item in state["items"]:
         buffer.add(item)
     buffer.added, buffer.evicted = state["added"], state["evicted"]
+    buffer.evicted_unused = state.get("evicted_unused", 0)

@@ -173,7 +173,7 @@ class WarmingLearner(FakeLearner):
 @pytest.mark.parametrize("first_after, max_rounds, rounds", [(3, 50, 3), (100, 2, 2)])
 def test_warm_up_waits_for_the_learners_first_update(first_after, max_rounds, rounds):
     learner = WarmingLearner(first_after)
-    with tiny_server(learner=learner) as served:
+    with tiny_server(learner=learner, stats_interval=0) as served:  # no stats line: only /metrics reads the learner
         cases = [c for c in build_cases(MODEL, PROMPTS[:1], max_tokens=4, context=served.engine.context_window,
                                         max_body_bytes=1_000_000, api_key=None) if c.valid][:2]
         config = SoakConfig(clients=2, seconds=0.0, min_requests=len(cases), warmup_rounds=1, warmup_max_rounds=max_rounds)
