@@ -1,1 +1,0 @@
-"""Offline distillation: the target-output cache, sample sources, the trainer, acceptance evaluation."""

@@ -1,1 +1,0 @@
-"""Learning the draft: distillation losses (pure), compact target distributions, replay buffer, trainers."""

@@ -1,1 +1,0 @@
-"""Many requests at once: the step loop over sequences (schedule -> propose -> verify -> commit -> observe)."""
