@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from osd_bench.synth_gguf import byte_tokens as _byte_tokens  # GPT-2's byte map, one copy
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2  # K-quants need rows of a multiple of 256
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -17,17 +18,6 @@ VOCAB = 256 + len(SPECIALS)
 EOS = 256 + 2  # <|im_end|>
 
 
-def _byte_tokens() -> list[str]:
-    """GPT-2's byte -> printable character map: the 256 byte tokens of a byte-level BPE vocabulary."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, n = printable[:], 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    by_byte = dict(zip(printable, chars))
-    return [chr(by_byte[b]) for b in range(256)]
 
 
 def tiny_torch_model(seed: int):
