@@ -3,6 +3,7 @@ an idle server logs nothing, and a running server logs it."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import httpx
@@ -95,3 +96,23 @@ def test_no_line_with_stats_interval_zero(caplog):
         with httpx.Client(base_url=served.url, timeout=60) as http:
             http.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0})
     assert not [r for r in caplog.records if r.name == "osd.stats"]
+
+
+def test_with_a_learner_the_line_says_what_learning_has_done_per_draft_version(caplog):
+    """The learning figure: the serving draft's version, acceptance and tokens per step (issue 62), from the same
+    per-version counters /metrics reads."""
+    from serve_testing import MODEL, FakeLearner, tiny_server
+
+    with caplog.at_level(logging.INFO, logger="osd.stats"), \
+            tiny_server(k=3, stats_interval=0.2, learner=FakeLearner()) as served:
+        with httpx.Client(base_url=served.url, timeout=60) as http:
+            body = {"model": MODEL, "prompt": "abc", "max_tokens": 24, "temperature": 0}
+            assert http.post("/v1/completions", json=body).status_code == 200
+        deadline = time.monotonic() + 10
+        learning = lambda: [r.getMessage() for r in caplog.records if r.name == "osd.stats" and "| learning" in r.getMessage()]
+        while not learning() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        counters = served.engine.metrics.counters()
+    assert learning(), "no stats line with the learning figure"
+    (draft, version), = counters  # one draft, one version served
+    assert re.search(rf"\| learning {draft} v{version} acc \d\.\d\d tok/step \d\.\d\d", learning()[-1]), learning()[-1]

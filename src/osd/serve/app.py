@@ -38,7 +38,7 @@ from osd.serve import errors
 from osd.serve.chat_template import with_chat_template
 from osd.serve.errors import BadJSON, NoLearner, Unauthorized
 from osd.serve.middleware import BodyLimit, CountRequests
-from osd.serve.prom import CONTENT_TYPE, ServeMetrics
+from osd.serve.prom import CONTENT_TYPE, ServeMetrics, learning_effect, learning_summary
 from osd.serve.schemas import ChatCompletionRequest, CompletionRequest, LearnerControl
 from osd.serve.settings import ServeSettings
 from osd.serve.stats_line import StatsLine, read_engine
@@ -82,6 +82,16 @@ class Lifecycle:
             self.learner.stop()
 
 
+def learning_extra(engine):
+    """The stats line's "learning" figure: the serving draft's acceptance and tokens per step, newest version against
+    the first (serve/prom.py learning_effect), while a learner runs."""
+    def extra() -> dict:
+        summary = learning_summary(learning_effect(engine.metrics.counters()))
+        return {"learning": summary} if summary else {}  # nothing drafted yet: no figure
+
+    return extra
+
+
 def create_app(engine, tokenizer, model_name: str, learner=None, settings: ServeSettings | None = None,
                routing=None, worker_thread: bool = True, pool=None) -> FastAPI:
     """routing: several drafts and their router (route/system.py), or None (the engine's one proposer).
@@ -107,8 +117,8 @@ def create_app(engine, tokenizer, model_name: str, learner=None, settings: Serve
         metrics.registry.register(RouteCollector(routing))
     lifecycle = Lifecycle(worker, learner, routing)
     # the periodic "running | queued | tok/s | acceptance | ..." line (serve/stats_line.py); not over replicas yet
-    stats_line = StatsLine(lambda: read_engine(engine, worker, learner, drafts), settings.stats_interval) \
-        if pool is None else None
+    stats_line = StatsLine(lambda: read_engine(engine, worker, learner, drafts), settings.stats_interval,
+                           extras=(learning_extra(engine),) if learner is not None else ()) if pool is None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
