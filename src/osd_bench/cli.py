@@ -416,7 +416,8 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--port", type=int, default=8791)
     p.add_argument("--arms", nargs="+", default=["llama-server", "osd", "osd-learning", "osd-target-only"],
-                   choices=["llama-server", "llama-server-native", "osd", "osd-learning", "osd-target-only"],
+                   choices=["llama-server", "llama-server-native", "osd", "osd-learning", "osd-target-only", "osd-avx2",
+                            "osd-target-only-avx2"],
                    help="llama-server: built with the portable AVX2 flags of llama-cpp-python's wheel; "
                         "llama-server-native: built for this CPU (-DGGML_NATIVE=ON, AVX-512 where it has it), as "
                         "llama.cpp builds by default; both once per machine, cached")

@@ -33,7 +33,12 @@ OSD_ARMS = {  # arm -> extra `osd serve` flags
     "osd": ["--no-learn"],
     "osd-learning": ["--learn"],
     "osd-target-only": ["--no-learn", "--k", "0"],
+    "osd-avx2": ["--no-learn"],
+    "osd-target-only-avx2": ["--no-learn", "--k", "0"],
 }
+# arm -> environment: the `-avx2` arms force osd's kernel onto its AVX2 path (what AVX2-only CPUs run; bitwise the
+# same results), to set beside llama-server's portable build on a machine that has AVX-512
+OSD_ARM_ENV = {"osd-avx2": {"OSD_Q4_ISA": "avx2"}, "osd-target-only-avx2": {"OSD_Q4_ISA": "avx2"}}
 LLAMA_ARMS = {"llama-server": "portable", "llama-server-native": "native"}  # arm -> its build (llama_server.py)
 REFERENCE_ARM = "osd-target-only"
 
@@ -231,7 +236,9 @@ def run_compare(config: CompareConfig) -> dict:
         else:
             shutil.rmtree(config.logs / f"ckpt-{arm}", ignore_errors=True)  # every learning arm starts fresh
             command = osd_command(arm, config)
-        print(f"[serve-vs] {arm}: {' '.join(command)}", flush=True)
+            env = dict(os.environ, **OSD_ARM_ENV[arm]) if arm in OSD_ARM_ENV else None
+        print(f"[serve-vs] {arm}: {' '.join(command)}{''.join(f' ({k}={v})' for k, v in OSD_ARM_ENV.get(arm, {}).items())}",
+              flush=True)
         log = config.logs / f"{arm}.log"
         try:
             with running(command, url, log, env) as process:
@@ -242,7 +249,8 @@ def run_compare(config: CompareConfig) -> dict:
                            "log_tail": log_tail(log)})
             print(f"[serve-vs] {arm} did not start: {e}; its log: {log}", flush=True)
             continue
-        build = {"llama_build": LLAMA_ARMS[arm], "llama_features": build_features(binary)} if arm in LLAMA_ARMS else {}
+        build = {"llama_build": LLAMA_ARMS[arm], "llama_features": build_features(binary)} if arm in LLAMA_ARMS else \
+            {"osd_env": OSD_ARM_ENV[arm]} if arm in OSD_ARM_ENV else {}
         for r in arm_records:
             r["server"], r["command"] = arm, " ".join(command)
             r.update(build)

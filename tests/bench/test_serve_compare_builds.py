@@ -152,3 +152,33 @@ def test_prefill_and_build_lines_name_each_build():
     assert "2.40x llama-server," in osd_line + "," and "1.20x llama-server-native" in osd_line
     assert "2.00x llama-server" in next(line for line in prefill_lines(result) if "native`" in line)
     assert build_lines(result) == ["- `llama-server-native` (native build): AVX512 = 1"]
+
+
+def test_the_avx2_arms_run_osd_with_its_kernel_forced_onto_avx2_and_say_so(monkeypatch, tmp_path):
+    """What an AVX2-only CPU runs, measured on a machine with AVX-512: the same `osd serve` flags as their plain arms,
+    OSD_Q4_ISA=avx2 in their environment only, recorded beside the numbers; greedy answers checked against the
+    reference arm like any osd arm's."""
+    started = []
+
+    class Recording(FakeRunning):
+        def __init__(self, command, url, log_path, env):
+            started.append((command, env))
+
+    async def fake_measure(server, learning, url, pid, config):
+        return [{"concurrency": 1, "aggregate_tokens_per_s": 10.0}], {1: ["same"]}, None
+
+    monkeypatch.setattr(serve_compare, "running", Recording)
+    monkeypatch.setattr(serve_compare, "measure_server", fake_measure)
+    config = serve_compare.CompareConfig(Path("m.gguf"), ["w", "p"], levels=(1,), per_level=1,
+                                         arms=("osd-target-only", "osd-target-only-avx2", "osd-avx2"),
+                                         logs=tmp_path / "logs")
+    result = serve_compare.run_compare(config)
+    (plain_cmd, plain_env), (avx2_cmd, avx2_env), (spec_cmd, spec_env) = started
+    assert plain_env is None and avx2_env["OSD_Q4_ISA"] == "avx2" and spec_env["OSD_Q4_ISA"] == "avx2"
+    assert [a for a in avx2_cmd if a != avx2_cmd[avx2_cmd.index("--checkpoint-dir") + 1]] == \
+        [a for a in plain_cmd if a != plain_cmd[plain_cmd.index("--checkpoint-dir") + 1]]
+    assert "--k" not in spec_cmd
+    by_server = {r["server"]: r for r in result["records"]}
+    assert by_server["osd-target-only-avx2"]["osd_env"] == {"OSD_Q4_ISA": "avx2"}
+    assert "osd_env" not in by_server["osd-target-only"]
+    assert result["identity"]["osd-target-only-avx2"]["1"]["same"] == 1

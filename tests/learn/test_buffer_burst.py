@@ -89,3 +89,15 @@ def test_interleaved_steps_of_batched_requests_merge_per_request():
     items = buffer.snapshot()
     assert sorted(it.request_id for it in items) == ["a", "b", "c"] and len(buffer) == 4 * 3 * 3
     assert all(len(it.positions) == 12 for it in items)
+
+
+def test_a_busy_servers_learner_gets_a_sample_from_every_step_even_where_nothing_was_proposed():
+    """Under load the goodput policy often picks k = 0 (a live code run at 0.8 of capacity: mean k 0.2-0.7); the
+    serving recipe learns from those steps' one verified position too, or a busy server's draft would get almost no
+    data (the "mismatch" mode sees nothing at a step without a rejection)."""
+    g = torch.Generator().manual_seed(0)
+    k0 = StepRecord("r", ("draft", 0), [3, 4, 5], [], 0, 7, torch.randn(1, 48, generator=g), None, [], 0.0, 0.0, 0.0)
+    serving = LearnConfig.serving()
+    item = item_from_step(k0, serving.mode, serving.top_k)
+    assert item is not None and item.positions == [3] and item.target.ids.shape[0] == 1
+    assert item_from_step(k0, "mismatch", serving.top_k) is None

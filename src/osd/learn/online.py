@@ -140,8 +140,16 @@ class LearnConfig:
         what learning costs there on top of observing. Under the old idle-window rule 0.05 let a 75 s load at 8
         clients take 0 optimizer steps (benchmarks/scale/bench-scale-noray-48-steps.json); 0.1 runs an update (~90
         chunks) in ~15 s of learner time, so a busy server publishes within tens of requests. Idle windows are not
-        limited by it."""
+        limited by it.
+        mode all, lr 1e-4, train_layers 1, 4 steps every 4 requests: the evidence replays' recipe (docs/learning.md:
+        every output position, lr 1e-4, one optimizer step per request), cheaper. On 100 code requests
+        (benchmarks/learning/layers-code100-tl{1,2}.json, 96 steps each) training the last layer only reached
+        held-out acceptance 0.466 against 0.472 for both of the cheap draft's layers (control 0.288), in 90 s of
+        training against 184 s; 4-step updates publish after half the learner time of 8-step ones, which a busy
+        server's share needs (the dataclass defaults, mismatch positions, 4 layers, 1e-5, 8 steps, published nothing
+        within 100 requests at 0.8 of capacity: benchmarks/live/bench-live-code100-load08.json before this)."""
         return cls(**{"schedule": "background", "busy_share": 0.1, "checkpoint_dir": "runs/draft-checkpoint",
+                      "mode": "all", "lr": 1e-4, "train_layers": 1, "every_requests": 4, "steps_per_update": 4,
                       **overrides})
 
     def __post_init__(self):

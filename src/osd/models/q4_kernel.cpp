@@ -179,7 +179,7 @@ VNNI_TARGET inline __m512i bit_to_4(__m512i h, int v) {
 
 template <int R, bool Q5>
 void q4_avx2(const Rec* a, const Q4W& w, float* accs, int64_t t, int64_t r0) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10);
   const int64_t B = w.B;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t tb = t * B + b;
@@ -202,12 +202,18 @@ void q4_avx2(const Rec* a, const Q4W& w, float* accs, int64_t t, int64_t r0) {
           const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qh + tb * 512 + 64 * l + 32 * half));
           for (int v = 0; v < 8; ++v) wv[v] = _mm256_or_si256(wv[v], _mm256_and_si256(bit_to_4(hb, v), m10));
         }
+        // each column's 6-bit scale in both int16 halves of its lane: madd(s16, sc16) = (lo + hi) sc, the same
+        // integer as summing the pairs first and multiplying (no mullo: its 10-cycle latency bound this loop)
         const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 16 * l + 8 * half)));
-        for (int r = 0; r < R; ++r) {  // |int16 pair| <= 2*15*128 < 2^15
-          __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(yq[r][l])), ones);
-          for (int v = 1; v < 8; ++v)
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[v], _mm256_set1_epi32(yq[r][8 * v + l])), ones));
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(s, sc));
+        const __m256i sc16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+        constexpr int G = Q5 ? 4 : 8;  // maddubs results summed in int16: |G * 2 * wmax * 128| < 2^15 (wmax 31 / 15)
+        for (int r = 0; r < R; ++r) {
+          for (int g = 0; g < 8; g += G) {
+            __m256i s = _mm256_maddubs_epi16(wv[g], _mm256_set1_epi32(yq[r][8 * g + l]));
+            for (int v = g + 1; v < g + G; ++v)
+              s = _mm256_add_epi16(s, _mm256_maddubs_epi16(wv[v], _mm256_set1_epi32(yq[r][8 * v + l])));
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s, sc16));
+          }
         }
       }
       __m256i mn[4];
