@@ -76,6 +76,7 @@ class SpeculativeEngine:
         self.turns = Turns()  # the cores: a step, or a background learner's chunk, never both (schedule/turns.py)
         self.scheduler = Scheduler(self, self.spec.prefill_rows)
         self.lock = threading.Lock()  # one driver of the scheduler at a time (generate, or the server's worker)
+        self.queued: Callable[[], int] = lambda: 0  # requests waiting for a place in the scheduler (the server's Worker)
 
     def generate(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str | None = None,
                  on_text: Callable[[str], None] | None = None) -> GenerationResult:
@@ -97,6 +98,11 @@ class SpeculativeEngine:
     def busy(self) -> bool:
         """True while a request is being decoded."""
         return self.lock.locked() or bool(self.scheduler.running)
+
+    def pressure(self) -> bool:
+        """True while a request waits for its first token: queued for a place, or its prompt still prefilling. (Read
+        from another thread without the lock: a heuristic for the learner's budget, learn/budget.py.)"""
+        return self.queued() > 0 or any(len(s.tokens) <= len(s.prompt) for s in list(self.scheduler.running))
 
     def set_adaptive(self, adaptive: bool) -> None:
         """Adaptive k on/off for every source (off: each step proposes k = spec.k, capped by the tokens left)."""

@@ -303,3 +303,39 @@ def test_the_background_learners_openmp_team_ends_with_each_update(target_model,
         assert learner._thread.is_alive()
     finally:
         learner.stop()
+
+
+def test_no_chunk_starts_and_no_credit_is_earned_while_a_request_waits_for_its_first_token():
+    """Pressure (a request queued or prefilling: Engine.pressure) holds the learner back: the steps taken under it
+    earn nothing, so the learner does not take them back in a burst afterwards; once it ends, the share resumes."""
+    pressed = [True]
+    sched = BusyScheduler(0.2, step=0.1, pressure=lambda: pressed[0])
+    # on this thread: the learner polls (sleep runs steps) and must not start while pressed; stop it after 50 steps
+    stop_after = 50
+
+    def run_then_release(seconds):
+        BusyScheduler.run(sched, seconds)
+        if sched.events.count("step") >= stop_after:
+            pressed[0] = False
+
+    sched.budget.sleep = run_then_release
+    sched.chunk(0.1)
+    b = sched.budget
+    assert sched.events.index("chunk") >= stop_after  # nothing ran under pressure
+    assert b.pressed_seconds == pytest.approx(0.1 * stop_after) and b.busy_chunks == 1
+    assert b.stats()["serving_seconds_under_pressure"] == b.pressed_seconds
+    # the steps under pressure earned nothing: the first chunk waited for credit earned after it ended
+    assert b.busy_seconds <= b.rate() * (b.serving_seconds - b.pressed_seconds) + 0.1 + 1e-9
+
+
+def test_the_engine_is_under_pressure_while_a_request_is_queued_or_has_no_token_yet(target_model, tokenizer):
+    engine, _ = make_engine(target_model, tiny_qwen2(seed=1, layers=1), tokenizer, k=2)
+    assert not engine.pressure()
+    engine.queued = lambda: 2
+    assert engine.pressure()
+    engine.queued = lambda: 0
+    seq = engine.scheduler.add([5, 6, 7, 8], SamplingConfig(max_new_tokens=4))
+    assert engine.pressure()  # admitted, not one token yet
+    while not seq.stopper.token_ids:
+        engine.scheduler.step()
+    assert not engine.pressure() or not engine.scheduler.running

@@ -164,3 +164,38 @@ def test_background_update_exceptions_are_counted_apart_and_serving_goes_on(targ
     finally:
         checked.set()
         learner.stop()
+
+
+def test_a_serving_learner_checkpoints_at_most_once_a_minute_and_always_when_it_stops(tmp_path):
+    """A 4-step update every few requests wrote ~240 MB (the trained layer, its moments, the average) beside serving
+    each time; with checkpoint_every_seconds an update within the minute is counted as deferred, not written, and
+    stop() writes the last state, so a restart resumes the newest version."""
+    import json
+
+    from test_buffer_burst import PUBLISH, _items
+
+    now = [0.0]
+    ckpt = tmp_path / "ckpt"
+    config = LearnConfig(guard=False, every_requests=0, batch_size=2, steps_per_update=1, lr=1e-2, train_layers=0,
+                         rehearsal=0.0, checkpoint_dir=str(ckpt), checkpoint_every_seconds=60.0)
+    versions = iter(range(1, 100))
+    learner = OnlineLearner(tiny_qwen2(seed=1, layers=1), lambda m, version=None: SimpleNamespace(version=next(versions)),
+                            config, clock=lambda: now[0])
+    saved_version = lambda: json.loads((ckpt / "state.json").read_text())["version"]
+    for item in _items(6):
+        learner.observe_item(item)
+    learner.update()
+    assert saved_version() == 1  # the first update is written
+    now[0] = 30.0
+    learner.update()
+    assert learner.version == 2 and saved_version() == 1 and learner.counters["checkpoints_deferred"] == 1
+    now[0] = 61.0
+    learner.update()
+    assert saved_version() == 3
+    now[0] = 62.0
+    learner.update()
+    assert saved_version() == 3
+    learner.stop()
+    assert saved_version() == 4
+    every_update = LearnConfig(guard=False, checkpoint_dir=str(tmp_path / "b"))
+    assert every_update.checkpoint_every_seconds == 0.0 and LearnConfig.serving().checkpoint_every_seconds == 60.0

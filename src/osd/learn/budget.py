@@ -17,6 +17,10 @@ benchmarks/bench-scale-noray-48-steps.json).
 A chunk starts while requests decode only when
   - the credit covers the chunk's expected cost (the mean of the measured chunks), and
   - a serving step has run since the last chunk (idle or not): a scheduler step waits for one chunk at most.
+Under pressure (`pressure()`: a request waits for its first token, queued or prefilling: Engine.pressure) no chunk
+starts while requests decode and no credit is earned: the learner's share comes out of the time the server has to
+spare, never out of a waiting request's first token (a chat stream at 0.5 of capacity with the share taken
+regardless: TTFT p50 1.2 s -> 3-5 s as the queue grew, benchmarks/live/bench-live-chat300-load05-no-backoff.json).
 Credit is capped at `burst` (at least two expected chunks): a learner with nothing to do does not hoard a long busy
 stretch's share and then hold the cores for it. Idle (no request decoding) a chunk starts at once and is not
 charged: idle time is free; a request that arrives meanwhile waits for that one chunk.
@@ -39,10 +43,10 @@ from osd.errors import InvalidArgument
 class LearnBudget:
     def __init__(self, share: float, busy, clock=time.monotonic, sleep=None, poll: float = 0.005,
                  max_poll: float = 0.1, stop: threading.Event | None = None, max_chunk: float = 0.25,
-                 burst: float = 0.5):
+                 burst: float = 0.5, pressure=lambda: False):
         if not 0.0 < share <= 1.0:
             raise InvalidArgument(f"busy_share must be in (0, 1], got {share}")
-        self.share, self.busy, self.clock = share, busy, clock
+        self.share, self.busy, self.clock, self.pressure = share, busy, clock, pressure
         self.poll, self.max_poll = poll, max(poll, max_poll)
         self.max_chunk, self.burst = max_chunk, burst
         self.stop = stop or threading.Event()
@@ -56,6 +60,7 @@ class LearnBudget:
         self._turns = None
         # counters: seconds and chunks (monotonic)
         self.serving_seconds = 0.0  # serving steps reported (or busy wall time earned, without Turns)
+        self.pressed_seconds = 0.0  # ... of which under pressure (a request waiting for its first token): no credit
         self.busy_seconds = self.idle_seconds = 0.0  # learner chunks under load (charged) / while idle (free)
         self.busy_chunks = self.idle_chunks = self.over_limit = 0
         self.waited_total = 0.0  # seconds spent waiting for a chunk's turn
@@ -81,11 +86,15 @@ class LearnBudget:
 
     def served(self, seconds: float) -> None:
         """One serving step took `seconds` (called on the serving thread when it gives the cores back)."""
+        pressed = self.pressure()
         with self._lock:
             self.serving_seconds += seconds
             self.steps_since_chunk += 1
-            self._earn(seconds)
-            ready = self._may_start_busy()
+            if pressed:
+                self.pressed_seconds += seconds
+            else:
+                self._earn(seconds)
+            ready = not pressed and self._may_start_busy()
         if ready:
             self._ready.set()
 
@@ -111,12 +120,16 @@ class LearnBudget:
                 break
             now = self.clock()
             with self._lock:
+                pressed = self.pressure()
                 if self._turns is None:  # no step reports: busy wall time earns the credit
                     self.serving_seconds += now - last
                     self.steps_since_chunk += 1
-                    self._earn(now - last)
+                    if pressed:
+                        self.pressed_seconds += now - last
+                    else:
+                        self._earn(now - last)
                 last = now
-                if self._may_start_busy():
+                if not pressed and self._may_start_busy():
                     under_load = True
                     break
             self.sleep(delay)
@@ -157,7 +170,8 @@ class LearnBudget:
     def stats(self) -> dict:
         """Counters for the learner's stats (/metrics): its seconds under load and idle, serving's, its chunks."""
         return {"learner_busy_seconds": self.busy_seconds, "learner_idle_seconds": self.idle_seconds,
-                "serving_seconds": self.serving_seconds, "chunks_under_load": self.busy_chunks,
+                "serving_seconds": self.serving_seconds, "serving_seconds_under_pressure": self.pressed_seconds,
+                "chunks_under_load": self.busy_chunks,
                 "chunks_idle": self.idle_chunks, "chunks_over_limit": self.over_limit,
                 "idle_wait_seconds": self.waited_total, "chunk_seconds_max": self.longest,
                 "busy_share_measured": self.busy_seconds / (self.busy_seconds + self.serving_seconds)

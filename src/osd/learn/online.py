@@ -131,6 +131,9 @@ class LearnConfig:
         "the last step's weights serve"))
     checkpoint_dir: str = option("", "directory where the learner saves its draft and state, and resumes from on "
                                  "restart; none = no checkpoints")
+    checkpoint_every_seconds: float = option(0.0, (
+        "write a checkpoint after an update only if the last one is at least this old (a rollback or reset by the "
+        "drift guard is always written, and so is the last state when the learner stops); 0 = after every update"))
     seed: int = option(0, "seed of the learner's sampling of batches")
 
     @classmethod
@@ -147,10 +150,12 @@ class LearnConfig:
         held-out acceptance 0.466 against 0.472 for both of the cheap draft's layers (control 0.288), in 90 s of
         training against 184 s; 4-step updates publish after half the learner time of 8-step ones, which a busy
         server's share needs (the dataclass defaults, mismatch positions, 4 layers, 1e-5, 8 steps, published nothing
-        within 100 requests at 0.8 of capacity: benchmarks/live/bench-live-code100-load08.json before this)."""
+        within 100 requests at 0.8 of capacity: benchmarks/live/bench-live-code100-load08.json before this).
+        checkpoint_every_seconds 60: a checkpoint (the trained layer, its Adam moments and the average: ~240 MB for
+        the cheap draft, fsynced) after every 4-step update wrote that much every few requests beside serving."""
         return cls(**{"schedule": "background", "busy_share": 0.1, "checkpoint_dir": "runs/draft-checkpoint",
-                      "mode": "all", "lr": 1e-4, "train_layers": 1, "every_requests": 4, "steps_per_update": 4,
-                      **overrides})
+                      "checkpoint_every_seconds": 60.0, "mode": "all", "lr": 1e-4, "train_layers": 1,
+                      "every_requests": 4, "steps_per_update": 4, **overrides})
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -210,7 +215,9 @@ class OnlineLearner:
                          "update_errors": 0,  # exceptions inside updates (not guard rejections)
                          "steps_skipped_nonfinite": 0, "optimizer_steps": 0, "train_seconds": 0.0,
                          "rollbacks": 0, "resets": 0,  # drift guard: back to the best version / to the base
-                         "parked_seconds": 0.0}  # updates parked by pause() (train_seconds, their wall time, includes it)
+                         "parked_seconds": 0.0,  # updates parked by pause() (train_seconds, their wall time, includes it)
+                         "checkpoints_deferred": 0}  # updates not checkpointed: the last checkpoint was too recent
+        self._saved_at: float | None = None  # when the last checkpoint was written (clock)
         self.last_update: dict = {}
         self.heldout: dict = {}  # the drift guard's latest same-positions comparison: serving draft vs the base
         self.history: list[dict] = []  # one summary per update (bounded)
@@ -256,6 +263,7 @@ class OnlineLearner:
         engine.request_observers.append(self.after_request)
         self.engine_busy = engine.busy
         self.idle.turns = getattr(engine, "turns", None)  # chunks between steps, never beside one
+        self.idle.pressure = getattr(engine, "pressure", lambda: False)  # none while a request waits to start
         return self
 
     # --- updating -------------------------------------------------------------------------------
@@ -342,13 +350,12 @@ class OnlineLearner:
             self.counters["updates_rejected"] += 1
             report["rejected_because"] = "no finite step" if not losses else "non-finite weights" if not finite else "guard"
             if self._stop_drift(holdout, before_correct, report):
-                self._checkpoint()
+                self._checkpoint(force=True)
             return report
         self._publish()
         self.counters["updates_published"] += 1
         report.update(published=True, version=self.version)
-        self._stop_drift(holdout, after_correct, report)
-        self._checkpoint()
+        self._checkpoint(force=self._stop_drift(holdout, after_correct, report))
         return report
 
     def _batch(self, train: list, older: list, share: float) -> list:
@@ -362,11 +369,17 @@ class OnlineLearner:
         recent = fresh_first(self.rng, train, cfg.batch_size - n_old)
         return recent + self.rng.sample(older, min(len(older), cfg.batch_size - len(recent)))
 
-    def _checkpoint(self) -> None:
-        """An update's checkpoint (where configured), written without the cores: serving goes on meanwhile."""
-        if self.config.checkpoint_dir:
-            self.idle.release()
-            self.save()
+    def _checkpoint(self, force: bool = False) -> None:
+        """An update's checkpoint (where configured and, unless `force`, the last one is checkpoint_every_seconds
+        old), written without the cores: serving goes on meanwhile."""
+        cfg = self.config
+        if not cfg.checkpoint_dir:
+            return
+        if not force and self._saved_at is not None and self.clock() - self._saved_at < cfg.checkpoint_every_seconds:
+            self.counters["checkpoints_deferred"] += 1
+            return
+        self.idle.release()
+        self.save()
 
     def _stop_drift(self, holdout: list, serving: list[bool] | None, report: dict) -> bool:
         """The drift guard: the serving draft (`serving`: its correctness on `holdout`) against the never-trained
@@ -541,6 +554,7 @@ class OnlineLearner:
             state = {"version": self.version, "counters": self.counters, "config": asdict(self.config)}
             extra = {TRAJECTORY: self.average.state_dict()} if self.average is not None else None
             save_checkpoint(self.config.checkpoint_dir, self.master, self.optimizer, state, extra)
+            self._saved_at = self.clock()
 
     def resume(self) -> bool:
         """Load the last checkpoint (if any) and publish it at its saved version."""

@@ -67,6 +67,7 @@ class Worker:
         """max_queue: the most jobs waiting for a place in the scheduler (0 = no bound)."""
         self.engine, self.scheduler, self.own_thread, self.max_queue = engine, engine.scheduler, own_thread, max_queue
         self._queue: queue.Queue[Job | None] = queue.Queue()
+        engine.queued = self._queue.qsize  # what the learner's budget reads as requests waiting (Engine.pressure)
         self._thread: threading.Thread | None = None
         self._closing = False
         self._gate = threading.RLock()  # no job can slip in behind the stop sentinel
