@@ -136,8 +136,9 @@ class ModelConfig:
     draft_quantize: str = option("auto", (
         "the draft's serving copy, rebuilt at each publish from the master weights the learner trains: int8 linears "
         "(models/serving_draft.py; int8_vnni: activations int8 too), q4 = 4-bit on the target's Q4 kernel "
-        "(models/q4_draft.py), or auto = whichever of q4 and int8 times faster here for a Qwen2 draft the Q4 kernel "
-        "runs, else int8 (propose/copy_choice.py; on Intel the shipped draft's Q4 copy cost ~half its int8 one)"),
+        "(models/q4_draft.py), or auto = whichever of q4 and int8 times faster here for a draft the Q4 kernel runs "
+        "(qwen2, llama, qwen3, gemma3), else int8 (propose/copy_choice.py; on Intel the shipped draft's Q4 copy cost "
+        "~half its int8 one)"),
         choices=DRAFT_QUANTIZE)
     draft_vocab: int = option(0, "the draft proposes only among token ids < N (and special tokens); 0 = the whole "
                               "vocabulary")

@@ -91,9 +91,35 @@ def test_a_q4_replica_copy_from_shipped_blocks_equals_the_learners_q4_copy():
     assert torch.equal(_q4_logits(base, ids), before)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_a_q4_replica_of_another_family_gets_the_layers_qk_and_post_norms(arch):
+    """Qwen3's q/k norms and Gemma 3's post-attention / post-MLP norms are a layer's tensors too: an update of the
+    top layer ships them, and the replica computes bitwise what the learner's copy computes."""
+    require_q4()
+    from tests.models.tiny_arch_gguf import hf_model
+
+    master = hf_model(arch, seed=1)
+    base, _ = make_serving_draft(master, "q4")
+    configure_trainable(master, "no_embeddings", train_layers=1)
+    top = master.config.num_hidden_layers - 1
+    with torch.no_grad():  # an update of the top layer's norms only
+        for name, p in master.named_parameters():
+            if p.requires_grad and name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.2)
+    learned, _ = make_serving_draft(master, "q4")
+    arrays = serving_arrays(learned, changed_prefixes(master))
+    norms = ("q_norm", "k_norm") + (("attn_post_norm", "ffn_post_norm") if arch == "gemma3" else ())
+    assert {f"vectors.blk.{top}.{n}" for n in norms} <= set(arrays)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    replica = with_arrays(base, arrays)
+    assert torch.equal(_q4_logits(replica, ids), _q4_logits(learned, ids))
+    assert not torch.equal(_q4_logits(replica, ids), _q4_logits(base, ids))
+
+
 def test_q4_keys_map_changed_modules_to_the_copys_tensors():
     assert q4_keys(["model.layers.1.mlp.down_proj."], 2) == {f"blk.1.{n}" for n in (
-        "attn_norm", "ffn_norm", "qkv_bias", "qkv", "attn_output", "gate_up", "ffn_down")}
+        "attn_norm", "ffn_norm", "qkv_bias", "qkv", "attn_output", "gate_up", "ffn_down", "q_norm", "k_norm",
+        "attn_post_norm", "ffn_post_norm")}  # the last four where the family has them (Qwen3, Gemma 3)
     assert q4_keys(["model.norm.", "lm_head."], 2) == {"output_norm", "output"}
     assert q4_keys(["model.embed_tokens."], 2) == {"embd", "output"}  # a tied head is quantized from the table
     with pytest.raises(DraftLoadError, match="no place"):

@@ -176,12 +176,13 @@ def test_a_publish_requantizes_the_master_and_leaves_the_published_copy_alone(dr
 
 
 def test_an_unsupported_draft_is_refused_with_the_reason():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """(Every family's refusals: test_q4_draft_families.py.)"""
+    from transformers import Phi3Config, Phi3ForCausalLM
 
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2))
-    with pytest.raises(InvalidArgument, match="Qwen2 drafts only"):
-        q4_serving_copy(llama)
+    phi3 = Phi3ForCausalLM(Phi3Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, pad_token_id=0))
+    with pytest.raises(InvalidArgument, match="runs qwen2, llama, qwen3 and gemma3 drafts .*a 'phi3' model"):
+        q4_serving_copy(phi3)
     with pytest.raises(InvalidArgument, match="head dim 8"):
         q4_serving_copy(tiny_qwen2(seed=0, layers=1, hidden=32))
     with pytest.raises(InvalidArgument, match="draft_quantize must be one of"):

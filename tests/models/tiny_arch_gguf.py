@@ -55,16 +55,17 @@ def hf_config(arch: str):
     raise ValueError(arch)
 
 
-def hf_model(arch: str, seed: int):
+def hf_model(arch: str, seed: int, config=None):
     """A seeded tiny transformers model of the family, its norms perturbed (so that each one matters), an untied LM
     head times 8 (peaked outputs, as a trained model's). With a tied table, a random model's residual stream is mostly
     the input token's own embedding and greedy decoding repeats the last token: the Llama's table stays as drawn, and
     Gemma's post-attention/post-MLP norms are 8 (1 + w), so that the layers outweigh the sqrt(hidden)-scaled
-    embedding and greedy outputs vary (what the speculative tests need)."""
+    embedding and greedy outputs vary (what the speculative tests need). `config`: another config of the family
+    (hf_config(arch) changed) instead of hf_config(arch)."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch), attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(config or hf_config(arch), attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):  # gemma: 0 means 1 (1 + w); the others: 1 means 1
@@ -199,9 +200,13 @@ def write_arch_gguf(path: Path, arch: str, seed: int = 0, extra: dict | None = N
 
 
 def q8k_round_trip(x: torch.Tensor) -> torch.Tensor:
-    """x (..., K), K a multiple of 256 -> x rounded as llama.cpp's Q8_K activations (quantize_row_q8_K_ref, the osd
-    kernel's quantize_q8k): per 256-block, d = -x[i] / 127 for the first element i of largest magnitude, quants
-    round-half-even(x / d) capped at 127; back to d * q."""
+    """x (..., K) -> x rounded as llama.cpp's Q8_K activations (quantize_row_q8_K_ref, the osd kernel's quantize_q8k):
+    per 256-block, d = -x[i] / 127 for the first element i of largest magnitude, quants round-half-even(x / d) capped
+    at 127; back to d * q. A K that is not a multiple of 256 gets zero columns first and loses them after, as a draft
+    copy's runner pads its rows (q4_runner.padded)."""
+    pad = -x.shape[-1] % 256
+    if pad:
+        return q8k_round_trip(torch.nn.functional.pad(x.float(), (0, pad)))[..., : x.shape[-1]]
     blocks = x.float().reshape(-1, 256)
     first = blocks.abs().argmax(dim=1, keepdim=True)  # the first maximum, as ggml keeps it
     iscale = -127.0 / blocks.gather(1, first)

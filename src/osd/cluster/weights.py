@@ -20,6 +20,12 @@ from osd.errors import OsdError
 from osd.models.q4_draft import Q4Draft
 
 
+# a Q4 copy's tensors of one layer (q4_runner.Q4Weights; the q/k and post norms where the family has them: a key
+# naming a tensor the copy lacks selects nothing)
+LAYER_TENSORS = ("attn_norm", "ffn_norm", "qkv_bias", "qkv", "attn_output", "gate_up", "ffn_down", "q_norm", "k_norm",
+                 "attn_post_norm", "ffn_post_norm")
+
+
 class DraftLoadError(OsdError):
     """A published draft version does not fit this replica's draft (names, shapes, values): refused, not served."""
 
@@ -55,8 +61,7 @@ def q4_keys(prefixes: list[str], layers: int) -> set[str]:
         parts = prefix.split(".")
         if parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) < layers:
             i = parts[2]
-            keys |= {f"blk.{i}.{n}" for n in ("attn_norm", "ffn_norm", "qkv_bias", "qkv", "attn_output", "gate_up",
-                                               "ffn_down")}
+            keys |= {f"blk.{i}.{n}" for n in LAYER_TENSORS}
         elif prefix == "model.norm.":
             keys.add("output_norm")
         elif prefix == "lm_head.":

@@ -91,9 +91,13 @@ class ModelShape:
     rope_scale: float = 1.0  # linear RoPE scaling: positions divided by this (global layers)
     sliding_window: int = 0  # positions a sliding layer attends to (its own included); 0: none
     attention_scale: float = 0.0  # softmax(scale q k); 0: 1/sqrt(head_dim)
+    # per layer, whether it slides (within sliding_window); (): the family's pattern (architectures.sliding). A draft
+    # cut from some of a model's layers (models/derived.py) keeps each kept layer's own kind, which that pattern over
+    # the shorter stack would not give.
+    sliding_layers: tuple[bool, ...] = ()
 
 
-Qwen2Shape = ModelShape  # the name before other families (drafts build one from a Qwen2 config)
+Qwen2Shape = ModelShape  # the name before other families (a draft's copy builds one from its config: q4_draft.py)
 
 
 def _field(reader, key: str, default=None):
@@ -139,8 +143,9 @@ def read_shape(reader) -> ModelShape:
 
 
 def architecture_problem(config) -> str | None:
-    """None when a Hugging Face config describes the architecture the glue's Qwen2 forward runs (full attention, plain
-    RoPE, SiLU MLP), else why not (one line); the Q4 and int8 draft runners check their own widths after this."""
+    """None when a Hugging Face config describes the architecture the int8 glue runner's Qwen2 forward runs (full
+    attention, plain RoPE, SiLU MLP), else why not (one line); models/glue_draft.py checks its own widths after this.
+    (A draft's Q4 copy runs every family of models/architectures.py: models/q4_draft.py `qualifies`.)"""
     if getattr(config, "model_type", None) != "qwen2":
         return "not a Qwen2 model"
     if getattr(config, "use_sliding_window", False) or getattr(config, "rope_scaling", None):
@@ -477,7 +482,7 @@ class Q4Runner(PositionCache):
         local = rope_tables(self.context_window, s.head_dim, family.swa_rope_base) if s.sliding_window else None
         self.layers = []
         for i in range(s.layers):
-            slides = s.sliding_window > 0 and sliding(family, i)
+            slides = s.sliding_window > 0 and (s.sliding_layers[i] if s.sliding_layers else sliding(family, i))
             self.layers.append(Layer(
                 v[f"blk.{i}.attn_norm"], FusedLinear(m[f"blk.{i}.qkv"]), v[f"blk.{i}.qkv_bias"],
                 FusedLinear(m[f"blk.{i}.attn_output"]), v[f"blk.{i}.ffn_norm"], FusedLinear(m[f"blk.{i}.gate_up"]),

@@ -16,7 +16,8 @@
   osd_q4,osd_q4_vnni`, BENCHMARKS.md); refused on CPUs without VNNI.
 - q4: 4-bit (Q4_K matrices, a Q6_K LM head) on the target's own Q4 kernel, for a deep draft whose int8 copy moves more
   bytes a token than the Q4 target: models/q4_draft.py (the whole bundled 0.5B: c 0.39 against 1.16 for int8).
-- auto (the default): for a draft the Q4 kernel runs (`resolve_quantize`: a Qwen2, the kernel built here), q4 or
+- auto (the default): for a draft the Q4 kernel runs (`resolve_quantize`: a qwen2, llama, qwen3 or gemma3 text model
+  q4_draft.py qualifies, the kernel built here), q4 or
   int8, whichever times faster on this machine (propose/copy_choice.py); int8 for any other. Measured on the shipped
   cheap draft (Intel, `osd bench speed`, BENCHMARKS.md): its Q4 copy cost c 0.023 target tokens a token against
   0.051 for int8, for 0.004 less acceptance.
@@ -130,7 +131,8 @@ def quantize_int8(model, allow_fallback: bool = False, vnni: bool = False,
 
 def resolve_quantize(quantize: str, master) -> str:
     """The serving copy `quantize` names for this draft without timing anything: "auto" -> "q4" where the draft
-    qualifies for the Q4 copy (models/q4_draft.py: a Qwen2 whose head dim the glue takes) and the Q4 kernel builds
+    qualifies for the Q4 copy (models/q4_draft.py: a family the Q4 runner runs, a head dim the glue takes) and the
+    Q4 kernel builds
     here, else "int8"; any other value as given. (build_system resolves auto by timing both: propose/copy_choice.py.)"""
     if quantize != "auto":
         return quantize

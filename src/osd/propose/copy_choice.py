@@ -1,7 +1,8 @@
 """--draft-quantize auto: the draft's serving copy chosen by timing the candidates on this machine.
 
-A Qwen2 draft that osd's Q4 kernel runs has two fast serving copies (models/serving_draft.py): int8 on the glue runner
-and 4-bit on the Q4 kernel (models/q4_draft.py). Which one costs less a draft token depends on the draft and on the
+A draft that osd's Q4 kernel runs (models/q4_draft.py `qualifies`: qwen2, llama, qwen3, gemma3) has two fast serving
+copies (models/serving_draft.py): int8 (on the glue runner for a Qwen2, transformers' forward otherwise) and 4-bit on
+the Q4 kernel (models/q4_draft.py). Which one costs less a draft token depends on the draft and on the
 CPU: on the Intel machine the shipped cheap draft's Q4 copy cost c = 0.023 target tokens against 0.051 for int8, the
 whole bundled 0.5B's 0.39 against 1.16 (BENCHMARKS.md); the AMD machine has measured neither. So `auto` builds both
 at startup, times single-token forwards of each after the same prefix, interleaved round by round (a noisy neighbour
