@@ -175,6 +175,25 @@ def test_a_publish_requantizes_the_master_and_leaves_the_published_copy_alone(dr
     assert not torch.equal(after.runner().feed([3, 4, 5]), logits)
 
 
+def test_a_publish_quantizes_an_unchanged_embedding_once_and_a_changed_one_again(draft, monkeypatch):
+    """The learner does not train the token table (trainable no_embeddings): each publish reuses its Q8_0 rows; a
+    table changed in place (trainable all) is quantized again, so a copy never serves stale rows."""
+    import osd.models.q4_draft as q4_draft
+
+    master = tiny_qwen2(seed=1, layers=2, hidden=64)
+    calls = []
+    monkeypatch.setattr(q4_draft, "quantize_q8_0", lambda t: calls.append(1) or quantize_q8_0(t))
+    first, _ = make_serving_draft(master, "q4")
+    second, _ = make_serving_draft(master, "q4")
+    assert len(calls) == 1 and second.weights.embd is first.weights.embd
+    with torch.no_grad():
+        master.get_input_embeddings().weight[3].mul_(2.0)
+    third, _ = make_serving_draft(master, "q4")
+    assert len(calls) == 2
+    assert np.array_equal(third.weights.embd, quantize_q8_0(master.get_input_embeddings().weight).numpy())
+    assert not np.array_equal(third.weights.embd, first.weights.embd)
+
+
 def test_an_unsupported_draft_is_refused_with_the_reason():
     """(Every family's refusals: test_q4_draft_families.py.)"""
     from transformers import Phi3Config, Phi3ForCausalLM

@@ -15,7 +15,6 @@ Gemma's window 8 positions: every test prompt crosses it.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -87,23 +86,12 @@ def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def llama3_rope_factors(config) -> torch.Tensor:
-    """The converter's `rope_freqs` (LlamaModel.generate_extra_tensors): per frequency, the factor dividing it."""
-    rope = config.rope_scaling
-    base, dim = config.rope_theta, HEAD_DIM
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-    old = rope["original_max_position_embeddings"]
-    factors = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < old / high:
-            factors.append(1)
-        elif wavelen > old / low:
-            factors.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(factors, dtype=torch.float32)
+    """The converter's `rope_freqs` (LlamaModel.generate_extra_tensors): per frequency, the factor dividing it. The
+    draft copy computes them with the same formula (models/q4_draft.py); transformers' own scaled RoPE, which the
+    logits are compared with, checks both."""
+    from osd.models.q4_draft import llama3_factors
+
+    return llama3_factors(config, config.rope_scaling)
 
 
 def _quant_type(gguf_name: str, tied: bool) -> str:
