@@ -203,7 +203,7 @@ class ServerProcess:
                 "--no-prepack-target", "--threads", "1", "--k", "3", "--no-adaptive", "--model-name", "tiny",
                 "--port", str(self.port), "--checkpoint-dir", str(ckpt), "--mode", "all", "--every-requests", "2",
                 "--trainable", "all", "--train-layers", "0", "--no-guard", "--lr", "1e-2", "--steps-per-update", "4",
-                "--batch-size", "4"]
+                "--batch-size", "4", "--learn-checkpoint-every-seconds", "0"]  # a checkpoint after every update
         env = {**os.environ, "PYTHONPATH": SRC, PAUSE_ENV: str(flag), "OSD_NO_KERNELS": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1"}
         self.log = open(log, "ab")

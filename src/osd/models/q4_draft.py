@@ -31,6 +31,7 @@ whole requests it spends much of its decode lead (`scripts/bench_scheduler.py`, 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -183,18 +184,21 @@ def _matrix(weights: list[torch.Tensor], kind: str = "Q4_K") -> list:
     return [q4.repack(raw, kind)]
 
 
-_EMBEDDING_ROWS: dict = {}  # (storage, version, shape, dtype) -> its Q8_0 rows: the last table quantized
+_EMBEDDING_ROWS: list = []  # [(weak reference to the table, its version then, its Q8_0 rows)]: the last one quantized
 
 
 def _embedding_rows(table: torch.Tensor):
     """The token table as gguf's Q8_0 rows. A learner that does not train the embedding publishes the same table
     every update: its rows are quantized once (0.45 s of a 0.76 s publish of the cheap draft on the Zen 4 machine)
-    and shared, read-only, while the tensor is unchanged (same storage, same in-place version counter)."""
-    key = (table.data_ptr(), table._version, tuple(table.shape), table.dtype)
-    if key not in _EMBEDDING_ROWS:
-        _EMBEDDING_ROWS.clear()  # one table at a time: a new draft's replaces the last
-        _EMBEDDING_ROWS[key] = quantize_q8_0(table).numpy()
-    return _EMBEDDING_ROWS[key]
+    and shared, read-only, while it is the same tensor object, unchanged in place (its version counter). The tensor
+    is held by a weak reference: a freed table's memory taken by another never passes for it."""
+    if _EMBEDDING_ROWS:
+        ref, version, rows = _EMBEDDING_ROWS[0]
+        if ref() is table and version == table._version:
+            return rows
+    rows = quantize_q8_0(table).numpy()
+    _EMBEDDING_ROWS[:] = [(weakref.ref(table), table._version, rows)]
+    return rows
 
 
 def _float(t: torch.Tensor | None, size: int, shift: float = 0.0) -> torch.Tensor:
