@@ -33,12 +33,11 @@ OSD_ARMS = {  # arm -> extra `osd serve` flags
     "osd": ["--no-learn"],
     "osd-learning": ["--learn"],
     "osd-target-only": ["--no-learn", "--k", "0"],
-    "osd-avx2": ["--no-learn"],
-    "osd-target-only-avx2": ["--no-learn", "--k", "0"],
 }
-# arm -> environment: the `-avx2` arms force osd's kernel onto its AVX2 path (what AVX2-only CPUs run; bitwise the
-# same results), to set beside llama-server's portable build on a machine that has AVX-512
-OSD_ARM_ENV = {"osd-avx2": {"OSD_Q4_ISA": "avx2"}, "osd-target-only-avx2": {"OSD_Q4_ISA": "avx2"}}
+# arm -> environment: the `-avx2` arms are their plain arms with osd's kernel forced onto its AVX2 path (what AVX2-only
+# CPUs run; bitwise the same results), to set beside llama-server's portable build on a machine that has AVX-512
+OSD_ARM_ENV = {f"{arm}-avx2": {"OSD_Q4_ISA": "avx2"} for arm in ("osd", "osd-target-only")}
+OSD_ARMS.update({arm: OSD_ARMS[arm.removesuffix("-avx2")] for arm in OSD_ARM_ENV})
 LLAMA_ARMS = {"llama-server": "portable", "llama-server-native": "native"}  # arm -> its build (llama_server.py)
 REFERENCE_ARM = "osd-target-only"
 

@@ -88,15 +88,20 @@ class LearnBudget:
         """One serving step took `seconds` (called on the serving thread when it gives the cores back)."""
         pressed = self.pressure()
         with self._lock:
-            self.serving_seconds += seconds
-            self.steps_since_chunk += 1
-            if pressed:
-                self.pressed_seconds += seconds
-            else:
-                self._earn(seconds)
+            self._count_serving(seconds, pressed)
             ready = not pressed and self._may_start_busy()
         if ready:
             self._ready.set()
+
+    def _count_serving(self, seconds: float, pressed: bool) -> None:
+        """`seconds` of serving (a step, or busy wall time without Turns): counted, and earning credit unless
+        `pressed`. Hold the lock."""
+        self.serving_seconds += seconds
+        self.steps_since_chunk += 1
+        if pressed:
+            self.pressed_seconds += seconds
+        else:
+            self._earn(seconds)
 
     def _earn(self, seconds: float) -> None:
         cap = max(self.burst, 2.0 * self.expected)
@@ -122,12 +127,7 @@ class LearnBudget:
             with self._lock:
                 pressed = self.pressure()
                 if self._turns is None:  # no step reports: busy wall time earns the credit
-                    self.serving_seconds += now - last
-                    self.steps_since_chunk += 1
-                    if pressed:
-                        self.pressed_seconds += now - last
-                    else:
-                        self._earn(now - last)
+                    self._count_serving(now - last, pressed)
                 last = now
                 if not pressed and self._may_start_busy():
                     under_load = True

@@ -233,10 +233,7 @@ def q4_weights(model) -> Q4Weights:
     _, factors = rope_parameters(model.config, family)
     if factors is not None:
         vectors["rope_freqs"] = factors
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise InvalidArgument("the draft's LM head has a bias: the Q4 serving copy has none")
-    matrices["output"] = _matrix([head.weight], "Q6_K")  # a derived draft's: its N rows (the map rides beside)
+    matrices["output"] = _matrix([model.get_output_embeddings().weight], "Q6_K")  # (no bias: `qualifies`)  # a derived draft's: its N rows (the map rides beside)
     # gguf's Q8_0 rows, bit for bit; Gemma's unscaled (the runner multiplies looked-up rows by sqrt(hidden))
     embd = _embedding_rows(model.get_input_embeddings().weight)
     eos = eos_ids_of(getattr(model, "generation_config", None), model.config)
