@@ -144,7 +144,7 @@ def test_the_background_learner_publishes_on_a_server_that_is_never_idle(target_
     publish = lambda master, version=None: registry.publish("draft", copy.deepcopy(master).eval(), None, version)
     share = 0.25
     config = LearnConfig(mode="all", every_requests=4, schedule="background", trainable="all", guard=False, lr=1e-2,
-                         steps_per_update=3, batch_size=4, busy_share=share)
+                         steps_per_update=3, batch_size=4, busy_share=share, chunk_positions=1)  # an item a chunk
     learner = OnlineLearner(draft, publish, config).attach(engine)
     learner.engine_busy = lambda: True  # permanent load: the engine is never idle
     learner.start()
@@ -159,7 +159,7 @@ def test_the_background_learner_publishes_on_a_server_that_is_never_idle(target_
         learner.stop()
     stats = learner.stats()
     assert stats["updates_published"] == 1 and stats["update_errors"] == 0 and registry.get("draft").version == 1
-    assert stats["chunks_under_load"] == 3 * 4 and stats["chunks_idle"] == 0  # steps x micro-batches of one item
+    assert stats["chunks_under_load"] == 3 * 4 and stats["chunks_idle"] == 0  # steps x chunks of one item
     rate = share / (1 - share)
     assert stats["learner_busy_seconds"] <= rate * stats["serving_seconds"] + stats["chunk_seconds_max"] + 1e-6
 

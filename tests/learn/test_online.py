@@ -1,6 +1,5 @@
 """Replay buffer, triggers, guard, checkpoints and a stream where alpha rises (atomic swaps: test_hot_swap.py)."""
 import copy
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -108,10 +107,10 @@ def test_micro_batches_take_the_same_step_and_wait_for_idle_between_them(target_
     items = learner.buffer.snapshot()
     assert len(items) >= 4
 
-    def trained(micro_batch, schedule):
+    def trained(micro_batch, schedule, chunk_positions=128):
         model, busy_checks = copy.deepcopy(draft), []
         config = LearnConfig(mode="all", every_requests=0, lr=1e-2, steps_per_update=2, batch_size=4, trainable="all",
-                             guard=False, micro_batch=micro_batch, schedule=schedule,
+                             guard=False, micro_batch=micro_batch, schedule=schedule, chunk_positions=chunk_positions,
                              keep_unused_seconds=0.0)  # the same batches as sync (background takes unused items first)
         learner = OnlineLearner(model, lambda master, version=None: SimpleNamespace(version=1), config,
                                 engine_busy=lambda: busy_checks.append(1) and False)
@@ -123,9 +122,10 @@ def test_micro_batches_take_the_same_step_and_wait_for_idle_between_them(target_
     whole, checks = trained(0, "sync")  # sync: the whole batch in one forward/backward, no idle checks
     assert checks == 0
     assert any(not torch.equal(a, b) for a, b in zip(whole, draft.parameters()))  # it did train
-    for micro_batch in (0, 1, 3):  # background: 0 = one item per forward/backward
-        split, checks = trained(micro_batch, "background")
-        assert checks == 2 * math.ceil(4 / (micro_batch or 1))  # one idle check per micro-batch, per step
+    # background: micro_batch items per forward/backward, or (0) items up to chunk_positions supervised positions
+    for micro_batch, chunk_positions, chunks in ((0, 1, 4), (0, 10**6, 1), (1, 10**6, 4), (3, 1, 2)):
+        split, checks = trained(micro_batch, "background", chunk_positions)
+        assert checks == 2 * chunks  # one idle check per micro-batch, per step
         for a, b in zip(split, whole):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # float summation order; a wrong split: ~lr
 
@@ -230,3 +230,39 @@ def test_bad_learn_config():
         LearnConfig(loss="l2")
     with pytest.raises(InvalidArgument, match="mode"):
         LearnConfig(mode="bonus")
+
+
+def test_position_chunks_bound_each_chunk_and_keep_order():
+    """Chunks of a background step: consecutive items, at most the bound's positions each (a larger item alone)."""
+    from osd.learn.batch import position_chunks
+
+    items = [SimpleNamespace(positions=list(range(n))) for n in (3, 4, 9, 1, 2, 2, 5)]
+    chunks = position_chunks(items, 7)
+    assert [[len(it.positions) for it in c] for c in chunks] == [[3, 4], [9], [1, 2, 2], [5]]
+    assert [it for c in chunks for it in c] == items
+    assert position_chunks([], 7) == []
+
+
+def test_an_update_reuses_what_the_last_published_one_measured_on_the_same_held_out_requests(target_model, tokenizer):
+    """The held-out evaluation of the serving version before an update: requests the last published update measured
+    (same positions) are not evaluated again, and the reused figures are what evaluating them gives."""
+    draft = tiny_qwen2(seed=1, layers=1)
+    engine, _, learner = _learner(target_model, draft, tokenizer, mode="all", every_requests=0, lr=1e-3,
+                                  steps_per_update=2, trainable="all", guard=True, guard_holdout=0.5, guard_z=0.0,
+                                  guard_tolerance=1.0, drift_guard=False)
+    for prompt in STREAM[:8]:
+        engine.generate(prompt, SamplingConfig(max_new_tokens=12))
+    evaluated, evaluate = [], learner._acceptance
+    learner._acceptance = lambda items: evaluated.append([it.request_id for it in items]) or evaluate(items)
+    first = learner.update("manual")
+    assert first["published"] and len(evaluated) == 2  # before and after, on the same held-out requests
+    held = set(evaluated[1])
+    engine.generate(STREAM[8], SamplingConfig(max_new_tokens=12))  # one more request: the held-out set moves
+    serving = copy.deepcopy(learner.master)  # the weights that serve (the first update published)
+    evaluated.clear()
+    second = learner.update("manual")
+    now_held = set(evaluated[-1])  # the "after" evaluation covers the whole held-out set
+    assert now_held & held and now_held - held
+    assert set(evaluated[0]) == now_held - held  # "before": only the requests the first update did not measure
+    items = [it for it in learner.guard_buffer.snapshot() if it.request_id in now_held]
+    assert second["holdout_before"]["greedy_agreement"] == acceptance_on(serving, items)["greedy_agreement"]

@@ -194,6 +194,26 @@ def test_a_publish_quantizes_an_unchanged_embedding_once_and_a_changed_one_again
     assert not np.array_equal(third.weights.embd, first.weights.embd)
 
 
+def test_a_publish_reuses_the_frozen_layers_quantized_matrices_and_requantizes_the_trained_one(monkeypatch):
+    """Layers the learner does not train (train_layers 1: all but the last) and the head keep their kernel weights
+    across publishes; a layer changed in place gets new ones, and the copy serves what a fresh build serves."""
+    import osd.models.q4_draft as q4_draft
+
+    require_q4()
+    master = tiny_qwen2(seed=1, layers=2, hidden=64)
+    first, _ = make_serving_draft(master, "q4")
+    with torch.no_grad():
+        master.model.layers[-1].self_attn.o_proj.weight.mul_(1.5)
+    second, _ = make_serving_draft(master, "q4")
+    same = lambda name: second.weights.matrices[name][0] is first.weights.matrices[name][0]  # noqa: E731
+    assert same("blk.0.qkv") and same("blk.0.gate_up") and same("output")
+    assert not same("blk.1.attn_output") and same("blk.1.qkv")  # per matrix: only what changed
+    monkeypatch.setattr(q4_draft, "_UNCHANGED", {})  # nothing to reuse: everything quantized afresh
+    fresh, _ = make_serving_draft(master, "q4")
+    assert torch.equal(second.runner().feed([3, 4, 5]), fresh.runner().feed([3, 4, 5]))
+    assert not torch.equal(first.runner().feed([3, 4, 5]), fresh.runner().feed([3, 4, 5]))
+
+
 def test_an_unsupported_draft_is_refused_with_the_reason():
     """(Every family's refusals: test_q4_draft_families.py.)"""
     from transformers import Phi3Config, Phi3ForCausalLM

@@ -53,20 +53,41 @@ def items_loss(draft_model, items: list[ReplayItem], loss: str = "forward_kl", b
     return distill_loss(draft_logits_at(draft_model, items, split, rows_only), target, loss, beta, temperature=temperature)
 
 
+def position_chunks(items: list[ReplayItem], max_positions: int) -> list[list[ReplayItem]]:
+    """Consecutive runs of items holding at most `max_positions` supervised positions each (an item with more is a
+    run of its own), in order."""
+    chunks, size = [], max_positions
+    for it in items:
+        if chunks and size + len(it.positions) <= max_positions:
+            chunks[-1].append(it)
+            size += len(it.positions)
+        else:
+            chunks.append([it])
+            size = len(it.positions)
+    return chunks
+
+
 @torch.no_grad()
 def acceptance_on(draft_model, items: list[ReplayItem], batch_size: int = 8, split: int = 0,
-                  pause=lambda: None) -> dict:
+                  pause=lambda: None, chunks=None) -> dict:
     """Greedy agreement (draft argmax == target argmax) and expected acceptance 1 - TV on items;
-    `correct` is the agreement per position (for paired comparisons). `pause()` runs before each chunk."""
-    beta, correct = 0.0, []
-    for i in range(0, len(items), batch_size):
+    `correct` is the agreement per position (for paired comparisons). `pause()` runs before each chunk: `batch_size`
+    items, or `chunks(items)`'s lists where given."""
+    accepted, correct = [], []
+    runs = chunks(items) if chunks is not None else [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+    for chunk in runs:
         pause()
-        chunk = items[i : i + batch_size]
         logits = in_target_vocab(draft_model, draft_logits_at(draft_model, chunk, split))  # (N, V)
         target = CompactDist.cat([it.target for it in chunk])
         correct += (logits.argmax(-1) == target.ids[:, 0]).tolist()
         t, d = bucket_log_probs(logits, target)
-        beta += (1 - tv_distance(t, d)).sum().item()
+        accepted += (1 - tv_distance(t, d)).tolist()
+    return acceptance_summary(correct, accepted)
+
+
+def acceptance_summary(correct: list[bool], accepted: list[float]) -> dict:
+    """acceptance_on's answer from its per-position lists: greedy agreement, expected acceptance (1 - TV), both
+    lists ("correct", "accepted")."""
     n = len(correct)
-    return {"greedy_agreement": sum(correct) / n if n else None, "expected_acceptance": beta / n if n else None, "positions": n,
-            "correct": correct}
+    return {"greedy_agreement": sum(correct) / n if n else None, "expected_acceptance": sum(accepted) / n if n else None,
+            "positions": n, "correct": correct, "accepted": accepted}

@@ -29,7 +29,7 @@ flight ends, and release() gives them back.
 
 Without Turns (a cluster's learner, whose serving runs in other processes, or a test's fake engine) there are no step
 reports: credit is then earned by wall time while `busy()` reads true, at the same rate.
-Limitations: a chunk's length is the learner's (one item's forward/backward); chunks longer than `max_chunk` are
+Limitations: a chunk's length is the learner's (items up to its chunk_positions); chunks longer than `max_chunk` are
 counted (`chunks_over_limit`), not split. Several learners on one engine (per-draft learners) each earn the share.
 """
 from __future__ import annotations
