@@ -141,3 +141,26 @@ def test_compress_on_the_compiled_kernel_equals_torchs_softmax_and_topk():
     whole = compress(logits[:2], 5000)  # top_k beyond V: the whole distribution, sorted
     assert whole.ids.shape == (2, 1003) and torch.allclose(whole.probs.sum(-1), torch.ones(2))
     assert torch.equal(whole.ids, torch.sort(torch.softmax(logits[:2], -1), stable=True, dim=-1, descending=True).indices)
+
+
+def test_mapped_buckets_equal_the_buckets_of_logits_expanded_to_the_target_vocabulary():
+    """A restricted head measured over its own columns (mapped_bucket_log_probs) gets the buckets, and so the TV, of
+    its logits expanded to the target's vocabulary with -inf outside the map: listed tokens outside the map (row 1),
+    a row with none inside (row 2), and tokens of the map that are not listed (the tail) included."""
+    from osd.learn.compact import CompactDist
+    from osd.learn.losses import bucket_log_probs, mapped_bucket_log_probs, tv_distance
+    from osd.models.vocab_map import expand_logits, target_to_draft
+
+    g = torch.Generator().manual_seed(0)
+    vocab, vocab_ids = 50, torch.tensor([0, 3, 4, 7, 10, 11, 20, 33, 41, 49])
+    logits = torch.randn(3, len(vocab_ids), generator=g) * 2
+    ids = torch.tensor([[3, 7, 20, 5], [4, 6, 8, 41], [1, 2, 5, 6]])  # row 2: no listed token inside the map
+    probs = torch.tensor([[0.4, 0.3, 0.1, 0.1], [0.5, 0.2, 0.1, 0.05], [0.3, 0.3, 0.2, 0.1]])
+    target = CompactDist(ids, probs)
+    want_t, want_d = bucket_log_probs(expand_logits(logits, vocab_ids, vocab), target)
+    got_t, got_d = mapped_bucket_log_probs(logits, target, target_to_draft(vocab_ids, vocab))
+    torch.testing.assert_close(got_t, want_t)
+    assert torch.equal(torch.isinf(got_d), torch.isinf(want_d))
+    torch.testing.assert_close(got_d.exp(), want_d.exp())
+    torch.testing.assert_close(tv_distance(got_t, got_d), tv_distance(want_t, want_d))
+    assert tv_distance(got_t, got_d)[2] > 0.99 * (1 - 0.1)  # row 2: the draft's mass all in the tail bucket

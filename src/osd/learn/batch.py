@@ -9,9 +9,9 @@ import torch
 
 from osd.learn.buffer import ReplayItem
 from osd.learn.compact import CompactDist
-from osd.learn.losses import bucket_log_probs, distill_loss, tv_distance
+from osd.learn.losses import bucket_log_probs, distill_loss, mapped_bucket_log_probs, tv_distance
 from osd.learn.trainable import head_logits_at, trunk_features
-from osd.models.vocab_map import in_target_vocab, restrict_to_draft
+from osd.models.vocab_map import restrict_to_draft, target_to_draft, to_target_ids, vocab_ids_of
 
 
 def draft_logits_at(draft_model, items: list[ReplayItem], split: int = 0, rows_only: bool = True) -> torch.Tensor:
@@ -74,13 +74,15 @@ def acceptance_on(draft_model, items: list[ReplayItem], batch_size: int = 8, spl
     `correct` is the agreement per position (for paired comparisons). `pause()` runs before each chunk: `batch_size`
     items, or `chunks(items)`'s lists where given."""
     accepted, correct = [], []
+    vocab_ids = vocab_ids_of(draft_model)  # a restricted head: measured over it (mapped_bucket_log_probs)
+    lut = None if vocab_ids is None else target_to_draft(vocab_ids, int(draft_model.config.vocab_size))
     runs = chunks(items) if chunks is not None else [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
     for chunk in runs:
         pause()
-        logits = in_target_vocab(draft_model, draft_logits_at(draft_model, chunk, split))  # (N, V)
+        logits = draft_logits_at(draft_model, chunk, split)  # (N, V'): the draft's own head
         target = CompactDist.cat([it.target for it in chunk])
-        correct += (logits.argmax(-1) == target.ids[:, 0]).tolist()
-        t, d = bucket_log_probs(logits, target)
+        correct += (to_target_ids(draft_model, logits.argmax(-1)) == target.ids[:, 0]).tolist()
+        t, d = bucket_log_probs(logits, target) if lut is None else mapped_bucket_log_probs(logits, target, lut)
         accepted += (1 - tv_distance(t, d)).tolist()
     return acceptance_summary(correct, accepted)
 
