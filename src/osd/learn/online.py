@@ -147,21 +147,22 @@ class LearnConfig:
         """`osd serve`'s defaults: learn in a background thread, and resume on restart.
         busy_share: the learner's share of the busy time (learn/budget.py: earned from the serving steps' seconds),
         what learning costs there on top of observing. Under the old idle-window rule 0.05 let a 75 s load at 8
-        clients take 0 optimizer steps (benchmarks/scale/bench-scale-noray-48-steps.json); 0.1 runs an update (~90
-        chunks) in ~15 s of learner time, so a busy server publishes within tens of requests. Idle windows are not
+        clients take 0 optimizer steps (benchmarks/scale/bench-scale-noray-48-steps.json); 0.1 runs an update
+        in seconds of learner time, so a busy server publishes within tens of requests. Idle windows are not
         limited by it.
-        mode all, lr 1e-4, train_layers 1, 4 steps every 4 requests: the evidence replays' recipe (docs/learning.md:
-        every output position, lr 1e-4, one optimizer step per request), cheaper. On 100 code requests
-        (benchmarks/learning/layers-code100-tl{1,2}.json, 96 steps each) training the last layer only reached
-        held-out acceptance 0.466 against 0.472 for both of the cheap draft's layers (control 0.288), in 90 s of
-        training against 184 s; 4-step updates publish after half the learner time of 8-step ones, which a busy
-        server's share needs (the dataclass defaults, mismatch positions, 4 layers, 1e-5, 8 steps, published nothing
-        within 100 requests at 0.8 of capacity: benchmarks/live/bench-live-code100-load08.json before this).
+        mode all, lr 1e-4, train_layers 1: the evidence replays' recipe (docs/learning.md: every output position, lr
+        1e-4, about one optimizer step per request); training the last layer only reached held-out acceptance 0.466
+        against 0.472 for both of the cheap draft's layers (control 0.288) on 100 code requests, in 90 s against 184 s
+        (benchmarks/learning/layers-code100-tl{1,2}.json).
+        batch_size 2, 8 steps every 8 requests: the same number of steps as batches of 8 every 4 requests, for a
+        third of the learner time: 0.441 in 33 s against 0.457 in 92 s on those 100 requests
+        (benchmarks/learning/recipe-code100-b{2,8}.json), so a learner held to a share of a busy server keeps up with
+        its traffic (the 8-item recipe took ~0.65 s of learner time per request, more than a 0.5-load server leaves).
         checkpoint_every_seconds 60: a checkpoint (the trained layer, its Adam moments and the average: ~240 MB for
         the cheap draft, fsynced) after every 4-step update wrote that much every few requests beside serving."""
         return cls(**{"schedule": "background", "busy_share": 0.1, "checkpoint_dir": "runs/draft-checkpoint",
                       "checkpoint_every_seconds": 60.0, "mode": "all", "lr": 1e-4, "train_layers": 1,
-                      "every_requests": 4, "steps_per_update": 4, **overrides})
+                      "batch_size": 2, "every_requests": 8, "steps_per_update": 8, **overrides})
 
     def __post_init__(self):
         if self.mode not in MODES:
