@@ -35,7 +35,10 @@ LEARNER_SERIES = {  # /metrics sample -> short name (learn/online.py stats, lear
     "osd_learner_learner_busy_seconds_total": "learner_busy_seconds",
     "osd_learner_learner_idle_seconds_total": "learner_idle_seconds",
     "osd_learner_serving_seconds_total": "serving_seconds",
-    "osd_learner_buffer_evicted_unused_total": "evicted_unused", "osd_schedule_step_seconds_total": "step_seconds"}
+    "osd_learner_buffer_evicted_unused_total": "evicted_unused", "osd_schedule_step_seconds_total": "step_seconds",
+    # the drift guard's latest same-positions comparison on held-out requests: what learning gained, as it went
+    "osd_learner_heldout_agreement_base": "heldout_agreement_base",
+    "osd_learner_heldout_agreement_serving": "heldout_agreement_serving"}
 
 
 @dataclass

@@ -20,7 +20,7 @@ A chunk starts while requests decode only when
 Under pressure (`pressure()`: a request waits for its first token, queued or prefilling: Engine.pressure) no chunk
 starts while requests decode and no credit is earned: the learner's share comes out of the time the server has to
 spare, never out of a waiting request's first token (a chat stream at 0.5 of capacity with the share taken
-regardless: TTFT p50 1.2 s -> 3-5 s as the queue grew, benchmarks/live/bench-live-chat300-load05-no-backoff.json).
+regardless: TTFT p50 1.2 s -> 3-5 s as the queue grew, benchmarks/archive/live/bench-live-chat300-load05-no-backoff.json).
 Credit is capped at `burst` (at least two expected chunks): a learner with nothing to do does not hoard a long busy
 stretch's share and then hold the cores for it. Idle (no request decoding) a chunk starts at once and is not
 charged: idle time is free; a request that arrives meanwhile waits for that one chunk.
