@@ -133,7 +133,7 @@ def test_busy_share_is_validated_and_a_cli_flag_with_its_help():
     serve = parser._subparsers._group_actions[0].choices["serve"]
     text = " ".join(serve.format_help().split())
     assert "--learn-busy-share BUSY_SHARE background schedule" in text and "serving steps" in text
-    assert "(default: 0.1)" in text.rsplit("--learn-busy-share BUSY_SHARE", 1)[1].split("--learn-", 1)[0]  # serving's
+    assert "(default: 0.03)" in text.rsplit("--learn-busy-share BUSY_SHARE", 1)[1].split("--learn-", 1)[0]  # serving's
 
 
 def test_the_background_learner_publishes_on_a_server_that_is_never_idle(target_model, tokenizer):

@@ -75,7 +75,7 @@ def test_serve_defaults_are_the_dataclasses_serving_defaults():
 
 def test_the_five_defaults_the_issue_found_wrong_are_shown_right():
     parser = serve_parser()
-    for flag, value in (("--max-batch", 8), ("--learn-busy-share", 0.1), ("--learn-schedule", "background"),
+    for flag, value in (("--max-batch", 8), ("--learn-busy-share", 0.03), ("--learn-schedule", "background"),
                         ("--score-schedule", "background"), ("--learn-checkpoint-dir", "runs/draft-checkpoint")):
         assert f"(default: {value})" in rendered(parser, parser._option_string_actions[flag]), flag
     assert f"(default: {value})" in " ".join(parser.format_help().split())

@@ -80,11 +80,12 @@ class LearnConfig:
     micro_batch: int = option(0, "items per forward/backward, gradients summed into the same step; 0 = the whole "
                               "batch in the sync schedule, in background items up to chunk_positions supervised "
                               "positions (a decode then waits for at most one such chunk)")
-    chunk_positions: int = option(128, (
+    chunk_positions: int = option(64, (
         "background schedule, micro_batch 0: a chunk of work (forward/backward, or a held-out evaluation) takes items "
         "until it holds this many supervised positions (at least one item). Each chunk writes the trained layer's whole "
         "weight gradient (~60 MB for the cheap draft's last layer): one item per chunk cost 1.7x the whole batch's "
-        "step on the Zen 4 machine (0.99 s against 0.59 s for 8 items of 64 positions), 4 items 1.2x (0.70 s)"))
+        "step on the Zen 4 machine (0.99 s against 0.59 s for 8 items of 64 positions), 4 items 1.2x (0.70 s); "
+        "128 positions let chunks of up to 0.6 s stall a live server's decoding requests"))
     steps_per_update: int = option(8, "optimizer steps per update (batches sampled from the buffer)")
     rehearsal: float = option(0.5, (
         "share of each training batch drawn from a uniform sample of older traffic (what the buffer evicted; "
@@ -147,9 +148,10 @@ class LearnConfig:
         """`osd serve`'s defaults: learn in a background thread, and resume on restart.
         busy_share: the learner's share of the busy time (learn/budget.py: earned from the serving steps' seconds),
         what learning costs there on top of observing. Under the old idle-window rule 0.05 let a 75 s load at 8
-        clients take 0 optimizer steps (benchmarks/scale/bench-scale-noray-48-steps.json); 0.1 runs an update
-        in seconds of learner time, so a busy server publishes within tens of requests. Idle windows are not
-        limited by it.
+        clients take 0 optimizer steps (benchmarks/scale/bench-scale-noray-48-steps.json). 0.03: on a code stream at
+        0.5 of capacity the learner then took 89 steps in 300 requests, mostly in idle windows (which it does not
+        limit), and the server decoded at 0.92-1.06x the learning-off one by quarter; at 0.1 (chunks of 128
+        positions) 104 steps, at 0.76-1.10x (benchmarks/live/bench-live-code300-load05{-share003,}.json).
         mode all, lr 1e-4, train_layers 1: the evidence replays' recipe (docs/learning.md: every output position, lr
         1e-4, about one optimizer step per request); training the last layer only reached held-out acceptance 0.466
         against 0.472 for both of the cheap draft's layers (control 0.288) on 100 code requests, in 90 s against 184 s
@@ -160,7 +162,7 @@ class LearnConfig:
         its traffic (the 8-item recipe took ~0.65 s of learner time per request, more than a 0.5-load server leaves).
         checkpoint_every_seconds 60: a checkpoint (the trained layer, its Adam moments and the average: ~240 MB for
         the cheap draft, fsynced) after every 4-step update wrote that much every few requests beside serving."""
-        return cls(**{"schedule": "background", "busy_share": 0.1, "checkpoint_dir": "runs/draft-checkpoint",
+        return cls(**{"schedule": "background", "busy_share": 0.03, "checkpoint_dir": "runs/draft-checkpoint",
                       "checkpoint_every_seconds": 60.0, "mode": "all", "lr": 1e-4, "train_layers": 1,
                       "batch_size": 2, "every_requests": 8, "steps_per_update": 8, **overrides})
 
