@@ -124,3 +124,30 @@ def test_agreement_by_confidence_buckets():
     assert [b["share"] for b in buckets] == [2 / 6, 2 / 6, 2 / 6]
     assert [b["agreement"] for b in buckets] == [0.5, 0.5, 1.0]
     assert agreement_by_confidence([0.95], [True])[0]["agreement"] is None  # an empty bucket has no agreement
+
+
+def test_position_stats_of_a_restricted_head_equal_those_of_its_logits_expanded_to_the_target_vocabulary(
+        target_model, draft_model, tmp_path):
+    """A derived draft's head covers part of the target's vocabulary: measured over its own columns, its matches and
+    1 - TV are those of its logits expanded to the target's vocabulary (-inf outside the map), answer tokens outside
+    the map included."""
+    import copy
+
+    from osd.distill.evaluate import _stats
+    from osd.learn.batch import draft_logits_at
+    from osd.models.derived import derive_model
+    from osd.models.vocab_map import expand_logits
+
+    settings = DecodeSettings(max_new_tokens=16, top_k=8)
+    samples = target_samples(TargetCache(tmp_path, "fp"), target_model, PROMPTS, settings, {EOS})
+    vocab = draft_model.config.vocab_size
+    answers = sorted({t for s in samples for t in s.response_ids})
+    vocab_ids = torch.tensor(sorted(set(answers[::2]) | set(range(0, vocab, 3))))  # some answer tokens left out
+    small = derive_model(copy.deepcopy(draft_model), list(range(draft_model.config.num_hidden_layers)), vocab_ids)
+    items = [sample_item(s) for s in samples]
+    got = position_stats(small, items, samples)
+    want = _stats(expand_logits(draft_logits_at(small, items), vocab_ids, vocab), items, samples)
+    assert [g["matches"] for g in got] == [w["matches"] for w in want]
+    assert any(True in g["matches"] for g in got) and any(False in g["matches"] for g in got)
+    for g, w in zip(got, want):
+        assert g["beta"] == pytest.approx(w["beta"], abs=1e-5)

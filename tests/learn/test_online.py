@@ -266,3 +266,22 @@ def test_an_update_reuses_what_the_last_published_one_measured_on_the_same_held_
     assert set(evaluated[0]) == now_held - held  # "before": only the requests the first update did not measure
     items = [it for it in learner.guard_buffer.snapshot() if it.request_id in now_held]
     assert second["holdout_before"]["greedy_agreement"] == acceptance_on(serving, items)["greedy_agreement"]
+
+
+def test_steps_of_a_request_longer_than_max_context_merge_into_one_item():
+    """Past max_context the context's start moves in steps of half of it, not one token a step: consecutive steps of
+    a long request keep one start, nest, and merge in the buffer (one forward for all their positions)."""
+    from osd.learn.buffer import stable_cut
+
+    assert [stable_cut(n, 8) for n in (5, 8, 9, 12, 13, 16, 17)] == [0, 0, 4, 4, 8, 8, 12]
+    assert all(n - stable_cut(n, 8) <= 8 for n in range(40))
+    buffer = ReplayBuffer(capacity=100)
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(0))
+    context = list(range(1, 11))  # 10 tokens, max_context 8: cut 4
+    for step in range(3):  # each step commits one more token (k = 0)
+        buffer.add(item_from_step(record(context + [20 + i for i in range(step)], [], 0, logits[:1]), "all", 10,
+                                  max_context=8))
+    items = buffer.snapshot()
+    assert len(items) == 1 and items[0].positions == [6, 7, 8]  # one item, three supervised positions
+    assert items[0].tokens == context[4:] + [20, 21]
+    assert [items[0].tokens[p - 1] for p in items[0].positions] == [10, 20, 21]  # logits index P-1 saw these last

@@ -21,8 +21,8 @@ from osd.errors import InvalidArgument
 from osd.learn.batch import draft_logits_at
 from osd.learn.buffer import ReplayItem
 from osd.learn.compact import CompactDist
-from osd.learn.losses import bucket_log_probs, tv_distance
-from osd.models.vocab_map import expand_logits, in_target_vocab
+from osd.learn.losses import bucket_log_probs, mapped_bucket_log_probs, tv_distance
+from osd.models.vocab_map import target_to_draft, vocab_ids_of
 from osd.speed_model import expected_speedup
 
 
@@ -73,8 +73,8 @@ def position_stats(draft, items: list[ReplayItem], samples: list[TargetSample], 
     out = []
     for s in range(0, len(items), batch_size):
         chunk = items[s : s + batch_size]
-        logits = in_target_vocab(draft, draft_logits_at(draft, chunk, split))  # (N, V): -inf outside a draft's map
-        out += _stats(logits, chunk, samples[s : s + batch_size])
+        logits = draft_logits_at(draft, chunk, split)  # (N, V'): over the draft's own head
+        out += _stats(logits, chunk, samples[s : s + batch_size], vocab_ids_of(draft), int(draft.config.vocab_size))
     return out
 
 
@@ -87,20 +87,27 @@ def serving_stats(runner, vocab_ids: torch.Tensor | None, vocab_size: int, sampl
         item = sample_item(sample)
         runner.reset()
         logits = runner.feed(item.tokens, n_logits=len(item.positions))  # positions P-1 predict tokens P
-        if vocab_ids is not None:
-            logits = expand_logits(logits, vocab_ids, vocab_size)
-        out += _stats(logits, [item], [sample])
+        out += _stats(logits, [item], [sample], vocab_ids, vocab_size)
     return out
 
 
-def _stats(logits: torch.Tensor, items: list[ReplayItem], samples: list[TargetSample]) -> list[dict]:
-    """(sum of positions, V) draft logits in the target's vocabulary -> position_stats' rows, one per sample."""
-    target_logp, draft_logp = bucket_log_probs(logits, CompactDist.cat([it.target for it in items]))
+def _stats(logits: torch.Tensor, items: list[ReplayItem], samples: list[TargetSample],
+           vocab_ids: torch.Tensor | None = None, vocab_size: int = 0) -> list[dict]:
+    """(sum of positions, V') draft logits over its head -> position_stats' rows, one per sample. vocab_ids: a restricted
+    head's map into the target's vocabulary (None: a full head), measured over the head's own columns
+    (mapped_bucket_log_probs: the buckets of the logits expanded to the target's vocabulary, without that tensor)."""
+    target = CompactDist.cat([it.target for it in items])
+    if vocab_ids is None:
+        target_logp, draft_logp = bucket_log_probs(logits, target)
+        predicted = logits.argmax(-1)
+    else:
+        target_logp, draft_logp = mapped_bucket_log_probs(logits, target, target_to_draft(vocab_ids, vocab_size))
+        predicted = vocab_ids[logits.argmax(-1)]  # (the first maximum over the head: the same id but at exact ties)
     beta = 1 - tv_distance(target_logp, draft_logp)
     out, offset = [], 0
     for item, sample in zip(items, samples):
         n = len(item.positions)
-        pred = logits[offset : offset + n].argmax(-1)
+        pred = predicted[offset : offset + n]
         out.append({"matches": (pred == torch.tensor(sample.response_ids)).tolist(),
                     "beta": beta[offset : offset + n].tolist(), "target_top1": item.target.probs[:, 0].tolist()})
         offset += n

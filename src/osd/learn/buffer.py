@@ -65,10 +65,22 @@ def item_from_step(record, mode: str = "mismatch", top_k: int = 64, max_context:
     rows = [n_acc] if mode == "mismatch" else list(range(n_acc + 1))
     base = len(record.context)
     tokens = record.context + record.proposed[: max(rows)]  # the draft saw proposals before each row
-    cut = max(0, len(tokens) - max_context)
+    cut = stable_cut(len(tokens), max_context)
     target = compress(record.target_logits[rows], top_k)  # row j predicts the token at base + j
     return ReplayItem(tokens[cut:], [base + j - cut for j in rows], target, record.request_id,
                       record.draft[1], time.monotonic() if now is None else now)
+
+
+def stable_cut(length: int, max_context: int) -> int:
+    """Tokens to drop from the front of a `length`-token context so that at most `max_context` remain, moved in steps
+    of half of it: a request's consecutive steps keep the same start, so their items nest and merge into one
+    (ReplayBuffer.add). Cut one token at a time, every step of a request past max_context started an item of its own
+    (a chat stream's long prompts: items of one or two positions, each a forward over the whole context)."""
+    over = length - max_context
+    if over <= 0:
+        return 0
+    step = max(1, max_context // 2)
+    return -(-over // step) * step
 
 
 def fresh_first(rng, items: list, n: int) -> list:
