@@ -21,7 +21,7 @@ from osd.errors import InvalidArgument
 from osd.learn.batch import draft_logits_at
 from osd.learn.buffer import ReplayItem
 from osd.learn.compact import CompactDist
-from osd.learn.losses import bucket_log_probs, mapped_bucket_log_probs, tv_distance
+from osd.learn.losses import mapped_bucket_log_probs, tv_distance
 from osd.models.vocab_map import target_to_draft, vocab_ids_of
 from osd.speed_model import expected_speedup
 
@@ -70,11 +70,12 @@ def position_stats(draft, items: list[ReplayItem], samples: list[TargetSample], 
                    batch_size: int = 8) -> list[dict]:
     """Per sample: greedy matches (draft argmax == target token), 1 - TV and the target's top-1 probability at
     each response position (the master draft in torch, teacher-forced, `batch_size` samples a forward)."""
-    out = []
+    out, vocab_ids = [], vocab_ids_of(draft)
+    lut = None if vocab_ids is None else target_to_draft(vocab_ids, int(draft.config.vocab_size))
     for s in range(0, len(items), batch_size):
         chunk = items[s : s + batch_size]
         logits = draft_logits_at(draft, chunk, split)  # (N, V'): over the draft's own head
-        out += _stats(logits, chunk, samples[s : s + batch_size], vocab_ids_of(draft), int(draft.config.vocab_size))
+        out += _stats(logits, chunk, samples[s : s + batch_size], vocab_ids, lut)
     return out
 
 
@@ -82,27 +83,23 @@ def position_stats(draft, items: list[ReplayItem], samples: list[TargetSample], 
 def serving_stats(runner, vocab_ids: torch.Tensor | None, vocab_size: int, samples: list[TargetSample]) -> list[dict]:
     """position_stats of a serving copy through its runner (the forwards that serve: a Q4 or int8 copy's kernels),
     each sample's prompt and response fed in one call, the logits kept at every response position."""
-    out = []
+    out, lut = [], None if vocab_ids is None else target_to_draft(vocab_ids, vocab_size)
     for sample in samples:
         item = sample_item(sample)
         runner.reset()
         logits = runner.feed(item.tokens, n_logits=len(item.positions))  # positions P-1 predict tokens P
-        out += _stats(logits, [item], [sample], vocab_ids, vocab_size)
+        out += _stats(logits, [item], [sample], vocab_ids, lut)
     return out
 
 
 def _stats(logits: torch.Tensor, items: list[ReplayItem], samples: list[TargetSample],
-           vocab_ids: torch.Tensor | None = None, vocab_size: int = 0) -> list[dict]:
-    """(sum of positions, V') draft logits over its head -> position_stats' rows, one per sample. vocab_ids: a restricted
-    head's map into the target's vocabulary (None: a full head), measured over the head's own columns
-    (mapped_bucket_log_probs: the buckets of the logits expanded to the target's vocabulary, without that tensor)."""
-    target = CompactDist.cat([it.target for it in items])
-    if vocab_ids is None:
-        target_logp, draft_logp = bucket_log_probs(logits, target)
-        predicted = logits.argmax(-1)
-    else:
-        target_logp, draft_logp = mapped_bucket_log_probs(logits, target, target_to_draft(vocab_ids, vocab_size))
-        predicted = vocab_ids[logits.argmax(-1)]  # (the first maximum over the head: the same id but at exact ties)
+           vocab_ids: torch.Tensor | None = None, lut: torch.Tensor | None = None) -> list[dict]:
+    """(sum of positions, V') draft logits over its head -> position_stats' rows, one per sample. vocab_ids, lut: a
+    restricted head's map into the target's vocabulary and back (None: a full head), measured over the head's own
+    columns (mapped_bucket_log_probs: the buckets of the logits expanded to the target's vocabulary, without it)."""
+    target_logp, draft_logp = mapped_bucket_log_probs(logits, CompactDist.cat([it.target for it in items]), lut)
+    predicted = logits.argmax(-1)  # the first maximum over the head: the expanded logits' argmax but at exact ties
+    predicted = predicted if vocab_ids is None else vocab_ids[predicted]
     beta = 1 - tv_distance(target_logp, draft_logp)
     out, offset = [], 0
     for item, sample in zip(items, samples):

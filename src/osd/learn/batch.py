@@ -9,7 +9,7 @@ import torch
 
 from osd.learn.buffer import ReplayItem
 from osd.learn.compact import CompactDist
-from osd.learn.losses import bucket_log_probs, distill_loss, mapped_bucket_log_probs, tv_distance
+from osd.learn.losses import distill_loss, mapped_bucket_log_probs, tv_distance
 from osd.learn.trainable import head_logits_at, trunk_features
 from osd.models.vocab_map import restrict_to_draft, target_to_draft, to_target_ids, vocab_ids_of
 
@@ -82,7 +82,7 @@ def acceptance_on(draft_model, items: list[ReplayItem], batch_size: int = 8, spl
         logits = draft_logits_at(draft_model, chunk, split)  # (N, V'): the draft's own head
         target = CompactDist.cat([it.target for it in chunk])
         correct += (to_target_ids(draft_model, logits.argmax(-1)) == target.ids[:, 0]).tolist()
-        t, d = bucket_log_probs(logits, target) if lut is None else mapped_bucket_log_probs(logits, target, lut)
+        t, d = mapped_bucket_log_probs(logits, target, lut)
         accepted += (1 - tv_distance(t, d)).tolist()
     return acceptance_summary(correct, accepted)
 

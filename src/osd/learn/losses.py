@@ -85,11 +85,14 @@ def bucket_log_probs(draft_logits: torch.Tensor, target: torch.Tensor | CompactD
     return torch.log(target_buckets), draft_buckets  # log 0 = -inf: an empty bucket
 
 
-def mapped_bucket_log_probs(draft_logits: torch.Tensor, target: CompactDist, lut: torch.Tensor):
+def mapped_bucket_log_probs(draft_logits: torch.Tensor, target: CompactDist, lut: torch.Tensor | None):
     """bucket_log_probs (temperature 1) of a draft whose head covers part of the target's vocabulary (lut: target id ->
     draft id, -1 outside; models/vocab_map.py), over the draft's own head: the buckets of its logits expanded to the
     target's vocabulary with -inf outside the map, without building that (N, V) tensor (a held-out evaluation of the
-    cheap draft spent most of its time there: 151,936 columns against its 16,384)."""
+    cheap draft spent most of its time there: 151,936 columns against its 16,384). lut None: a full head
+    (bucket_log_probs itself)."""
+    if lut is None:
+        return bucket_log_probs(draft_logits, target)
     draft_logp = torch.log_softmax(draft_logits.float(), dim=-1)  # (N, V')
     ids = lut[target.ids]  # (N, K) draft ids, -1 outside the map
     none = draft_logp.shape[-1]  # an extra column of -inf: where a listed token is outside the map
