@@ -31,6 +31,7 @@ whole requests it spends much of its decode lead (`scripts/bench_scheduler.py`, 
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 
 import torch
@@ -178,6 +179,7 @@ def shape_of(config) -> ModelShape:
 
 
 _UNCHANGED: dict = {}  # (kind, ids of the source tensors) -> (weak references to them, their versions then, result)
+_UNCHANGED_LOCK = threading.Lock()
 
 
 def _reused(kind: str, tensors: list[torch.Tensor], build):
@@ -187,13 +189,15 @@ def _reused(kind: str, tensors: list[torch.Tensor], build):
     cheap draft on the Zen 4 machine). Results are shared, read-only. Tensors are held by weak reference: a freed
     tensor's memory taken by another never passes for it, and entries of freed tensors are dropped."""
     key = (kind, tuple(id(t) for t in tensors))
-    hit = _UNCHANGED.get(key)
+    with _UNCHANGED_LOCK:  # (per-draft learners publish from their own threads)
+        hit = _UNCHANGED.get(key)
     if hit is not None and all(r() is t and v == t._version for r, v, t in zip(hit[0], hit[1], tensors)):
         return hit[2]
     result = build()
-    for stale in [k for k, (refs, _, _) in _UNCHANGED.items() if any(r() is None for r in refs)]:
-        del _UNCHANGED[stale]
-    _UNCHANGED[key] = ([weakref.ref(t) for t in tensors], [t._version for t in tensors], result)
+    with _UNCHANGED_LOCK:
+        for stale in [k for k, (refs, _, _) in _UNCHANGED.items() if any(r() is None for r in refs)]:
+            del _UNCHANGED[stale]
+        _UNCHANGED[key] = ([weakref.ref(t) for t in tensors], [t._version for t in tensors], result)
     return result
 
 
@@ -242,7 +246,8 @@ def q4_weights(model) -> Q4Weights:
     _, factors = rope_parameters(model.config, family)
     if factors is not None:
         vectors["rope_freqs"] = factors
-    matrices["output"] = _matrix([model.get_output_embeddings().weight], "Q6_K")  # (no bias: `qualifies`)  # a derived draft's: its N rows (the map rides beside)
+    # a derived draft's head: its N rows (the map rides beside); no bias (`qualifies`)
+    matrices["output"] = _matrix([model.get_output_embeddings().weight], "Q6_K")
     # gguf's Q8_0 rows, bit for bit; Gemma's unscaled (the runner multiplies looked-up rows by sqrt(hidden))
     embd = _embedding_rows(model.get_input_embeddings().weight)
     eos = eos_ids_of(getattr(model, "generation_config", None), model.config)
