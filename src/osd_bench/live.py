@@ -38,7 +38,9 @@ LEARNER_SERIES = {  # /metrics sample -> short name (learn/online.py stats, lear
     "osd_learner_buffer_evicted_unused_total": "evicted_unused", "osd_schedule_step_seconds_total": "step_seconds",
     # the drift guard's latest same-positions comparison on held-out requests: what learning gained, as it went
     "osd_learner_heldout_agreement_base": "heldout_agreement_base",
-    "osd_learner_heldout_agreement_serving": "heldout_agreement_serving"}
+    "osd_learner_heldout_agreement_serving": "heldout_agreement_serving",
+    "osd_learner_update_every_requests": "update_every_requests",  # the pace: longer while updates stop paying
+    "osd_learner_chunks_under_load_total": "chunks_under_load", "osd_learner_chunks_idle_total": "chunks_idle"}
 
 
 @dataclass

@@ -285,3 +285,40 @@ def test_steps_of_a_request_longer_than_max_context_merge_into_one_item():
     assert len(items) == 1 and items[0].positions == [6, 7, 8]  # one item, three supervised positions
     assert items[0].tokens == context[4:] + [20, 21]
     assert [items[0].tokens[p - 1] for p in items[0].positions] == [10, 20, 21]  # logits index P-1 saw these last
+
+
+def test_pace_backs_off_while_pooled_updates_stop_paying_and_comes_back_when_they_pay():
+    from osd.learn.triggers import Pace
+    pace = Pace(max_factor=8, window=2)
+    assert pace.after_update(True, (5, 1)) == 1  # the window is not full yet
+    assert pace.after_update(True, (1, 3)) == 1  # pooled (6, 4): z 0.63, between back_z 0 and keep_z 1: stays
+    assert [pace.after_update(True, f) for f in ((2, 2), (3, 4), (0, 0))] == [2, 4, 8]  # z <= 0: doubles
+    assert pace.after_update(True, (3, 0)) == 4  # pooled with (0, 0): (3, 0), z 1.73 > keep_z: halves
+    assert pace.after_update(True, (9, 1)) == 2 and pace.after_update(True, (5, 1)) == 1  # halves again, down to 1
+    assert pace.after_update(True, (9, 0)) == 1
+    assert pace.after_update(False, None) == 2  # a rejected update doubles it
+    assert pace.after_update(True, None) == 2  # published without a held-out measure: unchanged
+    pace.reset()
+    assert pace.factor == 1 and pace.recent == []
+    fixed = Pace()  # max_factor 1: a fixed pace
+    assert [fixed.after_update(False, None), fixed.after_update(True, (0, 9))] == [1, 1]
+    trigger = UpdateTrigger(every_requests=3)
+    assert trigger.due(11, 5, 0.0, factor=4) is None and trigger.due(12, 5, 0.0, factor=4) == "requests"
+
+
+def test_a_learner_whose_updates_change_nothing_spaces_them_out(target_model, tokenizer):
+    """lr 1e-12: no update flips a held-out position, so once four updates pooled show no gain the interval doubles,
+    up to back_off x every_requests; with back_off 1 the same stream updates at every interval."""
+    def updates(back_off):
+        draft = tiny_qwen2(seed=1, layers=1)
+        engine, _, learner = _learner(target_model, draft, tokenizer, mode="all", every_requests=2, lr=1e-12,
+                                      steps_per_update=1, trainable="all", guard=True, guard_holdout=0.5,
+                                      drift_guard=False, back_off=back_off)
+        for prompt in STREAM[:24] + STREAM[:6]:
+            engine.generate(prompt, SamplingConfig(max_new_tokens=8))
+        assert all(h["heldout_flips"] == (0, 0) for h in learner.history[:4])
+        return len(learner.history), learner.stats()["update_every_requests"]
+
+    assert updates(1) == (15, 2)
+    # after requests 2, 4, 6, 8 (four pooled: x2), 12 (x4), 20 and 28 (x4: the cap)
+    assert updates(4) == (7, 8)

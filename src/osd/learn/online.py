@@ -54,7 +54,7 @@ from osd.learn.rehearsal import Reservoir, Sweeps, history_share, mixed_batch
 from osd.learn.residual import add_difference
 from osd.learn.restore import RestorePoint
 from osd.learn.trainable import configure_trainable, split_index
-from osd.learn.triggers import UpdateTrigger
+from osd.learn.triggers import Pace, UpdateTrigger
 from osd.schedule.turns import end_thread_team
 
 log = logging.getLogger("osd.learn")
@@ -87,6 +87,11 @@ class LearnConfig:
         "step on the Zen 4 machine (0.99 s against 0.59 s for 8 items of 64 positions), 4 items 1.2x (0.70 s); "
         "128 positions let chunks of up to 0.6 s stall a live server's decoding requests"))
     steps_per_update: int = option(8, "optimizer steps per update (batches sampled from the buffer)")
+    back_off: int = option(1, (
+        "space updates up to this many times every_requests while they stop paying: the interval doubles after an "
+        "update that was rejected or when the last 4 published ones together did not raise held-out agreement, and "
+        "halves when they did (z > 1); back to every_requests when the drift guard restores a version "
+        "(learn/triggers.py Pace). 1 = a fixed pace"))
     rehearsal: float = option(0.5, (
         "share of each training batch drawn from a uniform sample of older traffic (what the buffer evicted; "
         "learn/rehearsal.py), against forgetting after a shift (cheap draft, gsm8k -> spider -> code: gsm8k held-out "
@@ -164,7 +169,7 @@ class LearnConfig:
         the cheap draft, fsynced) after every 4-step update wrote that much every few requests beside serving."""
         return cls(**{"schedule": "background", "busy_share": 0.03, "checkpoint_dir": "runs/draft-checkpoint",
                       "checkpoint_every_seconds": 60.0, "mode": "all", "lr": 1e-4, "train_layers": 1,
-                      "batch_size": 2, "every_requests": 8, "steps_per_update": 8, **overrides})
+                      "batch_size": 2, "every_requests": 8, "steps_per_update": 8, "back_off": 8, **overrides})
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -189,6 +194,8 @@ class LearnConfig:
             raise InvalidArgument(f"guard_holdout must be in [0, 1), got {self.guard_holdout}")
         if not 0.0 < self.busy_share <= 1.0:
             raise InvalidArgument(f"busy_share must be in (0, 1], got {self.busy_share}")
+        if self.back_off < 1:
+            raise InvalidArgument(f"back_off must be >= 1 (1 = a fixed pace), got {self.back_off}")
         if self.keep_unused_seconds < 0:
             raise InvalidArgument(f"keep_unused_seconds must be >= 0, got {self.keep_unused_seconds}")
         if self.schedule not in ("sync", "background"):
@@ -209,6 +216,7 @@ class OnlineLearner:
         # the mismatches: on those alone agreement is ~0 before any update and can only look better after.
         self.guard_buffer = ReplayBuffer(self.config.guard_capacity, clock)
         self.trigger = UpdateTrigger(self.config.every_requests, self.config.min_positions, self.config.max_age_seconds)
+        self.pace = Pace(self.config.back_off)  # every_requests' factor while updates stop paying
         self.params = configure_trainable(master, self.config.trainable, self.config.train_layers, self.config.lora_rank)
         self.split = split_index(master, self.config.train_layers)
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, weight_decay=0.0)
@@ -281,7 +289,8 @@ class OnlineLearner:
     def maybe_update(self) -> dict | None:
         if self.paused:
             return None
-        reason = self.trigger.due(self.counters["requests_since_update"], len(self.buffer), self.buffer.oldest_age())
+        reason = self.trigger.due(self.counters["requests_since_update"], len(self.buffer), self.buffer.oldest_age(),
+                                  self.pace.factor)
         return self.update(reason) if reason else None
 
     def update(self, reason: str = "manual") -> dict:
@@ -309,6 +318,10 @@ class OnlineLearner:
                 self._restore_point = None
             self.counters["train_seconds"] += self.clock() - start
             self.counters["requests_since_update"] = 0
+            if "restored_version" in report.get("vs_base", {}):
+                self.pace.reset()  # the drift guard acted: the traffic moved, learn at full pace again
+            elif "train_items" in report:  # (not "nothing to train on": that says nothing of the pace)
+                self.pace.after_update(report["published"], report.get("heldout_flips"))
             self.last_update = report
             losses = report.get("losses") or []
             self.history = (self.history + [{**{k: v for k, v in report.items() if k != "losses"},
@@ -358,7 +371,9 @@ class OnlineLearner:
             before.pop("accepted")
         worse = before is not None and is_worse(before_correct, after_correct, cfg.guard_z, cfg.guard_tolerance)
         report = {"reason": reason, "items": len(train) + len(holdout), "train_items": len(train), "losses": losses,
-                  "holdout_before": before, "holdout_after": after, "published": False}
+                  "holdout_before": before, "holdout_after": after, "published": False,
+                  # (gained, lost) against the serving draft on the same held-out positions (learn/triggers.py Pace)
+                  "heldout_flips": paired_flips(before_correct, after_correct)[::-1] if before is not None else None}
         if not losses or not finite or worse:
             self._restore_point.restore()  # moments too: a rejected update leaves no trace
             self.counters["updates_rejected"] += 1
@@ -633,4 +648,5 @@ class OnlineLearner:
                 "rehearsal_items": len(self.reservoir) if self.reservoir is not None else 0,
                 "training": int(self.training), "paused": int(self.paused),
                 "parked": int(self._parked.is_set()), **self.counters,
+                "update_every_requests": self.config.every_requests * self.pace.factor,
                 **self.heldout, **self.idle.stats()}  # background: the learner's seconds under load and idle, serving's (budget.py)

@@ -73,7 +73,8 @@ SPEC_COUNTERS = {  # SpecCounters field -> help
 LEARNER_GAUGES = {"version", "training", "paused", "parked", "buffer_positions", "requests_since_update", "rehearsal_items",
                   "memory_optimizer_bytes", "memory_versions_bytes", "memory_average_bytes", "memory_trainable_bytes",
                   "memory_buffers_bytes", "buffer_unused_positions", "busy_share_measured", "chunk_seconds_max",
-                  "heldout_agreement_base", "heldout_agreement_serving", "heldout_positions"}  # levels, not running counts
+                  "heldout_agreement_base", "heldout_agreement_serving", "heldout_positions",
+                  "update_every_requests"}  # levels, not running counts
 
 
 class ServeMetrics:
