@@ -34,6 +34,9 @@ def test_format_stats_without_steps_learner_or_with_several_drafts_and_extras():
     paused = {"paused": 1, "training": 1, "optimizer_steps": 3, "updates_published": 1, "updates_rejected": 2}
     line = format_stats(snap(), snap(learner=paused), 1.0)
     assert line.endswith("learner: paused (steps 3, published 1, rejected 2)")
+    backed_off = {**paused, "updates_rejected": 0, "update_every_requests": 32}
+    assert format_stats(snap(), snap(learner=backed_off), 1.0).endswith(
+        "learner: paused (steps 3, published 1, every 32 requests)")
     assert "| draft none |" in format_stats(snap(), {**snap(), "drafts": {}}, 1.0)
 
 

@@ -165,6 +165,10 @@ class LearnConfig:
         third of the learner time: 0.441 in 33 s against 0.457 in 92 s on those 100 requests
         (benchmarks/learning/recipe-code100-b{2,8}.json), so a learner held to a share of a busy server keeps up with
         its traffic (the 8-item recipe took ~0.65 s of learner time per request, more than a 0.5-load server leaves).
+        back_off 8: a draft that stopped improving stops costing (learn/triggers.py Pace): on a code stream at 0.5 of
+        capacity the updates kept paying and the pace stayed at 8 requests (benchmarks/live/
+        bench-live-code300-load05-nolookup.json), where the learner's ~0.1 of the CPU about cancelled what its draft
+        gained (0.93-1.01x by quarter).
         checkpoint_every_seconds 60: a checkpoint (the trained layer, its Adam moments and the average: ~240 MB for
         the cheap draft, fsynced) after every 4-step update wrote that much every few requests beside serving."""
         return cls(**{"schedule": "background", "busy_share": 0.03, "checkpoint_dir": "runs/draft-checkpoint",

@@ -13,7 +13,8 @@ scheduler's StepStats, serve/prom.py; the learner's stats), as deltas:
   tokens/step            tokens emitted / sequence steps         (a sequence's step: one proposal, one verification)
   k                      draft tokens proposed / sequence steps  (the adaptive k actually used)
   draft                  the serving draft's published version (per draft with --drafts)
-  learner                training | idle | paused | off; optimizer steps and updates published so far
+  learner                training | idle | paused | off; optimizer steps and updates published so far, and
+                         the requests between updates now (more while updates stop paying)
 A figure with nothing to divide by (no step in the interval) shows "-". An idle server (nothing ran, queued,
 trained or published in the interval) logs nothing.
 `extras`: callables returning {label: value} appended as "label value" (a place for more figures, e.g. the learned
@@ -65,6 +66,8 @@ def _learner(stats: dict | None) -> str:
     done = f"steps {stats.get('optimizer_steps', 0)}, published {stats.get('updates_published', 0)}"
     if stats.get("updates_rejected"):
         done += f", rejected {stats['updates_rejected']}"
+    if stats.get("update_every_requests"):  # the pace: longer while updates stop paying (learn/triggers.py Pace)
+        done += f", every {stats['update_every_requests']} requests"
     return f"learner: {state} ({done})"
 
 
