@@ -35,6 +35,12 @@ def paired_z(before: list[bool], after: list[bool]) -> float:
     """Sign-test z of `after` against `before` on the same positions: (gained - lost) / sqrt(gained + lost); 0 when
     nothing flipped. Negative: `after` is worse."""
     lost, gained = paired_flips(before, after)
+    return flips_z(gained, lost)
+
+
+def flips_z(gained: int, lost: int) -> float:
+    """The sign test's z from flip counts (pooled over several comparisons too): (gained - lost) / sqrt(gained +
+    lost); 0 when nothing flipped."""
     return (gained - lost) / math.sqrt(gained + lost) if gained + lost else 0.0
 
 

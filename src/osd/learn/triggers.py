@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from osd.learn.guard import flips_z
+
 
 @dataclass
 class UpdateTrigger:
@@ -27,8 +29,8 @@ class UpdateTrigger:
 
 class Pace:
     """Updates spaced out while they stop paying: the request interval's factor doubles when the last `window`
-    published updates together did not raise held-out agreement (their held-out flips pooled, McNemar's z =
-    (gained - lost) / sqrt(gained + lost) <= `back_z`) or an update was rejected, halves when they did (z > `keep_z`),
+    published updates together did not raise held-out agreement (their held-out flips pooled, McNemar's z,
+    guard.flips_z, <= `back_z`) or an update was rejected, halves when they did (z > `keep_z`),
     and stays between; within [1, max_factor]. `reset` (the drift guard restored a version: the traffic moved) brings
     it back to 1 and forgets the window.
 
@@ -56,7 +58,7 @@ class Pace:
         if len(self.recent) < self.window:
             return self.factor
         gained, lost = sum(g for g, _ in self.recent), sum(lo for _, lo in self.recent)
-        z = (gained - lost) / (gained + lost) ** 0.5 if gained + lost else 0.0
+        z = flips_z(gained, lost)
         if z <= self.back_z:
             self.factor = min(self.max_factor, 2 * self.factor)
         elif z > self.keep_z:
