@@ -1,7 +1,7 @@
 """The goodput allocation (schedule/goodput.py): pure functions on known costs."""
 import pytest
 
-from osd.schedule.goodput import RowCosts, allocate_k, goodput, non_decreasing
+from osd.schedule.goodput import RowCosts, allocate_k, amortized_catch_up, goodput, non_decreasing
 from osd.speed_model import expected_tokens
 
 
@@ -61,6 +61,17 @@ def test_a_draft_whose_cache_lags_pays_its_catch_up_before_it_proposes():
     assert ks[0] > 0 and ks[1] == 0
     assert goodput(alphas, [2, 0], per_token, q4_like, [0.0, 0.75]) == goodput(alphas, [2, 0], per_token, q4_like)
     assert goodput(alphas, [2, 1], per_token, q4_like, [0.0, 0.75]) < goodput(alphas, [2, 1], per_token, q4_like)
+
+
+def test_a_catch_up_is_charged_as_its_share_of_the_steps_left():
+    """Paid once, a catch-up serves every step the sequence has left: 0.75 of a one-row pass, 60 tokens to go at
+    alpha 0.5 (1.5 tokens a step at k = 1) -> 40 steps, 0.01875 a step, which the lagging sequence's proposals
+    repay; with 2 tokens to go it is charged whole and they do not."""
+    assert amortized_catch_up(0.75, 60, 0.5) == pytest.approx(0.75 / 40)
+    assert amortized_catch_up(0.75, 1, 0.5) == 0.75 and amortized_catch_up(0.0, 60, 0.5) == 0.0
+    alphas, per_token, caps = [0.8, 0.8], [0.02, 0.02], [6, 6]
+    assert allocate_k(alphas, per_token, caps, q4_like, [0.0, amortized_catch_up(0.75, 60, 0.8)])[1] > 0
+    assert allocate_k(alphas, per_token, caps, q4_like, [0.0, amortized_catch_up(0.75, 2, 0.8)])[1] == 0
 
 
 def test_row_costs_interpolate_between_and_extrapolate_beyond_what_was_measured():

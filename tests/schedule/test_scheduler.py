@@ -511,8 +511,9 @@ class _Flat:
 
 def test_the_allocation_charges_a_lagging_draft_its_catch_up(target, draft):
     """A request admitted beside another has no draft prefill: its draft lags by its prompt. Where the catch-up feed
-    is dear, only the sequence whose draft is in step proposes; where it is free, both do."""
-    for t_catch_up, second_proposes in ((1.0, False), (0.0, True)):
+    is dear even shared over the steps the request has left, only the sequence whose draft is in step proposes;
+    where it is free, or dear for one step (a whole pass a token) but cheap shared over them, both do."""
+    for t_catch_up, second_proposes in ((100.0, False), (0.0, True), (0.05, True)):
         engine, _ = engine_over(target, draft, k=3, adaptive=True, max_batch=2)
         engine.row_costs = _Flat()
         for policy in engine.policies:  # a draft that costs forwards (not asked before the allocation), but cheap

@@ -39,7 +39,7 @@ from osd.models.slots import Feed
 from osd.propose.base import Proposal, forkable
 from osd.propose.draft_model import DraftModelProposer, propose_together
 from osd.propose.tree import grow_tree
-from osd.schedule.goodput import allocate_k
+from osd.schedule.goodput import allocate_k, amortized_catch_up
 from osd.schedule.prefix import choose_slot, common_prefix
 from osd.schedule.sequence import LiveAlpha, Sequence
 from osd.stopping import StopChecker
@@ -68,7 +68,7 @@ class Ask(NamedTuple):
     proposal: Proposal | None  # a free source's proposal, made already (None: a draft proposes after the allocation)
     alpha: float  # the sequence's live acceptance for that source
     draft_seconds: float  # per proposed token (0 for a free source)
-    catch_up_seconds: float  # what a lagging draft cache feeds before its first proposal (goodput.py)
+    catch_up_seconds: float  # this step's share of what a lagging draft cache feeds before proposing (goodput.py)
     cap: int  # the most tokens it may propose
 
 
@@ -334,7 +334,8 @@ class Scheduler:
                 if proposal.k:
                     return Ask(j, proposal, alpha, 0.0, 0.0, proposal.k)
                 continue
-            return Ask(j, None, alpha, t_draft, catch_up_seconds(source, policy, seq.tokens), cap)
+            catch_up = amortized_catch_up(catch_up_seconds(source, policy, seq.tokens), seq.remaining, alpha)
+            return Ask(j, None, alpha, t_draft, catch_up, cap)
         return Ask(None, None, 0.0, 0.0, 0.0, 0)
 
     def _probe(self, seq: Sequence, k: int, source: int | None, decoding: int) -> int:
