@@ -168,7 +168,7 @@ class LearnConfig:
         back_off 8: a draft that stopped improving stops costing (learn/triggers.py Pace): on a code stream at 0.5 of
         capacity the updates kept paying and the pace stayed at 8 requests (benchmarks/live/
         bench-live-code300-load05-nolookup.json), where the learner's ~0.1 of the CPU about cancelled what its draft
-        gained (0.93-1.01x by quarter).
+        gained (0.98-1.04x by quarter).
         checkpoint_every_seconds 60: a checkpoint (the trained layer, its Adam moments and the average: ~240 MB for
         the cheap draft, fsynced) after every 4-step update wrote that much every few requests beside serving."""
         return cls(**{"schedule": "background", "busy_share": 0.03, "checkpoint_dir": "runs/draft-checkpoint",
