@@ -16,6 +16,14 @@ learning-on / learning-off of the mean decode tokens/s per window (the same requ
 last quarter, and whether every greedy answer is identical between the arms; a PNG plots both curves and the ratio.
 The stream is a dataset name (shared/datasets, `--split`) or a JSONL file of {"prompt": ...} records (`--stream
 FILE`); records that all carry "arrival_s" are replayed at those times instead of Poisson arrivals.
+`--interleave N` (noise): both servers up at once and the stream fed in blocks of N requests, each block to one arm
+and then to the other (the arm that goes first alternates: off-on, on-off, ...), the learning arm's learner paused
+(POST /v1/osd/learner) while the other serves; each arm's clock (its rows' and scrapes' times) runs during its own
+blocks only. A slow spell of this shared VM then falls on both arms within minutes of each other instead of on one
+whole arm: run one after the other, two servers that differed in nothing that matters differed by up to 17% per
+window (docs/learning.md). What it changes: a block's requests drain before the next block starts (at 0.5 of
+capacity ~2-3 requests are in flight at a block's boundary), and while paused the learner does not learn but its
+samples keep ageing (learn/buffer.py counts their age in wall seconds).
 Limitations: the capacity is a closed-loop rate at `max_batch` clients on the first arm's configuration (learning
 off): an open-loop stream at load 1.0 would queue without bound. Windows overlap in time when requests do.
 """
@@ -62,6 +70,7 @@ class LiveConfig:
     scrape_every: float = 5.0
     max_batch: int = 8  # the servers' --max-batch (osd serve's default): the capacity run's clients
     arms_run: tuple[str, ...] = field(default=("off", "on"))
+    interleave: int = 0  # requests per block, both servers up, arms alternating by block (0: one, then the other)
 
 
 def arrival_schedule(n: int, rate: float, seed: int) -> list[float]:
@@ -110,12 +119,13 @@ async def scrape(client) -> dict[str, float]:
 
 
 async def replay_async(url: str, api_key: str | None, prompts: list[str], arrivals: list[float], max_tokens: int,
-                       scrape_every: float) -> dict:
+                       scrape_every: float, warm_up: bool = True) -> dict:
     """Send prompt i at arrivals[i] (seconds after the start), all streamed and greedy -> per-request rows and the
     /metrics scrapes (t: seconds after the start)."""
     async with _client(url, api_key, 3600.0, 256) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        await one_request(client, *_request_body(model, WARM_UP_PROMPT, 8, True))  # not counted
+        if warm_up:
+            await one_request(client, *_request_body(model, WARM_UP_PROMPT, 8, True))  # not counted
         rows: list[dict | None] = [None] * len(prompts)
         scrapes: list[dict] = []
         start = time.perf_counter()
@@ -242,21 +252,85 @@ def compare(on: dict, off: dict, window: int) -> dict:
             "paired_ratio_p50": percentile(paired, 50), "greedy_identical": {"same": same, "of": n}}
 
 
+def arm_args(config: LiveConfig, learning: bool) -> list[str]:
+    return [*config.osd_args, *(config.learn_args if learning else ["--no-learn"])]
+
+
+def finish_arm(result: dict, config: LiveConfig, learning: bool) -> dict:
+    """An arm's rows and scrapes -> with its windows and (learning) its first publish."""
+    result["windows"] = windows(result["rows"], result["scrapes"], config.window)
+    result["first_publish"] = first_publish(result["rows"], result["scrapes"]) if learning else None
+    return result
+
+
 def run_arm(target: str, draft: str, config: LiveConfig, learning: bool, prompts: list[str], arrivals: list[float],
             log_path: str) -> dict:
     from osd_bench.soak_server import ServerProcess
 
-    args = [*config.osd_args, *(config.learn_args if learning else ["--no-learn"])]
-    with ServerProcess(target, draft, 10_000_000, args, log_path) as server:
+    with ServerProcess(target, draft, 10_000_000, arm_args(config, learning), log_path) as server:
         started = time.perf_counter()
         result = asyncio.run(replay_async(server.url, server.api_key, prompts, arrivals, config.max_tokens,
                                           config.scrape_every))
         command = " ".join(server.command()[2:])
     result["server_command"] = command
     result["arm_seconds"] = time.perf_counter() - started
-    result["windows"] = windows(result["rows"], result["scrapes"], config.window)
-    result["first_publish"] = first_publish(result["rows"], result["scrapes"]) if learning else None
-    return result
+    return finish_arm(result, config, learning)
+
+
+def block_arrivals(arrivals: list[float], lo: int, hi: int) -> list[float]:
+    """Block [lo, hi)'s arrivals from the block's start: its first request after its own gap from the one before."""
+    start = arrivals[lo - 1] if lo else 0.0
+    return [t - start for t in arrivals[lo:hi]]
+
+
+def block_order(block: int) -> tuple[str, str]:
+    return ("off", "on") if block % 2 == 0 else ("on", "off")
+
+
+def append_block(arm: dict, block: dict, lo: int) -> None:
+    """One block's rows and scrapes onto an arm's, on the arm's own clock (its earlier blocks' seconds first)."""
+    shift = arm["wall_seconds"]
+    for i, row in enumerate(block["rows"]):
+        arm["rows"].append({**row, "index": lo + i, "sent": row["sent"] + shift, "done": row["done"] + shift,
+                            "arrival": row["arrival"] + shift})
+    arm["scrapes"] += [{**s, "t": s["t"] + shift} for s in block["scrapes"]]
+    arm["wall_seconds"] += block["wall_seconds"]
+
+
+def set_learner_paused(server, paused: bool) -> None:
+    import httpx
+
+    r = httpx.post(server.url + "/v1/osd/learner", json={"paused": paused},
+                   headers={"Authorization": f"Bearer {server.api_key}"}, timeout=60)
+    r.raise_for_status()
+
+
+def run_interleaved(target: str, draft: str, config: LiveConfig, prompts: list[str], arrivals: list[float],
+                    log_dir: str, load: float, progress=print) -> dict:
+    """Both arms, block by block (module docstring: --interleave) -> {"off": arm, "on": arm}."""
+    from osd_bench.soak_server import ServerProcess
+
+    started = time.perf_counter()
+    with ServerProcess(target, draft, 10_000_000, arm_args(config, False), f"{log_dir}/load{load}-off.log") as off, \
+            ServerProcess(target, draft, 10_000_000, arm_args(config, True), f"{log_dir}/load{load}-on.log") as on:
+        servers = {"off": off, "on": on}
+        arms = {name: {"rows": [], "scrapes": [], "wall_seconds": 0.0} for name in servers}
+        blocks = range(0, len(prompts), config.interleave)
+        for b, lo in enumerate(blocks):
+            hi = min(len(prompts), lo + config.interleave)
+            progress(f"block {b + 1}/{len(blocks)}: requests {lo}-{hi - 1}, {' then '.join(block_order(b))}")
+            for name in block_order(b):
+                set_learner_paused(on, name != "on")
+                server = servers[name]
+                block = asyncio.run(replay_async(server.url, server.api_key, prompts[lo:hi],
+                                                 block_arrivals(arrivals, lo, hi), config.max_tokens,
+                                                 config.scrape_every, warm_up=b == 0))
+                append_block(arms[name], block, lo)
+        set_learner_paused(on, False)
+        for name, server in servers.items():
+            arms[name]["server_command"] = " ".join(server.command()[2:])
+            arms[name]["arm_seconds"] = time.perf_counter() - started
+    return {name: finish_arm(arm, config, name == "on") for name, arm in arms.items()}
 
 
 def measure_capacity(target: str, draft: str, config: LiveConfig, log_path: str) -> dict:
@@ -291,13 +365,17 @@ def run_live(config: LiveConfig, log_dir: str = "runs/bench-live", progress=prin
         rate = load * capacity["requests_per_s"]
         arrivals = [float(t) for t in given] if all(t is not None for t in given) else \
             arrival_schedule(len(prompts), rate, config.seed)
-        arms = {}
-        for arm in (("off", "on") if config.order == "off-on" else ("on", "off")):
-            if arm not in config.arms_run:
-                continue
-            progress(f"load {load}: learning {arm}, {len(prompts)} requests at {rate:.3f}/s ...")
-            arms[arm] = run_arm(target, draft, config, arm == "on", prompts, arrivals,
-                                f"{log_dir}/load{load}-{arm}.log")
+        if config.interleave:
+            progress(f"load {load}: both arms in blocks of {config.interleave}, {len(prompts)} requests at "
+                     f"{rate:.3f}/s ...")
+            arms = run_interleaved(target, draft, config, prompts, arrivals, log_dir, load, progress)
+        else:
+            arms = {}
+            for arm in ("off", "on") if config.order == "off-on" else ("on", "off"):
+                if arm in config.arms_run:
+                    progress(f"load {load}: learning {arm}, {len(prompts)} requests at {rate:.3f}/s ...")
+                    arms[arm] = run_arm(target, draft, config, arm == "on", prompts, arrivals,
+                                        f"{log_dir}/load{load}-{arm}.log")
         entry = {"load": load, "rate_per_s": rate, "arrivals": arrivals, "arms": arms}
         if "on" in arms and "off" in arms:
             entry["comparison"] = compare(arms["on"], arms["off"], config.window)
@@ -325,6 +403,9 @@ def register(bench) -> None:
     p.add_argument("--osd-args", default="", help="`osd serve` flags for both arms (one string)")
     p.add_argument("--learn-args", default="", help="more flags for the learning arm only (one string)")
     p.add_argument("--order", default="off-on", choices=["off-on", "on-off"])
+    p.add_argument("--interleave", type=int, default=0, help="both servers up, the stream fed in blocks of this many "
+                   "requests to one arm then the other (alternating which first), the learner paused while the other "
+                   "serves: a slow spell of the machine falls on both arms alike (0 = one arm, then the other)")
     p.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on"])
     p.add_argument("--scrape-every", type=float, default=5.0)
     p.add_argument("--max-batch", type=int, default=8, help="the capacity run's clients (osd serve's --max-batch)")
@@ -342,6 +423,6 @@ def _cmd(args) -> None:
     config = LiveConfig(args.models, args.stream, args.split, args.requests, args.offset, tuple(args.load),
                         args.capacity, args.capacity_requests, args.window, args.max_tokens, args.seed,
                         tuple(shlex.split(args.osd_args)), tuple(shlex.split(args.learn_args)), args.order,
-                        args.scrape_every, args.max_batch, tuple(args.arms))
+                        args.scrape_every, args.max_batch, tuple(args.arms), args.interleave)
     result = run_live(config, args.log_dir)
     report_live(result, args.out, args.markdown)

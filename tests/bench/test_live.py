@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from osd_bench.live import LiveConfig, arrival_schedule, compare, first_publish, run_live, windows
+from osd_bench import live
+from osd_bench.live import (LiveConfig, append_block, arrival_schedule, block_arrivals, block_order, compare,
+                           first_publish, run_live, windows)
 
 
 def test_the_arrival_schedule_is_reproducible_from_its_seed():
@@ -77,3 +79,34 @@ def test_both_arms_on_the_tiny_pair_answer_identically_and_report_windows(tmp_pa
     out = tmp_path / "live.json"
     report_live(result, str(out), None)
     assert json.loads(out.read_text())["loads"][0]["comparison"]["greedy_identical"]["of"] == 6
+
+
+def test_interleaved_blocks_keep_their_gaps_and_each_arm_its_own_clock():
+    arrivals = [1.0, 2.0, 4.0, 7.0, 11.0]
+    assert block_arrivals(arrivals, 0, 2) == [1.0, 2.0] and block_arrivals(arrivals, 2, 4) == [2.0, 5.0]
+    assert [block_order(b) for b in range(3)] == [("off", "on"), ("on", "off"), ("off", "on")]
+    arm = {"rows": [], "scrapes": [], "wall_seconds": 0.0}
+    row = {"index": 0, "arrival": 1.0, "sent": 1.0, "done": 3.0, "text": "a"}
+    append_block(arm, {"rows": [row], "scrapes": [{"t": 0.0, "optimizer_steps": 0}], "wall_seconds": 5.0}, 0)
+    append_block(arm, {"rows": [row], "scrapes": [{"t": 4.0, "optimizer_steps": 8}], "wall_seconds": 6.0}, 1)
+    assert [(r["index"], r["arrival"], r["done"]) for r in arm["rows"]] == [(0, 1.0, 3.0), (1, 6.0, 8.0)]
+    assert [s["t"] for s in arm["scrapes"]] == [0.0, 9.0] and arm["wall_seconds"] == 11.0
+
+
+def test_interleaved_arms_answer_identically_and_the_learner_rests_while_the_other_serves(tmp_path, monkeypatch):
+    stream = tmp_path / "stream.jsonl"
+    prompts = ["def add(a, b):", "Sort a list.", "Hello there", "x = 1\ny =", "for i in range(", "print('hi')"]
+    stream.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    paused, real = [], live.set_learner_paused
+    monkeypatch.setattr(live, "set_learner_paused", lambda server, p: paused.append(p) or real(server, p))
+    config = LiveConfig(models="tiny", stream=str(stream), requests=6, loads=(0.5,), capacity=4.0, window=3,
+                        max_tokens=24, scrape_every=0.5, osd_args=("--threads", "1"),
+                        learn_args=("--every-requests", "2", "--busy-share", "0.5"), interleave=3)
+    entry = run_live(config, str(tmp_path / "logs"), progress=lambda *_: None)["loads"][0]
+    on, off = entry["arms"]["on"], entry["arms"]["off"]
+    assert paused == [True, False, False, True, False]  # block 0: off then on; block 1: on then off; then resumed
+    assert [r["index"] for r in on["rows"]] == [r["index"] for r in off["rows"]] == list(range(6))
+    assert all(r["ok"] for r in on["rows"] + off["rows"]) and len(on["windows"]) == 2
+    assert entry["comparison"]["greedy_identical"] == {"same": 6, "of": 6}
+    assert on["rows"][3]["arrival"] >= on["rows"][2]["done"] - 1e-6  # block 1 starts once block 0 drained
+    assert "--no-learn" in off["server_command"] and "--no-learn" not in on["server_command"]
