@@ -34,7 +34,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
-from osd_bench.serve_load import _client, _request_body, one_request, percentile
+from osd_bench.serve_load import _client, _request_body, _set_learning, one_request, percentile
 
 WARM_UP_PROMPT = "Write a haiku about the sea."  # not from any stream
 LEARNER_SERIES = {  # /metrics sample -> short name (learn/online.py stats, learn/budget.py counters)
@@ -298,11 +298,11 @@ def append_block(arm: dict, block: dict, lo: int) -> None:
 
 
 def set_learner_paused(server, paused: bool) -> None:
-    import httpx
+    async def pause() -> None:
+        async with _client(server.url, server.api_key, 60.0, 1) as client:
+            await _set_learning(client, not paused)
 
-    r = httpx.post(server.url + "/v1/osd/learner", json={"paused": paused},
-                   headers={"Authorization": f"Bearer {server.api_key}"}, timeout=60)
-    r.raise_for_status()
+    asyncio.run(pause())
 
 
 def run_interleaved(target: str, draft: str, config: LiveConfig, prompts: list[str], arrivals: list[float],
@@ -310,7 +310,6 @@ def run_interleaved(target: str, draft: str, config: LiveConfig, prompts: list[s
     """Both arms, block by block (module docstring: --interleave) -> {"off": arm, "on": arm}."""
     from osd_bench.soak_server import ServerProcess
 
-    started = time.perf_counter()
     with ServerProcess(target, draft, 10_000_000, arm_args(config, False), f"{log_dir}/load{load}-off.log") as off, \
             ServerProcess(target, draft, 10_000_000, arm_args(config, True), f"{log_dir}/load{load}-on.log") as on:
         servers = {"off": off, "on": on}
@@ -329,7 +328,7 @@ def run_interleaved(target: str, draft: str, config: LiveConfig, prompts: list[s
         set_learner_paused(on, False)
         for name, server in servers.items():
             arms[name]["server_command"] = " ".join(server.command()[2:])
-            arms[name]["arm_seconds"] = time.perf_counter() - started
+            arms[name]["arm_seconds"] = arms[name]["wall_seconds"]  # its own blocks' seconds, not the other arm's
     return {name: finish_arm(arm, config, name == "on") for name, arm in arms.items()}
 
 

@@ -9,9 +9,10 @@ and buys proposals for every step the sequence has left, so a step is charged it
 charged whole to the one step, a request admitted beside others (no draft prefill) almost never proposed (code at
 0.5 of capacity, Zen 4: 32 of 113 requests that arrived beside 3+ others proposed nothing in 64 tokens, and a draft
 learnt to 0.39 acceptance decoded them at 18.1 tokens/s against 18.0 for the shipped one at 0.23,
-archive/live/bench-live-ceiling-code300-load05-nolookup-ac89ec1.json); charged its share, 15 of 109 proposed nothing and
-the learnt draft decoded them at 21.5 against 20.1 (bench-live-ceiling-code300-load05-nolookup.json). What still holds
-speculation back under load is the pass's cost past 4 rows, not the catch-up.
+benchmarks/archive/live/bench-live-ceiling-code300-load05-nolookup-ac89ec1.json); charged its share, 15 of 109
+proposed nothing and the learnt draft decoded them at 21.5 against 20.1
+(benchmarks/live/bench-live-ceiling-code300-load05-nolookup.json). What still holds speculation back under load is
+the pass's cost past 4 rows, not the catch-up.
 E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) (speed_model.expected_tokens); t_target(rows) is the measured cost of
 one target pass over that many rows, whatever sequences they belong to. On osd's Q4 kernel a pass over 8 rows costs
 ~1.7x one row, so while the machine has room, proposals are almost free; when the pass is saturated each row costs
@@ -64,8 +65,6 @@ def allocate_k(alphas: list[float], draft_seconds: list[float], caps: list[int],
 def amortized_catch_up(seconds: float, remaining: int, alpha: float) -> float:
     """A lagging draft's catch-up feed as one step's share: paid once, it serves the steps the sequence has left,
     about remaining / E(alpha, 1) of them (at least one: a sequence near its end pays it whole)."""
-    if seconds <= 0:
-        return 0.0
     return seconds / max(1.0, remaining / expected_tokens(alpha, 1))
 
 
