@@ -107,7 +107,12 @@ def test_giving_the_cores_back_ends_the_background_threads_openmp_team():
         seen["with_team"] = threads() - before
         turns.give_back(owner)
         seen["after"] = threads() - before
+        (x * 2).sum()  # torch without the cores (an update's restore point before its first chunk): a team again
+        seen["without_cores"] = threads() - before
+        turns.give_back(owner)  # holding nothing: the turn is not touched, the team still ends before the wait
+        seen["after_wait"] = threads() - before
 
     t = _thread(chunk)
     t.join(TIMEOUT)
-    assert seen == {"with_team": torch.get_num_threads() - 1, "after": 0}
+    n = torch.get_num_threads() - 1
+    assert seen == {"with_team": n, "after": 0, "without_cores": n, "after_wait": 0}

@@ -73,13 +73,14 @@ class Turns:
             return True
 
     def give_back(self, owner) -> None:
-        """End `owner`'s background turn (nothing if it holds none); called on the thread that did the work, whose
-        OpenMP team ends with it."""
+        """End `owner`'s background turn (if it holds one) and, in any case, the calling thread's OpenMP team: called on
+        the thread that did the work before it waits again, and torch ops it ran without the cores (an update's
+        restore point before its first chunk) started a team too, which would otherwise idle beside serving for as
+        long as the wait for credit lasts."""
         with self._cond:
-            if self._background is not owner:
-                return
-            self._background = None
-            self._cond.notify_all()
+            if self._background is owner:
+                self._background = None
+                self._cond.notify_all()
         end_thread_team()
 
     @property
