@@ -199,3 +199,41 @@ def test_a_serving_learner_checkpoints_at_most_once_a_minute_and_always_when_it_
     assert saved_version() == 4
     every_update = LearnConfig(guard=False, checkpoint_dir=str(tmp_path / "b"))
     assert every_update.checkpoint_every_seconds == 0.0 and LearnConfig.serving().checkpoint_every_seconds == 60.0
+
+
+def test_a_background_learner_writes_its_checkpoint_when_no_request_decodes(tmp_path):
+    """Writing a checkpoint took ~1.5 s of a core beside serving, which decoding requests lost on 2 cores: in the
+    background schedule an update's checkpoint waits for an idle engine, or checkpoint_every_seconds at most."""
+    import json
+
+    from test_buffer_burst import _items
+
+    now, busy = [0.0], [False]
+    ckpt = tmp_path / "ckpt"
+    config = LearnConfig(guard=False, every_requests=0, batch_size=2, steps_per_update=1, lr=1e-2, train_layers=0,
+                         rehearsal=0.0, checkpoint_dir=str(ckpt), checkpoint_every_seconds=60.0, schedule="background")
+    versions = iter(range(1, 100))
+    learner = OnlineLearner(tiny_qwen2(seed=1, layers=1), lambda m, version=None: SimpleNamespace(version=next(versions)),
+                            config, engine_busy=lambda: busy[0], clock=lambda: now[0])
+    saved_version = lambda: json.loads((ckpt / "state.json").read_text())["version"] if ckpt.exists() else None
+    for item in _items(6):
+        learner.observe_item(item)
+    learner.update()
+    assert saved_version() is None  # due, not written inside the update
+    learner._save_when_idle()
+    assert saved_version() == 1  # idle: written
+    now[0] = 61.0
+    learner.update()
+    busy[0] = True
+    learner._save_when_idle()
+    now[0] = 120.0
+    learner._save_when_idle()
+    assert learner.version == 2 and saved_version() == 1  # requests decode: it waits ...
+    now[0] = 121.0
+    learner._save_when_idle()
+    assert saved_version() == 2  # ... checkpoint_every_seconds at most
+    now[0] = 200.0
+    busy[0] = False
+    learner.update()
+    learner._save_when_idle()
+    assert saved_version() == 3

@@ -240,6 +240,7 @@ class OnlineLearner:
                          "parked_seconds": 0.0,  # updates parked by pause() (train_seconds, their wall time, includes it)
                          "checkpoints_deferred": 0}  # updates not checkpointed: the last checkpoint was too recent
         self._saved_at: float | None = None  # when the last checkpoint was written (clock)
+        self._checkpoint_due: float | None = None  # background: since when a checkpoint waits for an idle engine
         self.last_update: dict = {}
         self.heldout: dict = {}  # the drift guard's latest same-positions comparison: serving draft vs the base
         self.history: list[dict] = []  # one summary per update (bounded)
@@ -406,7 +407,9 @@ class OnlineLearner:
 
     def _checkpoint(self, force: bool = False) -> None:
         """An update's checkpoint (where configured and, unless `force`, the last one is checkpoint_every_seconds
-        old), written without the cores: serving goes on meanwhile."""
+        old), written without the cores: serving goes on meanwhile. In the background schedule an unforced one waits
+        for an idle engine (`_save_when_idle`): writing ~240 MB took ~1.5 s of a core, which decoding requests lost
+        beside it on 2 cores."""
         cfg = self.config
         if not cfg.checkpoint_dir:
             return
@@ -414,7 +417,18 @@ class OnlineLearner:
             self.counters["checkpoints_deferred"] += 1
             return
         self.idle.release()
+        if not force and cfg.schedule == "background":
+            self._checkpoint_due = self._checkpoint_due if self._checkpoint_due is not None else self.clock()
+            return
         self.save()
+
+    def _save_when_idle(self) -> None:
+        """Write the checkpoint an update left due once no request decodes, or once it has waited
+        checkpoint_every_seconds (a server that is never idle still checkpoints)."""
+        due = self._checkpoint_due
+        if due is not None and (not self.engine_busy() or self.clock() - due >= self.config.checkpoint_every_seconds):
+            self._checkpoint_due = None  # (a failed write is not retried before the next update's)
+            self.save()
 
     def _stop_drift(self, holdout: list, serving: list[bool] | None, report: dict) -> bool:
         """The drift guard: the serving draft (`serving`: its correctness on `holdout`) against the never-trained
@@ -587,13 +601,14 @@ class OnlineLearner:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(timeout=1.0)
+            self._wake.wait(timeout=1.0 if self._checkpoint_due is None else 0.1)
             self._wake.clear()
             if self._stop.is_set():
                 break
             errors = self.counters["update_errors"]
             try:
                 self.maybe_update()
+                self._save_when_idle()
             except Exception as e:  # a failed update never takes serving down, nor passes for a guard rejection
                 if self.counters["update_errors"] == errors:  # (update() counts its own, having restored the master)
                     self.counters["update_errors"] += 1
@@ -621,7 +636,7 @@ class OnlineLearner:
             state = {"version": self.version, "counters": self.counters, "config": asdict(self.config)}
             extra = {TRAJECTORY: self.average.state_dict()} if self.average is not None else None
             save_checkpoint(self.config.checkpoint_dir, self.master, self.optimizer, state, extra)
-            self._saved_at = self.clock()
+            self._saved_at, self._checkpoint_due = self.clock(), None
 
     def resume(self) -> bool:
         """Load the last checkpoint (if any) and publish it at its saved version."""
