@@ -313,19 +313,22 @@ def run_interleaved(target: str, draft: str, config: LiveConfig, prompts: list[s
     with ServerProcess(target, draft, 10_000_000, arm_args(config, False), f"{log_dir}/load{load}-off.log") as off, \
             ServerProcess(target, draft, 10_000_000, arm_args(config, True), f"{log_dir}/load{load}-on.log") as on:
         servers = {"off": off, "on": on}
+        pausable = "--no-learn" not in arm_args(config, True)  # (a ceiling run: both arms not learning, drafts differ)
         arms = {name: {"rows": [], "scrapes": [], "wall_seconds": 0.0} for name in servers}
         blocks = range(0, len(prompts), config.interleave)
         for b, lo in enumerate(blocks):
             hi = min(len(prompts), lo + config.interleave)
             progress(f"block {b + 1}/{len(blocks)}: requests {lo}-{hi - 1}, {' then '.join(block_order(b))}")
             for name in block_order(b):
-                set_learner_paused(on, name != "on")
+                if pausable:
+                    set_learner_paused(on, name != "on")
                 server = servers[name]
                 block = asyncio.run(replay_async(server.url, server.api_key, prompts[lo:hi],
                                                  block_arrivals(arrivals, lo, hi), config.max_tokens,
                                                  config.scrape_every, warm_up=b == 0))
                 append_block(arms[name], block, lo)
-        set_learner_paused(on, False)
+        if pausable:
+            set_learner_paused(on, False)
         for name, server in servers.items():
             arms[name]["server_command"] = " ".join(server.command()[2:])
             arms[name]["arm_seconds"] = arms[name]["wall_seconds"]  # its own blocks' seconds, not the other arm's

@@ -110,3 +110,18 @@ def test_interleaved_arms_answer_identically_and_the_learner_rests_while_the_oth
     assert entry["comparison"]["greedy_identical"] == {"same": 6, "of": 6}
     assert on["rows"][3]["arrival"] >= on["rows"][2]["done"] - 1e-6  # block 1 starts once block 0 drained
     assert "--no-learn" in off["server_command"] and "--no-learn" not in on["server_command"]
+
+
+def test_an_interleaved_ceiling_run_with_no_learner_on_either_arm_runs_without_pausing(tmp_path, monkeypatch):
+    """A ceiling run (both arms --no-learn, the "on" arm another draft) has no learner to pause: a pause request
+    there is an HTTP error, so the interleaved bench must not send one."""
+    stream = tmp_path / "stream.jsonl"
+    stream.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def add(a, b):", "Sort a list.", "x = 1"]))
+    paused = []
+    monkeypatch.setattr(live, "set_learner_paused", lambda server, p: paused.append(p))
+    config = LiveConfig(models="tiny", stream=str(stream), requests=3, loads=(0.5,), capacity=4.0, window=3,
+                        max_tokens=8, scrape_every=0.5, osd_args=("--threads", "1"), learn_args=("--no-learn",),
+                        interleave=2)
+    entry = run_live(config, str(tmp_path / "logs"), progress=lambda *_: None)["loads"][0]
+    assert paused == [] and entry["comparison"]["greedy_identical"] == {"same": 3, "of": 3}
+    assert "--no-learn" in entry["arms"]["on"]["server_command"]
