@@ -322,3 +322,22 @@ def test_a_learner_whose_updates_change_nothing_spaces_them_out(target_model, to
     assert updates(1) == (15, 2)
     # after requests 2, 4, 6, 8 (four pooled: x2), 12 (x4), 20 and 28 (x4: the cap)
     assert updates(4) == (7, 8)
+
+
+def test_requests_that_finish_while_an_update_trains_count_toward_the_next_one():
+    """Under load a background update spans ~10-20 requests; resetting the count to 0 when it ended made an update
+    "every 8 requests" come every ~25 (88 steps in 300 code requests at 0.5 of capacity, where the recipe means about
+    one a request). The requests seen when it started are spent; those that finished meanwhile carry over."""
+    learner = OnlineLearner(tiny_qwen2(seed=1, layers=1), lambda m, version=None: SimpleNamespace(version=1),
+                            LearnConfig(guard=False, every_requests=8))
+    for _ in range(8):
+        learner.after_request()
+
+    def training(reason):  # three requests finish while it trains
+        for _ in range(3):
+            learner.after_request()
+        return {"reason": reason, "items": 0, "published": False, "losses": []}
+
+    learner._update = training
+    learner.update()
+    assert learner.counters["requests_since_update"] == 3 and learner.counters["requests"] == 11
