@@ -218,6 +218,16 @@ def test_a_background_learner_writes_its_checkpoint_when_no_request_decodes(tmp_
     saved_version = lambda: json.loads((ckpt / "state.json").read_text())["version"] if ckpt.exists() else None
     for item in _items(6):
         learner.observe_item(item)
+
+    real_update = learner.update
+
+    def update_on_its_thread():  # the learner's own updates defer; one asked for from elsewhere is written at once
+        learner._thread = threading.Thread(target=real_update)
+        learner._thread.start()
+        learner._thread.join()
+        learner._thread = None
+
+    learner.update = update_on_its_thread
     learner.update()
     assert saved_version() is None  # due, not written inside the update
     learner._save_when_idle()

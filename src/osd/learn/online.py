@@ -420,7 +420,8 @@ class OnlineLearner:
             self.counters["checkpoints_deferred"] += 1
             return
         self.idle.release()
-        if not force and cfg.schedule == "background":
+        if not force and cfg.checkpoint_every_seconds > 0 and threading.current_thread() is self._thread:
+            # (an update someone asked for, or "after every update": written now, before the caller goes on)
             self._checkpoint_due = self._checkpoint_due if self._checkpoint_due is not None else self.clock()
             return
         self.save()
