@@ -410,9 +410,10 @@ class OnlineLearner:
 
     def _checkpoint(self, force: bool = False) -> None:
         """An update's checkpoint (where configured and, unless `force`, the last one is checkpoint_every_seconds
-        old), written without the cores: serving goes on meanwhile. In the background schedule an unforced one waits
-        for an idle engine (`_save_when_idle`): writing ~240 MB took ~1.5 s of a core, which decoding requests lost
-        beside it on 2 cores."""
+        old), written without the cores: serving goes on meanwhile. An unforced one of the learner's own background
+        updates, with checkpoint_every_seconds > 0, waits for an idle engine (`_save_when_idle`): writing ~240 MB took
+        ~1.5 s of a core, which decoding requests lost beside it on 2 cores. An update asked for from another thread
+        (the cluster's update_now), or "after every update" (0), is written now, before the caller goes on."""
         cfg = self.config
         if not cfg.checkpoint_dir:
             return
@@ -421,7 +422,6 @@ class OnlineLearner:
             return
         self.idle.release()
         if not force and cfg.checkpoint_every_seconds > 0 and threading.current_thread() is self._thread:
-            # (an update someone asked for, or "after every update": written now, before the caller goes on)
             self._checkpoint_due = self._checkpoint_due if self._checkpoint_due is not None else self.clock()
             return
         self.save()
