@@ -111,7 +111,8 @@ def test_micro_batches_take_the_same_step_and_wait_for_idle_between_them(target_
         model, busy_checks = copy.deepcopy(draft), []
         config = LearnConfig(mode="all", every_requests=0, lr=1e-2, steps_per_update=2, batch_size=4, trainable="all",
                              guard=False, micro_batch=micro_batch, schedule=schedule, chunk_positions=chunk_positions,
-                             keep_unused_seconds=0.0)  # the same batches as sync (background takes unused items first)
+                             keep_unused_seconds=0.0,  # the same batches as sync (background takes unused items first)
+                             precision="float32")  # (bf16's rounding would hide a wrong split's difference)
         learner = OnlineLearner(model, lambda master, version=None: SimpleNamespace(version=1), config,
                                 engine_busy=lambda: busy_checks.append(1) and False)
         for it in items:

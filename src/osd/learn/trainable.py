@@ -150,7 +150,7 @@ def last_layer_at_rows(layer, hidden: torch.Tensor, rope, rows: torch.Tensor, co
         visible = torch.arange(width)[None, :] <= cols[sel][:, None]  # (n, T): causal, padding is never visible
         out[sel] = torch.nn.functional.scaled_dot_product_attention(
             queries[sel].transpose(0, 1), keys[b].repeat_interleave(group, 0), values[b].repeat_interleave(group, 0),
-            attn_mask=visible, scale=attn.scaling).transpose(0, 1)
+            attn_mask=visible, scale=attn.scaling).transpose(0, 1).to(out.dtype)  # (bf16 under autocast)
     h = hidden[rows, cols] + attn.o_proj(out.reshape(len(rows), -1))
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
