@@ -234,7 +234,10 @@ def report_train_step(result: dict, out: str, markdown: str) -> None:
     notes = (f"rows_only vs whole_layer: {result['speedup_rows_only']:.2f}x (median); mean context "
              f"{result['mean_context_tokens']:.0f} tokens, {result['mean_supervised_positions']:.0f} supervised positions "
              f"per item; largest loss difference {result['max_loss_difference']:.2e}, largest gradient difference "
-             f"{result['max_relative_gradient_difference']:.2e} (relative to the tensor's largest entry)")
+             f"{result['max_relative_gradient_difference']:.2e} (relative to the tensor's largest entry); "
+             f"bf16 vs fp32 rows_only: {result['speedup_bf16']:.2f}x (native bf16: {result['native_bf16']}), gradients "
+             f"within {result['max_bf16_gradient_difference_l2']:.1%} (relative L2); clipping + AdamW "
+             + ", ".join(f"{k} {1000 * v:.0f} ms" for k, v in result["optimizer_step_seconds"].items()))
     m = machine()
     emit_report("Training step (`osd bench train-step`)",
                 f"`{redacted_command(sys.argv[1:])}`; {cfg['dataset']}/{cfg['split']} {cfg['requests']} requests, "

@@ -121,4 +121,8 @@ def test_bench_train_step_times_both_paths_and_they_agree(workspace):
     assert result["rows_only_supported"] and result["config"]["requests"] == 8
     assert all(len(v) == 2 and min(v) > 0 for v in result["seconds_per_forward_backward"].values())
     assert result["max_loss_difference"] < 1e-4 and result["max_relative_gradient_difference"] < 1e-3
+    assert set(result["seconds_per_forward_backward"]) == {"whole_layer", "rows_only", "rows_only_bf16"}
+    assert 0 < result["max_bf16_gradient_difference_l2"] < 0.1  # bf16 did round, and stayed close
+    assert set(result["optimizer_step_seconds"]) == {"adamw_loop", "adamw_fused"}
+    assert all(v > 0 for v in result["optimizer_step_seconds"].values())
     assert "## Training step (`osd bench train-step`)" in (root / "B.md").read_text()
