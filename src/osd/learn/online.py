@@ -115,7 +115,7 @@ class LearnConfig:
     precision: str = option("auto", (
         "the training step's matrix products: bfloat16 (autocast; weights, gradients and Adam moments stay float32), "
         "float32, or auto = bfloat16 where the CPU has native bf16 (AVX-512 BF16, AMX), else float32 "
-        "(learn/precision.py: a step took 0.6x the float32 time on the Zen 4 machine)"), choices=PRECISIONS)
+        "(learn/precision.py: forward + backward took 0.53x the float32 time on the Zen 4 machine, same learning)"), choices=PRECISIONS)
     # (learn/trainable.py's "adapter" is set by --drafts' own learners, not a flag)
     trainable: str = option("no_embeddings", "which draft weights train: all, no_embeddings or lora "
                             "(learn/trainable.py)", choices=("all", "no_embeddings", "lora"))
@@ -230,7 +230,8 @@ class OnlineLearner:
         self.params = configure_trainable(master, self.config.trainable, self.config.train_layers, self.config.lora_rank)
         self.split = split_index(master, self.config.train_layers)
         self.dtype = training_dtype(self.config.precision)  # of the step's matrix products (learn/precision.py)
-        # fused: one kernel over all the parameters (18 ms a step against 49 ms for the per-tensor loop, Zen 4)
+        # fused: one kernel over all the parameters (15 ms a step against 49 ms for the per-tensor loop, Zen 4:
+        # benchmarks/learning/bench-train-step-code-b2.json)
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, weight_decay=0.0, fused=True)
         # averaging: the master holds the average of the steps' weights (what serves), the optimizer steps its own
         # trajectory (learn/average.py); None: the master's weights are the last step's
