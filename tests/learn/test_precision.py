@@ -28,12 +28,13 @@ def _gradients(draft, items, precision):
     learner = OnlineLearner(copy.deepcopy(draft), lambda master, version=None: None, config)
     assert learner.dtype == training_dtype(precision)
     loss = learner._accumulate_gradients([copy.copy(it) for it in items])
-    return loss, torch.cat([p.grad.flatten() for p in learner.params])
+    acceptance = learner._acceptance([copy.copy(it) for it in items])["expected_acceptance"]
+    return loss, torch.cat([p.grad.flatten() for p in learner.params]), acceptance
 
 
 def test_a_bf16_step_computes_in_bf16_and_its_gradients_follow_fp32s(target_model, tokenizer):
     """bf16 autocast: the step's products round to bf16 (the gradients differ from fp32's) but point the same way
-    (within a few percent); weights and gradients stay fp32."""
+    (within a few percent); weights and gradients stay fp32. The guards' held-out evaluations run in it too."""
     draft = tiny_qwen2(seed=1, layers=2, hidden=64)
     engine, _ = make_engine(target_model, copy.deepcopy(draft), tokenizer, k=4)
     observer = OnlineLearner(copy.deepcopy(draft), lambda master, version=None: None,
@@ -42,9 +43,10 @@ def test_a_bf16_step_computes_in_bf16_and_its_gradients_follow_fp32s(target_mode
         engine.generate(prompt, SamplingConfig(max_new_tokens=12))
     items = observer.buffer.snapshot()
     assert len(items) >= 4
-    loss32, grad32 = _gradients(draft, items, "float32")
-    loss16, grad16 = _gradients(draft, items, "bfloat16")
+    loss32, grad32, acceptance32 = _gradients(draft, items, "float32")
+    loss16, grad16, acceptance16 = _gradients(draft, items, "bfloat16")
     assert grad16.dtype == torch.float32
     assert not torch.equal(grad16, grad32)  # it did compute in bf16
     assert abs(loss16 - loss32) < 0.02 * abs(loss32)
     assert (grad16 - grad32).norm() < 0.05 * grad32.norm()
+    assert acceptance16 != acceptance32 and abs(acceptance16 - acceptance32) < 0.02

@@ -170,6 +170,11 @@ class LearnConfig:
         third of the learner time: 0.441 in 33 s against 0.457 in 92 s on those 100 requests
         (benchmarks/learning/recipe-code100-b{2,8}.json), so a learner held to a share of a busy server keeps up with
         its traffic (the 8-item recipe took ~0.65 s of learner time per request, more than a 0.5-load server leaves).
+        16 steps every 16 requests (not 8 every 8): an update's fixed work (the guards' held-out evaluations, the
+        restore point, building the serving copy, the checkpoint) was ~45% of a live learner's seconds
+        (benchmarks/live/profiles/), and every publish makes the scheduler probe the new version; on code test
+        requests 0-299, 288 steps took 48 s of learner time against 62 s for 296 steps 8 every 8, held-out 0.521
+        against 0.529 (benchmarks/learning/precision-code300-bf16.json, recipe-code300-e16.json).
         back_off 8: a draft that stopped improving stops costing (learn/triggers.py Pace): on a code stream at 0.5 of
         capacity the updates kept paying and the pace stayed at 8 requests (benchmarks/live/
         bench-live-code300-load05-nolookup.json), where the learner's ~0.1 of the CPU about cancelled what its draft
@@ -178,7 +183,7 @@ class LearnConfig:
         the cheap draft, fsynced) after every 4-step update wrote that much every few requests beside serving."""
         return cls(**{"schedule": "background", "busy_share": 0.03, "checkpoint_dir": "runs/draft-checkpoint",
                       "checkpoint_every_seconds": 60.0, "mode": "all", "lr": 1e-4, "train_layers": 1,
-                      "batch_size": 2, "every_requests": 8, "steps_per_update": 8, "back_off": 8, **overrides})
+                      "batch_size": 2, "every_requests": 16, "steps_per_update": 16, "back_off": 8, **overrides})
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -529,9 +534,12 @@ class OnlineLearner:
 
     def _acceptance(self, items: list) -> dict:
         """The master's acceptance on held-out items; in background mode in chunks of work (`_chunks`: a chunk of 8
-        items took 1.7-2.5 s of the draft here, every request's step held up meanwhile: schedule/turns.py)."""
-        return acceptance_on(self.master, items, split=self.split, pause=self._wait_idle,
-                             chunks=self._chunks if self.config.schedule == "background" else None)
+        items took 1.7-2.5 s of the draft here, every request's step held up meanwhile: schedule/turns.py). In the
+        training step's precision: every version the guards compare is measured alike (evaluations were 22% of a
+        live learner's seconds in fp32, benchmarks/live/profiles/)."""
+        with compute_in(self.dtype):
+            return acceptance_on(self.master, items, split=self.split, pause=self._wait_idle,
+                                 chunks=self._chunks if self.config.schedule == "background" else None)
 
     def _serving_acceptance(self, items: list) -> dict:
         """The serving version's acceptance on held-out items: what the last published update measured on the same
