@@ -66,7 +66,8 @@ def item_from_step(record, mode: str = "mismatch", top_k: int = 64, max_context:
     base = len(record.context)
     tokens = record.context + record.proposed[: max(rows)]  # the draft saw proposals before each row
     cut = stable_cut(len(tokens), max_context)
-    target = compress(record.target_logits[rows], top_k)  # row j predicts the token at base + j
+    # row j predicts the token at base + j; the rows are consecutive: a view, not a copy of (rows x V) logits
+    target = compress(record.target_logits[rows[0] : rows[-1] + 1], top_k)
     return ReplayItem(tokens[cut:], [base + j - cut for j in rows], target, record.request_id,
                       record.draft[1], time.monotonic() if now is None else now)
 
