@@ -115,7 +115,8 @@ class LearnConfig:
     precision: str = option("auto", (
         "the training step's matrix products: bfloat16 (autocast; weights, gradients and Adam moments stay float32), "
         "float32, or auto = bfloat16 where the CPU has native bf16 (AVX-512 BF16, AMX), else float32 "
-        "(learn/precision.py: forward + backward took 0.53x the float32 time on the Zen 4 machine, same learning)"), choices=PRECISIONS)
+        "(learn/precision.py: forward + backward took 0.53x the float32 time on the Zen 4 machine, same learning)"),
+        choices=PRECISIONS)
     # (learn/trainable.py's "adapter" is set by --drafts' own learners, not a flag)
     trainable: str = option("no_embeddings", "which draft weights train: all, no_embeddings or lora "
                             "(learn/trainable.py)", choices=("all", "no_embeddings", "lora"))

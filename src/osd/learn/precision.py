@@ -4,10 +4,10 @@ A distillation step of the cheap draft's last layer is matrix products (the laye
 head at the supervised positions) forward and backward. On a CPU with native bf16 dot products (AVX-512 BF16,
 AMX) they run about twice as fast under bf16 autocast, the weights, gradients and Adam moments staying fp32:
 on the Zen 4 machine a batch of 2 code items (64 supervised positions each) took 90 ms forward + backward against
-172 ms in fp32, gradients within 1.3% of the fp32 ones (relative L2; benchmarks/learning/bench-train-step-code-b2.json),
-and a draft learnt on 300 code requests reached the same held-out acceptance (0.529 against 0.530,
-benchmarks/learning/precision-code300-{bf16,fp32}.json). Without native bf16 (AVX2-only) bf16 is emulated and
-slower, so "auto" stays fp32 there.
+172 ms in fp32, gradients within 1.3% of the fp32 ones (relative L2;
+benchmarks/learning/bench-train-step-code-b2.json), and a draft learnt on 300 code requests reached the same held-out
+acceptance (0.529 against 0.530, benchmarks/learning/precision-code300-{bf16,fp32}.json). Without native bf16
+(AVX2-only) bf16 is emulated and slower, so "auto" stays fp32 there.
 """
 from __future__ import annotations
 
