@@ -70,8 +70,8 @@ def run_train_step(models: ModelConfig, dataset: str, split: str, requests: int,
         loss_diff = max(loss_diff, abs(loss_w - loss_r))
         grad_diff = max(grad_diff, max((a - b).abs().max().item() / (a.abs().max().item() or 1.0)
                                        for a, b in zip(grads_w, grads_r)))
-        flat = lambda grads: torch.cat([g.flatten() for g in grads])
-        bf16_diff = max(bf16_diff, ((flat(runs["rows_only_bf16"][2]) - flat(grads_r)).norm() / flat(grads_r).norm()).item())
+        fp32 = _flat(grads_r)
+        bf16_diff = max(bf16_diff, ((_flat(runs["rows_only_bf16"][2]) - fp32).norm() / fp32.norm()).item())
     median = {name: statistics.median(v) for name, v in seconds.items()}
     optimizer = optimizer_seconds(params, repeats)
     return {"config": {"models": models.__dict__, "dataset": dataset, "split": split, "requests": len(items),
@@ -85,6 +85,10 @@ def run_train_step(models: ModelConfig, dataset: str, split: str, requests: int,
             "speedup_bf16": median["rows_only"] / median["rows_only_bf16"], "native_bf16": native_bf16(),
             "max_loss_difference": loss_diff, "max_relative_gradient_difference": grad_diff,
             "max_bf16_gradient_difference_l2": bf16_diff, "optimizer_step_seconds": optimizer}
+
+
+def _flat(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.flatten() for g in grads])
 
 
 def optimizer_seconds(params: list[torch.Tensor], repeats: int) -> dict:

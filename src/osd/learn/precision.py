@@ -16,13 +16,14 @@ from contextlib import nullcontext
 import torch
 
 from osd.errors import InvalidArgument
+from osd.models.kernels import cpu_flags
 
 PRECISIONS = ("auto", "float32", "bfloat16")
 
 
 def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX tiles)."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX BF16), from its /proc/cpuinfo flags."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def training_dtype(precision: str, native: bool | None = None) -> torch.dtype:
