@@ -351,7 +351,7 @@ def register(sub) -> None:
     from osd_bench.target_quant import register as register_bench_target_quant  # `osd bench target-quant`
 
     register_bench_target_quant(bench)
-    from osd_bench.feature_head import register as register_bench_feature_head  # `osd bench feature-head`
+    from osd_bench.feature_head_run import register as register_bench_feature_head  # `osd bench feature-head`
 
     register_bench_feature_head(bench)
     from osd_bench.synth_gguf import register as register_bench_synth_gguf  # `osd bench synth-gguf`

@@ -535,14 +535,15 @@ class Q4Runner(PositionCache):
         x = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).reshape(len(token_ids), self.shape.hidden)
         return x * self._embed_scale if self._embed_scale else x  # (M, hidden); Gemma: times sqrt(hidden)
 
-    def _forward(self, token_ids: list[int]) -> torch.Tensor:
-        """Run M tokens through the layers at positions length.., caching their keys/values -> (M, hidden)."""
+    def _forward(self, token_ids: list[int], taps: dict[int, list] | None = None) -> torch.Tensor:
+        """Run M tokens through the layers at positions length.., caching their keys/values -> (M, hidden).
+        `taps` {layer index: list}: each listed layer's output (the residual stream, (M, hidden)) is appended."""
         pos = torch.arange(self.length, self.length + len(token_ids))  # (M,)
-        x = self.forward_rows(self.embed(token_ids), [Rows(0, len(token_ids), pos, self._kv)])
+        x = self.forward_rows(self.embed(token_ids), [Rows(0, len(token_ids), pos, self._kv)], taps)
         self.length += len(token_ids)
         return x
 
-    def forward_rows(self, x: torch.Tensor, groups: list["Rows"]) -> torch.Tensor:
+    def forward_rows(self, x: torch.Tensor, groups: list["Rows"], taps: dict[int, list] | None = None) -> torch.Tensor:
         """x (M, hidden) through the layers -> (M, hidden). Each group of consecutive rows belongs to one sequence:
         its keys/values go to that sequence's cache at its positions, its queries attend to that cache only. The
         matrices see all M rows at once (one pass over each weight); everything else runs per row, so a row's
@@ -559,6 +560,8 @@ class Q4Runner(PositionCache):
             gate_up = layer.gate_up(quantize(g.rms_norm(x, layer.ffn_norm, s.eps)))  # (M, 2 I)
             out = layer.ffn_down(quantize(self._activation(gate_up)))  # (M, hidden)
             x += out if layer.ffn_post_norm is None else g.rms_norm(out, layer.ffn_post_norm, s.eps)
+            if taps and i in taps:  # a layer's output kept for a reader of the target's features (bench feature-head)
+                taps[i].append(x.clone())
         return x
 
     def _attend(self, qkv: torch.Tensor, i: int, groups: list["Rows"], joint) -> torch.Tensor:

@@ -1,0 +1,232 @@
+"""`osd bench feature-head`'s run: the target answers train and held-out prompts, its features are read, one head is
+trained per arm on the same data (`--arms`: the training-time test's depth and the target layers read), and each
+head's chains are scored against the cheap draft's from the same held-out starts. The head and its math:
+`feature_head.py`.
+
+`--data-cache FILE` keeps the target's answers and features (the slow part: about 25 minutes for 400 prompts on 2
+cores) so that more arms can be trained on them later; a cache made for another configuration is not read.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from osd.data import load_records, prompt_ids, with_context
+from osd.errors import InvalidArgument
+from osd_bench.feature_head import (FeatureHead, accepted_by_depth, agreement, chain_examples, check_disjoint,
+                                    draft_chains, head_agreement, head_chains, head_rows_of, head_then_draft,
+                                    leading_hits, paired_mean_difference, seconds_per_token, source_slices,
+                                    train_head)
+
+
+def parse_arms(text: str) -> list[tuple[int, tuple[int, ...]]]:
+    """'1,3,3@2+14+25' -> [(1, ()), (3, ()), (3, (2, 14, 25))]: per arm, the training-time test's depth (1: the
+    single-step head) and the target layers read besides the last (none: the LM head's input only)."""
+    arms = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        steps, _, layers = item.partition("@")
+        try:
+            arm = (int(steps), tuple(int(x) for x in layers.split("+") if x))
+        except ValueError:
+            raise InvalidArgument(f"an arm is STEPS[@LAYER+LAYER...], e.g. 3@2+14+25; got {item!r}") from None
+        if arm[0] < 1 or any(i < 0 for i in arm[1]):
+            raise InvalidArgument(f"an arm's steps must be >= 1 and its layers >= 0; got {item!r}")
+        arms.append(arm)
+    if not arms:
+        raise InvalidArgument("--arms names no arm")
+    return arms
+
+
+def arm_name(steps: int, layers: tuple[int, ...]) -> str:
+    return f"{steps} deep" + (f", layers {'+'.join(map(str, layers))} + last" if layers else "")
+
+
+def _data(runner, tokenizer, target, train_slices, heldout_slices, max_new_tokens, index, depth, layers, cache,
+          progress):
+    """-> (train samples, held-out samples, train Chains, held-out Chains, seconds), from `cache` when it holds this
+    configuration's."""
+    from osd.models.q4_batch import greedy_many
+    from osd.models.runner import eos_ids_of
+
+    key = json.dumps([target, train_slices, heldout_slices, max_new_tokens, depth, layers])
+    if cache and Path(cache).exists():
+        saved = torch.load(cache, weights_only=False)
+        if saved["key"] == key:
+            return saved["data"]
+    eos = runner.eos_ids | eos_ids_of(tokenizer)
+
+    def answered(slices, split):
+        prompts = [prompt_ids(tokenizer, with_context(r)) for name, own, start, end in slices
+                   for r in load_records(name, own, end - start, offset=start)]
+        prompts = [p for p in prompts if len(p) <= 512]
+        out = [None] * len(prompts)
+        it = greedy_many(runner, prompts, [max_new_tokens] * len(prompts), eos, lambda logits: None, 8)
+        for i, answer, _ in (progress(it, total=len(prompts), desc=f"target answers ({split})", unit="req")
+                             if progress else it):
+            out[i] = (prompts[i], [t for t in answer if t not in eos])
+        return out
+
+    t0 = time.perf_counter()
+    train_samples, heldout_samples = answered(train_slices, "train"), answered(heldout_slices, "test")
+    train = chain_examples(runner, train_samples, index, depth, layers)
+    heldout = chain_examples(runner, heldout_samples, index, depth, layers)
+    data = (train_samples, heldout_samples, train, heldout, time.perf_counter() - t0)
+    if cache:
+        Path(cache).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"key": key, "data": data}, cache)
+    return data
+
+
+def run_feature_head(target: str, draft: str, train_domains, train_per_domain: int, heldout_domains,
+                     heldout_per_domain: int, max_new_tokens: int, epochs: int, lr: float, batch: int, inter: int,
+                     progress=None, depth: int = 4, feature_weight: float = 1.0, arms=((1, ()),),
+                     precision: str = "auto", data_cache: str = "") -> dict:
+    from osd.learn.precision import training_dtype
+    from osd.models.loading import gguf_file, load_model, load_tokenizer
+    from osd.models.q4_runner import Q4Runner
+    from osd.models.vocab_map import vocab_ids_of
+    from osd_bench.replay_fast import paired_difference
+
+    train_slices, heldout_slices = source_slices(train_domains, "train", train_per_domain), \
+        source_slices(heldout_domains, "test", heldout_per_domain)
+    check_disjoint(train_slices, heldout_slices)  # before any model loads
+    if max(steps for steps, _ in arms) > depth:
+        raise InvalidArgument(f"an arm trains chains deeper than --depth {depth}: raise --depth")
+    gguf = gguf_file(target)
+    runner, tokenizer = Q4Runner(gguf, n_ctx=2048), load_tokenizer(target)
+    if any(i >= len(runner.layers) for _, layers in arms for i in layers):
+        raise InvalidArgument(f"the target has layers 0 .. {len(runner.layers) - 1}")
+    draft_model = load_model(draft)
+    vocab_ids = vocab_ids_of(draft_model)
+    index = torch.full((runner.vocab_size,), -1, dtype=torch.long)  # target id -> row of the map
+    index[vocab_ids] = torch.arange(len(vocab_ids))
+    tapped = tuple(sorted({i for _, layers in arms for i in layers}))
+    train_samples, heldout_samples, train, heldout, data_seconds = _data(
+        runner, tokenizer, target, train_slices, heldout_slices, max_new_tokens, index, depth, tapped, data_cache,
+        progress)
+    map_embeddings, head_rows, hidden = runner.embed(vocab_ids.tolist()), head_rows_of(gguf, vocab_ids), \
+        runner.shape.hidden
+    dtype = training_dtype(precision)
+    draft_chain = draft_chains(draft_model, heldout_samples, index, depth)
+    draft_hit = draft_chain[:, 0].tolist()
+    results = []
+    for steps, layers in arms:
+        keep = [tapped.index(i) for i in layers] + [len(tapped)]  # the arm's blocks, the last layer's last
+        arm_train, arm_heldout = train.blocks(keep, hidden), heldout.blocks(keep, hidden)
+        torch.manual_seed(0)
+        head = FeatureHead(hidden, inter, head_rows, inputs=len(keep))
+        before = head_agreement(head, arm_heldout, map_embeddings)
+        t0 = time.perf_counter()
+        losses = train_head(head, arm_train, map_embeddings, epochs, lr, batch, steps=steps,
+                            feature_weight=feature_weight, progress=progress, dtype=dtype)
+        train_seconds = time.perf_counter() - t0
+        head_chain = head_chains(head.eval(), arm_heldout, map_embeddings, depth)
+        hybrid = head_then_draft(head_chain, draft_chain)
+        first = arm_heldout.features[arm_heldout.rows[:1]], arm_heldout.first_embedding[:1]
+        with torch.no_grad():
+            head_s = seconds_per_token(lambda: head(*first))
+        results.append({
+            "name": arm_name(steps, layers), "steps": steps, "layers": list(layers),
+            "head_parameters": sum(p.numel() for p in head.parameters()),
+            "loss_by_epoch": losses, "train_seconds": train_seconds,
+            "first_proposal_agreement": {"untrained": before, "trained": agreement(head_chain[:, 0].tolist())},
+            "first_proposal_vs_draft": paired_difference(draft_hit, head_chain[:, 0].tolist()),  # sign test, flips
+            "accepted_by_depth": accepted_by_depth(head_chain),  # the head reads its own predicted features
+            "accepted_vs_draft": paired_mean_difference(leading_hits(draft_chain), leading_hits(head_chain)),
+            "head_then_draft_accepted_by_depth": accepted_by_depth(hybrid),
+            "head_then_draft_vs_draft": paired_mean_difference(leading_hits(draft_chain), leading_hits(hybrid)),
+            "seconds_per_proposal_fp32": head_s})
+    one = torch.tensor([[heldout_samples[0][0][-1]]])
+    with torch.no_grad():
+        draft_s = seconds_per_token(lambda: draft_model(one))
+        target_s = seconds_per_token(lambda: (runner.reset(), runner.feed([1], n_logits=1)), repeats=5)
+    return {
+        "config": {"target": target, "draft": draft, "train_domains": list(train_domains), "train_per_domain":
+                   train_per_domain, "heldout_domains": list(heldout_domains), "heldout_per_domain": heldout_per_domain,
+                   "train_slices": [list(x) for x in train_slices], "heldout_slices": [list(x) for x in heldout_slices],
+                   "max_new_tokens": max_new_tokens, "epochs": epochs, "lr": lr, "batch": batch, "inter": inter,
+                   "map_rows": len(vocab_ids), "depth": depth, "feature_weight": feature_weight,
+                   "arms": [[s, list(layers)] for s, layers in arms], "precision": precision,
+                   "training_dtype": str(dtype).removeprefix("torch.")},
+        "train_positions": int(len(train.labels)), "train_positions_in_map": int((train.labels[:, 0] >= 0).sum()),
+        "heldout_positions": int(len(heldout.labels)),
+        "heldout_positions_in_map": int((heldout.labels[:, 0] >= 0).sum()),
+        "arms": results,
+        "cheap_draft": {"first_proposal_agreement": agreement(draft_hit),
+                        "accepted_by_depth": accepted_by_depth(draft_chain), "seconds_per_proposal_fp32": draft_s},
+        "target_q4_seconds_per_token": target_s, "data_seconds": data_seconds,
+    }
+
+
+def register(bench) -> None:
+    p = bench.add_parser("feature-head", help="feasibility: heads on the target's features (EAGLE family) vs the "
+                         "cheap draft, chains of proposals scored on held-out prompts")
+    p.add_argument("--target", default="bundled:qwen2.5-coder-1.5b")
+    p.add_argument("--draft", default="derived:cheap-0.5b-v3", help="the draft to compare with; its map is the head's")
+    p.add_argument("--train-domains", default="gsm8k,spider,code,support",
+                   help="datasets, each optionally name[@lang][:split][[start:end]] (default split train, the first "
+                        "--train-per-domain records)")
+    p.add_argument("--train-per-domain", type=int, default=40)
+    p.add_argument("--heldout-domains", default="code,gsm8k,spider,chat",
+                   help="as --train-domains (default split test); a slice may not overlap a training one")
+    p.add_argument("--heldout-per-domain", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--inter", type=int, default=2048, help="the head's MLP width")
+    p.add_argument("--depth", type=int, default=4, help="chain length scored on the held-out starts (the head reads "
+                   "its own predicted feature past the first proposal)")
+    p.add_argument("--feature-weight", type=float, default=1.0,
+                   help="weight of the smooth-L1 fit of the predicted feature to the target's next one (0 = tokens only)")
+    p.add_argument("--arms", default="1,3,3@2+14+25",
+                   help="heads to train on the same data, comma-separated, each STEPS[@LAYER+...]: the training-time "
+                        "test's chain length (1: single-step) and the target layers read besides the last "
+                        "(EAGLE-3 reads a low, a middle and a high one)")
+    p.add_argument("--precision", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="the heads' training matrix products (auto: bf16 where the CPU multiplies it natively)")
+    p.add_argument("--data-cache", default="", help="keep the target's answers and features in this file and reuse "
+                   "them when it holds the same configuration's (default: none)")
+    p.add_argument("--out", default="benchmarks/drafts/feature-head.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args) -> None:
+    import sys
+
+    from tqdm import tqdm
+
+    from osd.records import emit_report, redacted_command, write_result
+    from osd_bench.report import table
+
+    split = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
+    result = run_feature_head(args.target, args.draft, split(args.train_domains), args.train_per_domain,
+                              split(args.heldout_domains), args.heldout_per_domain, args.max_new_tokens, args.epochs,
+                              args.lr, args.batch, args.inter, progress=tqdm, depth=args.depth,
+                              feature_weight=args.feature_weight, arms=parse_arms(args.arms),
+                              precision=args.precision, data_cache=args.data_cache)
+    path = write_result(result, args.out)
+    draft = result["cheap_draft"]
+    rows = [[f"cheap draft ({args.draft})", draft["first_proposal_agreement"], *draft["accepted_by_depth"], None, None,
+             draft["seconds_per_proposal_fp32"] * 1e3]]
+    for arm in result["arms"]:
+        vs = arm["accepted_vs_draft"]
+        rows.append([f"head, {arm['name']}", arm["first_proposal_agreement"]["trained"], *arm["accepted_by_depth"],
+                     f"{vs['mean_difference']:+.3f} (z {vs['z']:.1f})", round(arm["train_seconds"]),
+                     arm["seconds_per_proposal_fp32"] * 1e3])
+        rows.append([f"head ({arm['name']}) first, then the draft", arm["first_proposal_agreement"]["trained"],
+                     *arm["head_then_draft_accepted_by_depth"], None, None, None])
+    notes = (f"{result['train_positions']} training starts ({result['train_positions_in_map']} in the map), "
+             f"{result['heldout_positions']} held-out ({result['heldout_positions_in_map']} in the map); training in "
+             f"{result['config']['training_dtype']}; target one token on the Q4 kernel "
+             f"{result['target_q4_seconds_per_token'] * 1e3:.1f} ms; data {result['data_seconds']:.0f} s")
+    emit_report("Drafts that read the target's features (`osd bench feature-head`)",
+                f"`{redacted_command(sys.argv[1:])}`",
+                [table(rows, ["proposer", "first-proposal agreement (held-out)",
+                              *[f"accepted per step, chain of {d}" for d in range(1, args.depth + 1)],
+                              f"accepted at {args.depth} minus the draft's", "training s", "ms per proposal (fp32)"]),
+                 notes], path, args.markdown)
