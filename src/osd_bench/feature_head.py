@@ -105,7 +105,8 @@ def starts(prompt: list[int], answer: list[int]) -> range:
 class Chains:
     """Every start t of every sample, with what a chain of proposals from it reads and must hit.
     features (R, F): the target's features (`target_features`) at each sample's starts and the positions after them,
-    samples concatenated; rows (N,): the row of start n's t, so the target's feature at t + 1 + d is row rows[n] + 1 + d;
+    samples concatenated; rows (N,): the row of start n's t, so the target's feature at t + 1 + d is row
+    rows[n] + 1 + d;
     first_embedding (N, H): the embedding of the token at t + 1; labels (N, D): the map row of the target's token at
     t + 2 + d (-1 outside the map or past the answer's end: no chain can hit it)."""
     features: torch.Tensor
@@ -120,10 +121,10 @@ class Chains:
 
 
 def chain_examples(runner, samples: list[tuple[list[int], list[int]]], index: torch.Tensor, depth: int,
-                   layers: tuple[int, ...] = ()) -> Chains:
+                   layers: tuple[int, ...] = (), progress=None) -> Chains:
     """samples [(prompt, answer)] -> their `Chains` with labels `depth` deep (a sample with no start adds none)."""
     feats, rows, embs, labels, offset = [], [], [], [], 0
-    for prompt, answer in samples:
+    for prompt, answer in (progress(samples, desc="target features", unit="req") if progress else samples):
         seq, ts = prompt + answer, list(starts(prompt, answer))
         if not ts:
             continue
@@ -172,7 +173,8 @@ def train_head(head: FeatureHead, chains: Chains, map_embeddings: torch.Tensor, 
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
     losses = []
-    for _ in (progress(range(epochs), desc=f"feature head ({steps} deep)", unit="epoch") if progress else range(epochs)):
+    epoch_range = range(epochs)
+    for _ in (progress(epoch_range, desc=f"feature head ({steps} deep)", unit="epoch") if progress else epoch_range):
         order, total, n = pool[torch.randperm(len(pool), generator=g)], 0.0, 0
         for i in range(0, len(order), batch):
             j = order[i : i + batch]

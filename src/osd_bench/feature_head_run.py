@@ -71,8 +71,8 @@ def _data(runner, tokenizer, target, train_slices, heldout_slices, max_new_token
 
     t0 = time.perf_counter()
     train_samples, heldout_samples = answered(train_slices, "train"), answered(heldout_slices, "test")
-    train = chain_examples(runner, train_samples, index, depth, layers)
-    heldout = chain_examples(runner, heldout_samples, index, depth, layers)
+    train = chain_examples(runner, train_samples, index, depth, layers, progress)
+    heldout = chain_examples(runner, heldout_samples, index, depth, layers, progress)
     data = (train_samples, heldout_samples, train, heldout, time.perf_counter() - t0)
     if cache:
         Path(cache).parent.mkdir(parents=True, exist_ok=True)
@@ -181,7 +181,8 @@ def register(bench) -> None:
     p.add_argument("--depth", type=int, default=4, help="chain length scored on the held-out starts (the head reads "
                    "its own predicted feature past the first proposal)")
     p.add_argument("--feature-weight", type=float, default=1.0,
-                   help="weight of the smooth-L1 fit of the predicted feature to the target's next one (0 = tokens only)")
+                   help="weight of the smooth-L1 fit of the predicted feature to the target's next one "
+                        "(0 = tokens only)")
     p.add_argument("--arms", default="1,3,3@2+14+25",
                    help="heads to train on the same data, comma-separated, each STEPS[@LAYER+...]: the training-time "
                         "test's chain length (1: single-step) and the target layers read besides the last "

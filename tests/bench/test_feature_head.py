@@ -183,7 +183,8 @@ def stub_chain_hits(samples, index, vocab_ids, depth):
     from osd_bench.feature_head import head_chains
 
     runner = FakeRunner()
-    return head_chains(StubHead(), chain_examples(runner, samples, index, depth), runner.embed(vocab_ids.tolist()), depth)
+    chains = chain_examples(runner, samples, index, depth)
+    return head_chains(StubHead(), chains, runner.embed(vocab_ids.tolist()), depth)
 
 
 def test_the_head_chain_reads_its_own_predicted_feature_and_proposed_token():
