@@ -46,16 +46,16 @@ def arm_name(steps: int, layers: tuple[int, ...]) -> str:
 
 def _data(runner, tokenizer, target, train_slices, heldout_slices, max_new_tokens, index, depth, layers, cache,
           progress):
-    """-> (train samples, held-out samples, train Chains, held-out Chains, seconds), from `cache` when it holds this
-    configuration's."""
+    """-> (layers read, train samples, held-out samples, train Chains, held-out Chains, seconds), from `cache` when it
+    holds this configuration's with at least these layers (then its layers are the ones read)."""
     from osd.models.q4_batch import greedy_many
     from osd.models.runner import eos_ids_of
 
-    key = json.dumps([target, train_slices, heldout_slices, max_new_tokens, depth, layers])
+    key = json.dumps([target, train_slices, heldout_slices, max_new_tokens, depth])
     if cache and Path(cache).exists():
         saved = torch.load(cache, weights_only=False)
-        if saved["key"] == key:
-            return saved["data"]
+        if saved["key"] == key and set(layers) <= set(saved["layers"]):
+            return (tuple(saved["layers"]), *saved["data"])
     eos = runner.eos_ids | eos_ids_of(tokenizer)
 
     def answered(slices, split):
@@ -76,8 +76,8 @@ def _data(runner, tokenizer, target, train_slices, heldout_slices, max_new_token
     data = (train_samples, heldout_samples, train, heldout, time.perf_counter() - t0)
     if cache:
         Path(cache).parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"key": key, "data": data}, cache)
-    return data
+        torch.save({"key": key, "layers": list(layers), "data": data}, cache)
+    return (layers, *data)
 
 
 def run_feature_head(target: str, draft: str, train_domains, train_per_domain: int, heldout_domains,
@@ -104,7 +104,7 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
     index = torch.full((runner.vocab_size,), -1, dtype=torch.long)  # target id -> row of the map
     index[vocab_ids] = torch.arange(len(vocab_ids))
     tapped = tuple(sorted({i for _, layers in arms for i in layers}))
-    train_samples, heldout_samples, train, heldout, data_seconds = _data(
+    tapped, train_samples, heldout_samples, train, heldout, data_seconds = _data(
         runner, tokenizer, target, train_slices, heldout_slices, max_new_tokens, index, depth, tapped, data_cache,
         progress)
     map_embeddings, head_rows, hidden = runner.embed(vocab_ids.tolist()), head_rows_of(gguf, vocab_ids), \

@@ -243,3 +243,24 @@ def test_arms_parse_and_bad_ones_are_refused():
     for bad in ("", "0", "x", "3@a", "2@-1"):
         with pytest.raises(InvalidArgument):
             parse_arms(bad)
+
+
+def test_a_data_cache_serves_a_configuration_with_fewer_layers_and_no_other(tmp_path):
+    import json
+
+    import pytest
+
+    from osd_bench.feature_head_run import _data
+
+    cache = tmp_path / "data.pt"
+    config = ["bundled:t", [["code", "train", 0, 2]], [["code", "test", 0, 1]], 8, 4]
+    torch.save({"key": json.dumps(config), "layers": [2, 14], "data": ("tr", "ho", "c1", "c2", 5.0)}, cache)
+    args = dict(runner=None, tokenizer=None, target="bundled:t", train_slices=[("code", "train", 0, 2)],
+                heldout_slices=[("code", "test", 0, 1)], max_new_tokens=8, index=None, depth=4, cache=str(cache),
+                progress=None)
+    assert _data(layers=(), **args) == ((2, 14), "tr", "ho", "c1", "c2", 5.0)  # the cached layers, read
+    assert _data(layers=(14,), **args)[0] == (2, 14)
+    with pytest.raises(AttributeError):  # a layer not cached: computed again (here: no runner to do it with)
+        _data(layers=(3,), **args)
+    with pytest.raises(AttributeError):  # another depth: computed again
+        _data(layers=(), **{**args, "depth": 3})
