@@ -232,6 +232,33 @@ def first_publish(rows: list[dict], scrapes: list[dict]) -> dict:
             "first_request_served_by_a_new_version": served}
 
 
+def paired_interval(on: list[float | None], off: list[float | None], statistic, seed: int = 0, draws: int = 2000,
+                    level: float = 0.95) -> list[float] | None:
+    """A paired bootstrap interval of statistic(on values, off values): requests are resampled with replacement, the
+    same requests for both arms (a hard prompt is slow on both), `draws` times -> [low, high] at `level` (None with
+    fewer than 2 requests measured on both)."""
+    import random
+
+    pairs = [(a, b) for a, b in zip(on, off) if a is not None and b is not None and b > 0]
+    if len(pairs) < 2:
+        return None
+    rng, n = random.Random(seed), len(pairs)
+    values = []
+    for _ in range(draws):
+        sample = [pairs[rng.randrange(n)] for _ in range(n)]
+        values.append(statistic([a for a, _ in sample], [b for _, b in sample]))
+    tail = (1 - level) / 2 * 100
+    return [percentile(values, tail), percentile(values, 100 - tail)]
+
+
+def ratio_of_means(on: list[float], off: list[float]) -> float:
+    return (sum(on) / len(on)) / (sum(off) / len(off))
+
+
+def median_ratio(on: list[float], off: list[float]) -> float:
+    return percentile([a / b for a, b in zip(on, off)], 50)
+
+
 def compare(on: dict, off: dict, window: int) -> dict:
     """Learning on / off: the headline ratios per window and quarter, and greedy identity request by request."""
     n = len(on["rows"])
@@ -247,9 +274,14 @@ def compare(on: dict, off: dict, window: int) -> dict:
     same = sum(a is not None and b is not None and a["ok"] and b["ok"] and a["text"] == b["text"]
                for a, b in zip(on["rows"], off["rows"]))
     later = [w["decode_tps_ratio"] for w in per_window[1:] if w["decode_tps_ratio"] is not None]
+    tps = lambda arm, lo, hi: [r["decode_tps"] if r and r["ok"] else None for r in arm["rows"][lo:hi]]  # noqa: E731
     return {"windows": per_window, "first_quarter_ratio": first_q, "last_quarter_ratio": last_q,
             "min_ratio_after_first_window": min(later) if later else None,
-            "paired_ratio_p50": percentile(paired, 50), "greedy_identical": {"same": same, "of": n}}
+            "paired_ratio_p50": percentile(paired, 50), "greedy_identical": {"same": same, "of": n},
+            # 95% paired bootstrap intervals (the same requests resampled for both arms): is a ratio within noise?
+            "first_quarter_interval": paired_interval(tps(on, 0, q), tps(off, 0, q), ratio_of_means),
+            "last_quarter_interval": paired_interval(tps(on, n - q, n), tps(off, n - q, n), ratio_of_means),
+            "paired_ratio_p50_interval": paired_interval(tps(on, 0, n), tps(off, 0, n), median_ratio)}
 
 
 def arm_args(config: LiveConfig, learning: bool) -> list[str]:
@@ -414,13 +446,40 @@ def register(bench) -> None:
     p.add_argument("--log-dir", default="runs/bench-live")
     p.add_argument("--out", default="benchmarks/live/bench-live.json")
     p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
+    p.add_argument("--recompare", nargs="+", metavar="FILE", default=None, help="run nothing: recompute the on/off "
+                   "comparison (ratios, bootstrap intervals) of these result files from their stored requests")
     p.set_defaults(func=_cmd)
+
+
+def recompare(path: str) -> dict:
+    """A live result file's comparisons made again from its stored rows by this revision's `compare` (marked in
+    the file as `comparison_recomputed`); nothing is run."""
+    import json
+    from pathlib import Path
+
+    from osd.records import read_result
+    from osd.revision import git_revision
+
+    result = read_result(path, needs=("config", "loads"))
+    for entry in result["loads"]:
+        if "on" in entry["arms"] and "off" in entry["arms"]:
+            entry["comparison"] = compare(entry["arms"]["on"], entry["arms"]["off"], result["config"]["window"])
+    result["comparison_recomputed"] = {"git_revision": git_revision(),
+                                       "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    Path(path).write_text(json.dumps(result, indent=2, default=str))
+    return result
 
 
 def _cmd(args) -> None:
     import shlex
 
-    from osd_bench.live_report import report_live
+    from osd_bench.live_report import headline, report_live
+
+    if args.recompare:
+        for path in args.recompare:
+            for entry in recompare(path)["loads"]:
+                print(f"{path}: {headline(entry)}")
+        return
 
     config = LiveConfig(args.models, args.stream, args.split, args.requests, args.offset, tuple(args.load),
                         args.capacity, args.capacity_requests, args.window, args.max_tokens, args.seed,

@@ -125,3 +125,41 @@ def test_an_interleaved_ceiling_run_with_no_learner_on_either_arm_runs_without_p
     entry = run_live(config, str(tmp_path / "logs"), progress=lambda *_: None)["loads"][0]
     assert paused == [] and entry["comparison"]["greedy_identical"] == {"same": 3, "of": 3}
     assert "--no-learn" in entry["arms"]["on"]["server_command"]
+
+
+def test_paired_bootstrap_intervals_cover_the_ratio_and_shrink_with_a_steady_one():
+    from osd_bench.live import median_ratio, paired_interval, ratio_of_means
+
+    rng = __import__("random").Random(1)
+    off = [rng.uniform(10, 30) for _ in range(200)]  # prompts differ in difficulty; both arms see the same ones
+    steady = [x * 1.2 for x in off]
+    lo, hi = paired_interval(steady, off, ratio_of_means)
+    assert lo == pytest.approx(1.2) and hi == pytest.approx(1.2)  # the same ratio on every request: no spread
+    noisy = [x * rng.uniform(0.9, 1.5) for x in off]
+    lo, hi = paired_interval(noisy, off, ratio_of_means)
+    assert lo < ratio_of_means(noisy, off) < hi and hi - lo < 0.1 and lo > 1.1
+    lo, hi = paired_interval(noisy, off, median_ratio)
+    assert lo < median_ratio(noisy, off) < hi
+    same = [x * (1 + rng.uniform(-0.2, 0.2)) for x in off]  # no effect, only noise: the interval holds 1
+    lo, hi = paired_interval(same, off, ratio_of_means)
+    assert lo < 1.0 < hi
+    assert paired_interval([1.0, None], [1.0, 2.0], ratio_of_means) is None  # fewer than 2 pairs measured
+    assert paired_interval(noisy, off, ratio_of_means, seed=3) == paired_interval(noisy, off, ratio_of_means, seed=3)
+
+
+def test_recompare_rewrites_a_result_files_comparison_from_its_rows(tmp_path):
+    import json
+
+    from osd_bench.live import recompare
+
+    on_rows, off_rows = _rows([12.0] * 8), _rows([10.0] * 8)
+    arm = lambda rows: {"rows": rows, "scrapes": [], "windows": windows(rows, [], 4)}  # noqa: E731
+    path = tmp_path / "live.json"
+    path.write_text(json.dumps({"config": {"window": 4}, "loads": [
+        {"load": 0.5, "rate_per_s": 1.0, "arms": {"on": arm(on_rows), "off": arm(off_rows)},
+         "comparison": {"stale": True}}]}))
+    recompare(str(path))
+    saved = json.loads(path.read_text())
+    c = saved["loads"][0]["comparison"]
+    assert "stale" not in c and c["last_quarter_ratio"] == pytest.approx(1.2)
+    assert c["last_quarter_interval"] == pytest.approx([1.2, 1.2]) and "git_revision" in saved["comparison_recomputed"]
