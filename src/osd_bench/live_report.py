@@ -32,11 +32,11 @@ def headline(entry: dict) -> str:
     text = (f"load {entry['load']} ({entry['rate_per_s']:.3f} requests/s): first publish after "
             f"{pub.get('requests_arrived', '-')} requests ({fmt(pub.get('seconds'))} s)")
     if c:
-        text += (f"; decode tok/s learning on / off: first quarter {fmt(c['first_quarter_ratio'])}"
-                 f"{span(c, 'first_quarter_interval')}, last quarter "
-                 f"{fmt(c['last_quarter_ratio'])}{span(c, 'last_quarter_interval')}, lowest window after the first "
-                 f"{fmt(c['min_ratio_after_first_window'])}, paired per-request p50 {fmt(c['paired_ratio_p50'])}"
-                 f"{span(c, 'paired_ratio_p50_interval')} (95% paired bootstrap intervals); greedy answers identical "
+        text += (f"; decode tok/s learning on / off: first quarter {fmt(c['first_quarter_ratio'])}, last quarter "
+                 f"{fmt(c['last_quarter_ratio'])}, lowest window after the first "
+                 f"{fmt(c['min_ratio_after_first_window'])}; whole run: mean {fmt(c.get('mean_ratio'))}"
+                 f"{span(c, 'mean_ratio_interval')}, paired per-request p50 {fmt(c['paired_ratio_p50'])}"
+                 f"{span(c, 'paired_ratio_p50_interval')} (95% block-bootstrap intervals); greedy answers identical "
                  f"{c['greedy_identical']['same']}/{c['greedy_identical']['of']}")
     return text
 

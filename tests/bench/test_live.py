@@ -127,24 +127,28 @@ def test_an_interleaved_ceiling_run_with_no_learner_on_either_arm_runs_without_p
     assert "--no-learn" in entry["arms"]["on"]["server_command"]
 
 
-def test_paired_bootstrap_intervals_cover_the_ratio_and_shrink_with_a_steady_one():
+def test_paired_block_bootstrap_intervals_cover_the_ratio_and_widen_with_slow_spells():
     from osd_bench.live import median_ratio, paired_interval, ratio_of_means
 
     rng = __import__("random").Random(1)
     off = [rng.uniform(10, 30) for _ in range(200)]  # prompts differ in difficulty; both arms see the same ones
     steady = [x * 1.2 for x in off]
-    lo, hi = paired_interval(steady, off, ratio_of_means)
+    lo, hi = paired_interval(steady, off, ratio_of_means, block=25)
     assert lo == pytest.approx(1.2) and hi == pytest.approx(1.2)  # the same ratio on every request: no spread
     noisy = [x * rng.uniform(0.9, 1.5) for x in off]
-    lo, hi = paired_interval(noisy, off, ratio_of_means)
-    assert lo < ratio_of_means(noisy, off) < hi and hi - lo < 0.1 and lo > 1.1
-    lo, hi = paired_interval(noisy, off, median_ratio)
+    lo, hi = paired_interval(noisy, off, ratio_of_means, block=25)
+    assert lo < ratio_of_means(noisy, off) < hi and lo > 1.1
+    lo, hi = paired_interval(noisy, off, median_ratio, block=25)
     assert lo < median_ratio(noisy, off) < hi
-    same = [x * (1 + rng.uniform(-0.2, 0.2)) for x in off]  # no effect, only noise: the interval holds 1
-    lo, hi = paired_interval(same, off, ratio_of_means)
-    assert lo < 1.0 < hi
-    assert paired_interval([1.0, None], [1.0, 2.0], ratio_of_means) is None  # fewer than 2 pairs measured
-    assert paired_interval(noisy, off, ratio_of_means, seed=3) == paired_interval(noisy, off, ratio_of_means, seed=3)
+    # no effect, but the machine slows one arm for a whole block at a time (a slow spell): per-request resampling
+    # takes each spell for 25 independent draws and gives too narrow an interval; per block it holds 1
+    spells = [x * (0.85 if (i // 25) % 2 else 1.15) * (1 + rng.uniform(-0.05, 0.05)) for i, x in enumerate(off)]
+    lo, hi = paired_interval(spells, off, ratio_of_means, block=25)
+    narrow = paired_interval(spells, off, ratio_of_means, block=1)
+    assert lo < 1.0 < hi and hi - lo > 2 * (narrow[1] - narrow[0])
+    assert paired_interval([1.0, None], [1.0, 2.0], ratio_of_means) is None  # fewer than 2 blocks measured
+    again = paired_interval(noisy, off, ratio_of_means, 25, seed=3)
+    assert paired_interval(noisy, off, ratio_of_means, 25, seed=3) == again
 
 
 def test_recompare_rewrites_a_result_files_comparison_from_its_rows(tmp_path):
@@ -162,4 +166,5 @@ def test_recompare_rewrites_a_result_files_comparison_from_its_rows(tmp_path):
     saved = json.loads(path.read_text())
     c = saved["loads"][0]["comparison"]
     assert "stale" not in c and c["last_quarter_ratio"] == pytest.approx(1.2)
-    assert c["last_quarter_interval"] == pytest.approx([1.2, 1.2]) and "git_revision" in saved["comparison_recomputed"]
+    assert c["mean_ratio"] == pytest.approx(1.2) and c["mean_ratio_interval"] == pytest.approx([1.2, 1.2])
+    assert "git_revision" in saved["comparison_recomputed"]
