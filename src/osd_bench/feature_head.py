@@ -72,6 +72,24 @@ class FeatureHead(nn.Module):
         return self.step(self.first_feature(feature), embedding)[0]
 
 
+def int8_copy(head: FeatureHead) -> FeatureHead | None:
+    """The head with every linear int8 (one scale per output row) on osd's compiled int8 kernel, as the draft's int8
+    serving copy runs (models/serving_draft.py Int8Linear): what a proposal would cost when served. None where the
+    kernels cannot build here."""
+    from copy import deepcopy
+
+    from osd.models import kernels
+    from osd.models.serving_draft import Int8Linear
+
+    kernel = kernels.rows_linear_int8(allow_fallback=True, use="feature head int8 copy")
+    if kernel is None:
+        return None
+    copy = deepcopy(head).eval()
+    for name in [n for n, m in copy.named_children() if type(m) is nn.Linear]:
+        setattr(copy, name, Int8Linear(getattr(copy, name), kernel))
+    return copy
+
+
 def target_features(runner, ids: list[int], layers: tuple[int, ...] = ()) -> torch.Tensor:
     """(len(ids), (len(layers) + 1) H): at every position, the output of each of `layers` (RMS-normalised, no
     weight: the residual stream's scale grows with depth), then the target's LM-head input (the final hidden state

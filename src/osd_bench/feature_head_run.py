@@ -18,7 +18,7 @@ from osd.data import load_records, prompt_ids, with_context
 from osd.errors import InvalidArgument
 from osd_bench.feature_head import (FeatureHead, accepted_by_depth, agreement, chain_examples, check_disjoint,
                                     draft_chains, head_agreement, head_chains, head_rows_of, head_then_draft,
-                                    leading_hits, paired_mean_difference, seconds_per_token, source_slices,
+                                    int8_copy, leading_hits, paired_mean_difference, seconds_per_token, source_slices,
                                     train_head)
 
 
@@ -126,8 +126,10 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
         head_chain = head_chains(head.eval(), arm_heldout, map_embeddings, depth)
         hybrid = head_then_draft(head_chain, draft_chain)
         first = arm_heldout.features[arm_heldout.rows[:1]], arm_heldout.first_embedding[:1]
+        served = int8_copy(head)
         with torch.no_grad():
             head_s = seconds_per_token(lambda: head(*first))
+            head_int8_s = min(seconds_per_token(lambda: served(*first)) for _ in range(3)) if served else None
         results.append({
             "name": arm_name(steps, layers), "steps": steps, "layers": list(layers),
             "head_parameters": sum(p.numel() for p in head.parameters()),
@@ -138,11 +140,12 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
             "accepted_vs_draft": paired_mean_difference(leading_hits(draft_chain), leading_hits(head_chain)),
             "head_then_draft_accepted_by_depth": accepted_by_depth(hybrid),
             "head_then_draft_vs_draft": paired_mean_difference(leading_hits(draft_chain), leading_hits(hybrid)),
-            "seconds_per_proposal_fp32": head_s})
+            "seconds_per_proposal_fp32": head_s, "seconds_per_proposal_int8": head_int8_s})
     one = torch.tensor([[heldout_samples[0][0][-1]]])
     with torch.no_grad():
         draft_s = seconds_per_token(lambda: draft_model(one))
         target_s = seconds_per_token(lambda: (runner.reset(), runner.feed([1], n_logits=1)), repeats=5)
+    serving_cost = _serving_cost(draft_model, runner, results)
     return {
         "config": {"target": target, "draft": draft, "train_domains": list(train_domains), "train_per_domain":
                    train_per_domain, "heldout_domains": list(heldout_domains), "heldout_per_domain": heldout_per_domain,
@@ -157,8 +160,24 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
         "arms": results,
         "cheap_draft": {"first_proposal_agreement": agreement(draft_hit),
                         "accepted_by_depth": accepted_by_depth(draft_chain), "seconds_per_proposal_fp32": draft_s},
-        "target_q4_seconds_per_token": target_s, "data_seconds": data_seconds,
+        "target_q4_seconds_per_token": target_s, "data_seconds": data_seconds, "serving_cost": serving_cost,
     }
+
+
+def _serving_cost(draft_model, runner, arms: list[dict]) -> dict:
+    """One proposal's cost as served, as a share c of one target token (a proposal pays only when c is small):
+    the cheap draft's int8 serving copy on its glue runner (one token after a 64-token context) against each
+    head's int8 copy, the target's single-token feed measured beside them (minimum of 3 rounds each)."""
+    from osd.distill.draft_cost import draft_token_seconds, target_token_seconds
+    from osd.models.serving_draft import make_serving_draft
+
+    serving, vocab_ids = make_serving_draft(draft_model, "int8", allow_kernel_fallback=True)
+    target = min(target_token_seconds(runner) for _ in range(3))
+    draft = min(draft_token_seconds(serving, vocab_ids, runner.vocab_size) for _ in range(3))
+    return {"target_ms": target * 1e3, "cheap_draft_int8_ms": draft * 1e3, "cheap_draft_c": draft / target,
+            "heads": {arm["name"]: {"int8_ms": arm["seconds_per_proposal_int8"] * 1e3,
+                                    "c": arm["seconds_per_proposal_int8"] / target}
+                      for arm in arms if arm["seconds_per_proposal_int8"] is not None}}
 
 
 def register(bench) -> None:
@@ -225,6 +244,10 @@ def _cmd(args) -> None:
              f"{result['heldout_positions']} held-out ({result['heldout_positions_in_map']} in the map); training in "
              f"{result['config']['training_dtype']}; target one token on the Q4 kernel "
              f"{result['target_q4_seconds_per_token'] * 1e3:.1f} ms; data {result['data_seconds']:.0f} s")
+    cost = result["serving_cost"]
+    notes += (f"; served int8, a proposal against one target token ({cost['target_ms']:.1f} ms): cheap draft "
+              f"{cost['cheap_draft_int8_ms']:.2f} ms (c {cost['cheap_draft_c']:.3f})"
+              + "".join(f", head {name} {h['int8_ms']:.2f} ms (c {h['c']:.3f})" for name, h in cost["heads"].items()))
     emit_report("Drafts that read the target's features (`osd bench feature-head`)",
                 f"`{redacted_command(sys.argv[1:])}`",
                 [table(rows, ["proposer", "first-proposal agreement (held-out)",
