@@ -199,8 +199,7 @@ def train_head(head: FeatureHead, chains: Chains, map_embeddings: torch.Tensor, 
             with compute_in(dtype), warnings.catch_warnings():  # RMSNorm's fp32 weight on bf16 rows: unfused, right
                 warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
                 loss = unrolled_loss(head, chains, map_embeddings, j, steps, feature_weight)
-            opt.zero_grad(set_to_none=False)  # the gradients stay allocated: a 100 MB output-row gradient made
-            # afresh each step went to the kernel for new pages (sys time ~half the step)
+            opt.zero_grad()
             loss.backward()
             opt.step()
             total, n = total + loss.item() * len(j), n + len(j)
