@@ -202,10 +202,11 @@ def register(bench) -> None:
     p.add_argument("--feature-weight", type=float, default=1.0,
                    help="weight of the smooth-L1 fit of the predicted feature to the target's next one "
                         "(0 = tokens only)")
-    p.add_argument("--arms", default="1,3,3@2+14+25",
+    p.add_argument("--arms", default="1,2",
                    help="heads to train on the same data, comma-separated, each STEPS[@LAYER+...]: the training-time "
                         "test's chain length (1: single-step) and the target layers read besides the last "
-                        "(EAGLE-3 reads a low, a middle and a high one)")
+                        "(EAGLE-3 reads a low, a middle and a high one, e.g. 3@2+14+25; default: the single-step "
+                        "head and the one trained 2 deep, which docs/feature-head.md found pays)")
     p.add_argument("--precision", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="the heads' training matrix products (auto: bf16 where the CPU multiplies it natively)")
     p.add_argument("--data-cache", default="", help="keep the target's answers and features in this file and reuse "
