@@ -277,15 +277,15 @@ def compare(on: dict, off: dict, window: int, block: int = 0) -> dict:
     same = sum(a is not None and b is not None and a["ok"] and b["ok"] and a["text"] == b["text"]
                for a, b in zip(on["rows"], off["rows"]))
     later = [w["decode_tps_ratio"] for w in per_window[1:] if w["decode_tps_ratio"] is not None]
-    tps = lambda arm, lo, hi: [r["decode_tps"] if r and r["ok"] else None for r in arm["rows"][lo:hi]]  # noqa: E731
+    on_tps, off_tps = ([r["decode_tps"] if r and r["ok"] else None for r in arm["rows"]] for arm in (on, off))
     return {"windows": per_window, "first_quarter_ratio": first_q, "last_quarter_ratio": last_q,
             "min_ratio_after_first_window": min(later) if later else None,
             "paired_ratio_p50": percentile(paired, 50), "greedy_identical": {"same": same, "of": n},
             # over the whole run, 95% paired block-bootstrap intervals (blocks of the interleave, else of the window;
             # a quarter holds too few blocks for one): is the ratio within the machine's noise?
             "mean_ratio": ratio(quarter(on, 0, n), quarter(off, 0, n)),
-            "mean_ratio_interval": paired_interval(tps(on, 0, n), tps(off, 0, n), ratio_of_means, block),
-            "paired_ratio_p50_interval": paired_interval(tps(on, 0, n), tps(off, 0, n), median_ratio, block)}
+            "mean_ratio_interval": paired_interval(on_tps, off_tps, ratio_of_means, block),
+            "paired_ratio_p50_interval": paired_interval(on_tps, off_tps, median_ratio, block)}
 
 
 def arm_args(config: LiveConfig, learning: bool) -> list[str]:
@@ -465,9 +465,9 @@ def recompare(path: str) -> dict:
     from osd.revision import git_revision
 
     result = read_result(path, needs=("config", "loads"))
+    cfg = result["config"]
     for entry in result["loads"]:
         if "on" in entry["arms"] and "off" in entry["arms"]:
-            cfg = result["config"]
             entry["comparison"] = compare(entry["arms"]["on"], entry["arms"]["off"], cfg["window"],
                                           cfg.get("interleave") or 0)
     result["comparison_recomputed"] = {"git_revision": git_revision(),
