@@ -36,58 +36,7 @@ import torch
 from torch import nn
 
 from osd.errors import InvalidArgument
-
-
-class FeatureHead(nn.Module):
-    """`inputs` > 1: the target's features come from that many layers, concatenated (EAGLE-3's low, middle and high
-    layers), and a first projection fuses them to one feature; the head's own predicted features (one layer) skip
-    it."""
-
-    def __init__(self, hidden: int, inter: int, head_rows: torch.Tensor, inputs: int = 1):
-        super().__init__()
-        self.fuse = nn.Linear(inputs * hidden, hidden, bias=False) if inputs > 1 else None
-        self.fc = nn.Linear(2 * hidden, hidden)
-        self.norm_in = nn.RMSNorm(hidden, eps=1e-6)
-        self.gate_up = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down = nn.Linear(inter, hidden, bias=False)
-        self.norm_out = nn.RMSNorm(hidden, eps=1e-6)
-        self.head = nn.Linear(hidden, head_rows.shape[0], bias=False)
-        with torch.no_grad():
-            self.head.weight.copy_(head_rows)
-            self.down.weight.mul_(0.1)
-
-    def first_feature(self, target_feature: torch.Tensor) -> torch.Tensor:
-        """The target's feature(s) at t -> what the first proposal reads."""
-        return target_feature if self.fuse is None else self.fuse(target_feature)
-
-    def step(self, feature: torch.Tensor, embedding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (logits of the token at t + 2, the predicted feature at t + 1): the LM head's input, which the next
-        proposal reads in place of the target's feature it does not have yet (EAGLE)."""
-        x = self.fc(torch.cat([feature, embedding], dim=-1))
-        gate, up = self.gate_up(self.norm_in(x)).chunk(2, dim=-1)
-        predicted = self.norm_out(x + self.down(nn.functional.silu(gate) * up))
-        return self.head(predicted), predicted
-
-    def forward(self, feature: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
-        return self.step(self.first_feature(feature), embedding)[0]
-
-
-def int8_copy(head: FeatureHead) -> FeatureHead | None:
-    """The head with every linear int8 (one scale per output row) on osd's compiled int8 kernel, as the draft's int8
-    serving copy runs (models/serving_draft.py Int8Linear): what a proposal would cost when served. None where the
-    kernels cannot build here."""
-    from copy import deepcopy
-
-    from osd.models import kernels
-    from osd.models.serving_draft import Int8Linear
-
-    kernel = kernels.rows_linear_int8(allow_fallback=True, use="feature head int8 copy")
-    if kernel is None:
-        return None
-    copy = deepcopy(head).eval()
-    for name in [n for n, m in copy.named_children() if type(m) is nn.Linear]:
-        setattr(copy, name, Int8Linear(getattr(copy, name), kernel))
-    return copy
+from osd.models.feature_head import FeatureHead
 
 
 def target_features(runner, ids: list[int], layers: tuple[int, ...] = ()) -> torch.Tensor:

@@ -16,9 +16,10 @@ import torch
 
 from osd.data import load_records, prompt_ids, with_context
 from osd.errors import InvalidArgument
-from osd_bench.feature_head import (FeatureHead, accepted_by_depth, agreement, chain_examples, check_disjoint,
+from osd.models.feature_head import FeatureHead, int8_head, save_head
+from osd_bench.feature_head import (accepted_by_depth, agreement, chain_examples, check_disjoint,
                                     draft_chains, head_agreement, head_chains, head_rows_of, head_then_draft,
-                                    int8_copy, leading_hits, paired_mean_difference, seconds_per_token, source_slices,
+                                    leading_hits, paired_mean_difference, seconds_per_token, source_slices,
                                     train_head)
 
 
@@ -83,7 +84,8 @@ def _data(runner, tokenizer, target, train_slices, heldout_slices, max_new_token
 def run_feature_head(target: str, draft: str, train_domains, train_per_domain: int, heldout_domains,
                      heldout_per_domain: int, max_new_tokens: int, epochs: int, lr: float, batch: int, inter: int,
                      progress=None, depth: int = 4, feature_weight: float = 1.0, arms=((1, ()),),
-                     precision: str = "auto", data_cache: str = "") -> dict:
+                     precision: str = "auto", data_cache: str = "", save_head_to: str = "") -> dict:
+    """save_head_to: write the last arm's head there (osd serve --head reads it); it must read the last layer only."""
     from osd.learn.precision import training_dtype
     from osd.models.loading import gguf_file, load_model, load_tokenizer
     from osd.models.q4_runner import Q4Runner
@@ -93,6 +95,9 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
     train_slices, heldout_slices = source_slices(train_domains, "train", train_per_domain), \
         source_slices(heldout_domains, "test", heldout_per_domain)
     check_disjoint(train_slices, heldout_slices)  # before any model loads
+    if save_head_to and arms[-1][1]:
+        raise InvalidArgument("--save-head saves the last arm, which must read the last layer only (the serving path "
+                              f"keeps that one): {arm_name(*arms[-1])} reads layers {list(arms[-1][1])} too")
     if max(steps for steps, _ in arms) > depth:
         raise InvalidArgument(f"an arm trains chains deeper than --depth {depth}: raise --depth")
     gguf = gguf_file(target)
@@ -127,7 +132,7 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
         head_hit = head_chain[:, 0].tolist()
         hybrid = head_then_draft(head_chain, draft_chain)
         first = arm_heldout.features[arm_heldout.rows[:1]], arm_heldout.first_embedding[:1]
-        served = int8_copy(head)
+        served = int8_head(head)
         with torch.no_grad():
             head_s = seconds_per_token(lambda: head(*first))
             head_int8_s = min(seconds_per_token(lambda: served(*first)) for _ in range(3)) if served else None
@@ -142,6 +147,11 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
             "head_then_draft_accepted_by_depth": accepted_by_depth(hybrid),
             "head_then_draft_vs_draft": paired_mean_difference(leading_hits(draft_chain), leading_hits(hybrid)),
             "seconds_per_proposal_fp32": head_s, "seconds_per_proposal_int8": head_int8_s})
+    if save_head_to:
+        save_head(save_head_to, head, vocab_ids, {"trained_by": "osd bench feature-head", "arm": results[-1]["name"],
+                                                  "target": target, "map_from": draft, "epochs": epochs,
+                                                  "train_slices": [list(x) for x in train_slices],
+                                                  "first_proposal_agreement": results[-1]["first_proposal_agreement"]})
     one = torch.tensor([[heldout_samples[0][0][-1]]])
     with torch.no_grad():
         draft_s = seconds_per_token(lambda: draft_model(one))
@@ -211,6 +221,8 @@ def register(bench) -> None:
                    help="the heads' training matrix products (auto: bf16 where the CPU multiplies it natively)")
     p.add_argument("--data-cache", default="", help="keep the target's answers and features in this file and reuse "
                    "them when it holds the same configuration's (default: none)")
+    p.add_argument("--save-head", default="", help="write the last arm's trained head to this file, which `osd serve "
+                   "--head` serves (default: none)")
     p.add_argument("--out", default="benchmarks/drafts/feature-head.json")
     p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=_cmd)
@@ -229,7 +241,7 @@ def _cmd(args) -> None:
                               split(args.heldout_domains), args.heldout_per_domain, args.max_new_tokens, args.epochs,
                               args.lr, args.batch, args.inter, progress=tqdm, depth=args.depth,
                               feature_weight=args.feature_weight, arms=parse_arms(args.arms),
-                              precision=args.precision, data_cache=args.data_cache)
+                              precision=args.precision, data_cache=args.data_cache, save_head_to=args.save_head)
     path = write_result(result, args.out)
     draft = result["cheap_draft"]
     rows = [[f"cheap draft ({args.draft})", draft["first_proposal_agreement"], *draft["accepted_by_depth"], None, None,

@@ -265,23 +265,3 @@ def test_a_data_cache_serves_a_configuration_with_fewer_layers_and_no_other(tmp_
         _data(layers=(3,), **args)
     with pytest.raises(AttributeError):  # another depth: computed again
         _data(layers=(), **{**args, "depth": 3})
-
-
-def test_the_int8_copy_proposes_what_the_head_proposes_and_leaves_the_head_alone():
-    from osd_bench.feature_head import int8_copy
-
-    torch.manual_seed(0)
-    hidden = 64  # the int8 kernel wants widths in multiples of 8
-    head = FeatureHead(hidden, 128, torch.randn(256, hidden), inputs=2)
-    served = int8_copy(head)
-    if served is None:
-        import pytest
-
-        pytest.skip("osd's int8 kernel cannot build here")
-    features, embeddings = torch.randn(32, 2 * hidden), torch.randn(32, hidden)
-    with torch.no_grad():
-        want, got = head(features, embeddings), served(features, embeddings)
-    assert type(head.fc) is torch.nn.Linear and type(served.fc) is not torch.nn.Linear  # a copy, quantized
-    assert type(served.fuse) is not torch.nn.Linear and type(served.head) is not torch.nn.Linear
-    assert (want.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9
-    assert (want - got).abs().max() < 0.05 * want.abs().max()

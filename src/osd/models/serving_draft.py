@@ -104,6 +104,17 @@ def _quantize_embedding(model) -> None:
         model.set_input_embeddings(Int8Embedding.from_float(embedding))
 
 
+def int8_linears(model: nn.Module, kernel, vnni: bool = False) -> nn.Module:
+    """Every nn.Linear of `model` -> Int8Linear on `kernel` (in place, one at a time, by name: a float weight nothing
+    else holds is freed as soon as its int8 copy exists). The draft's int8 copy and the feature head's share it."""
+    names = [name for name, child in model.named_modules(remove_duplicate=False) if type(child) is nn.Linear]
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, Int8Linear(getattr(parent, attr), kernel, vnni))
+    return model
+
+
 def quantize_int8(model, allow_fallback: bool = False, vnni: bool = False,
                   use: str = "draft int8 linears: torch dynamic int8"):
     """int8 weights for all nn.Linear layers (in place): weight-only with our kernel (plus row-invariant
@@ -115,11 +126,7 @@ def quantize_int8(model, allow_fallback: bool = False, vnni: bool = False,
     if module is not None and vnni and not module.has_vnni():
         raise KernelUnavailable("int8_vnni needs a CPU with AVX-512 VNNI; this one has none: use int8")
     if module is not None:
-        names = [name for name, child in model.named_modules(remove_duplicate=False) if type(child) is nn.Linear]
-        for name in names:
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            setattr(parent, attr, Int8Linear(getattr(parent, attr), module.rows_linear_int8, vnni))
+        int8_linears(model, module.rows_linear_int8, vnni)
         _quantize_embedding(model)
         model.config.tie_word_embeddings = False
         make_row_invariant(model, module)
