@@ -1,6 +1,7 @@
 """Assemble a running system from configs: target, tokenizer, draft registry, engine."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
 import torch
@@ -17,10 +18,13 @@ from osd.models.tokenizer import check_same_tokenizer, special_ids
 from osd.notice import say
 from osd.models.runner import as_runner
 from osd.propose import DraftModelProposer
+from osd.propose.chain import Sources
 from osd.propose.copy_choice import serving_copy
+from osd.propose.feature_head import FeatureHeadProposer
 from osd.propose.ngram import LookupThenDraft, NgramProposer
 
 DEFAULT_DRAFT = "default"
+HEAD = "head"  # the feature head's name in the draft registry
 
 
 @dataclass
@@ -34,6 +38,16 @@ class System:
     spec: SpeculationConfig
     routing: object | None = None  # several drafts and their router (route/system.py), behind RouteConfig.drafts
     draft_copy_seconds: dict | None = None  # --draft-quantize auto: each candidate copy's timed forward (copy_choice.py)
+    head: object | None = None  # --head: the feature head's float weights and map (models/feature_head.py SavedHead)
+
+    def publish_head(self, head=None):
+        """Publish the feature head's serving copy (int8 on osd's kernel, else a float copy) as a new version."""
+        from osd.models.feature_head import int8_head
+
+        head = head if head is not None else self.head.head
+        serving = int8_head(head)
+        return self.registry.publish(HEAD, serving if serving is not None else copy.deepcopy(head).eval(),
+                                     self.head.vocab_ids)
 
     def publish_draft(self, master=None, name: str = DEFAULT_DRAFT, version: int | None = None):
         """Build a serving copy of draft weights and publish it under `name`."""
@@ -108,6 +122,8 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
     loads the draft nor times its serving copies; a learner needs its master, so `osd serve --k 0 --learn` asks."""
     with_draft = spec.k > 0 if with_draft is None else with_draft
     routed = route is not None and bool(route.names())
+    if routed and models.head:
+        raise InvalidArgument("--head with --drafts is not supported yet (the routed proposer drafts alone)")
     if routed and spec.lookup:
         raise InvalidArgument("--lookup with --drafts is not supported yet (the lookup's draft label hides the routed draft)")
     set_threads(models.threads)
@@ -141,8 +157,26 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
                 say(f"draft serving copy: {choice.quantize} (" + ", ".join(
                     f"{q} {t * 1e3:.2f} ms" for q, t in choice.seconds.items()) + " a draft token, measured here)")
             trim()
+    if models.head and spec.k > 0:
+        publish_head(system, target)
     system.engine = speculative_engine(system, target, spec)
     return system
+
+
+def publish_head(system: System, target) -> None:
+    """Load --head (checked against the target: osd's Q4 backend, its feature width and vocabulary) and publish its
+    serving copy under HEAD."""
+    from osd.models.feature_head import load_head
+    from osd.models.q4_runner import Q4Runner
+
+    runner = as_runner(target)
+    if not isinstance(runner, Q4Runner):
+        raise InvalidArgument(f"--head reads the target's features, which only osd's Q4 backend hands back "
+                              f"(--target-backend osd); this target runs on {type(runner).__name__}")
+    system.head = load_head(system.models.head, hidden=runner.shape.hidden, vocab_size=runner.vocab_size)
+    snapshot = system.publish_head()
+    say(f"feature head: {system.models.head} ({system.head.meta.get('arm', '?')}, {len(system.head.vocab_ids)} map "
+        f"rows, {type(snapshot.model.fc).__name__} serving copy)")
 
 
 def speculative_engine(system: System, target, spec: SpeculationConfig, draft: str = DEFAULT_DRAFT) -> SpeculativeEngine:
@@ -157,7 +191,12 @@ def speculative_engine(system: System, target, spec: SpeculationConfig, draft: s
     # k = 0 (target-only): no proposer at all, so no draft prefill at admission and no draft forwards
     proposer = DraftModelProposer(system.registry, draft, vocab_size) if system.draft_master is not None and spec.k > 0 \
         else None
-    if spec.lookup and spec.k > 0:
+    head = FeatureHeadProposer(system.registry, HEAD, as_runner(target).embed, vocab_size) \
+        if HEAD in system.registry.names() and spec.k > 0 else None
+    if head is not None:  # the head first, the draft where it has no feature yet, the lookup before both
+        sources = ([NgramProposer(vocab_size)] if spec.lookup else []) + [head] + ([proposer] if proposer else [])
+        proposer = Sources(sources, versioned=sources.index(head))
+    elif spec.lookup and spec.k > 0:
         proposer = LookupThenDraft(NgramProposer(vocab_size), proposer)
     engine = SpeculativeEngine(target, system.tokenizer, proposer, spec)
     if getattr(engine.target, "greedy_identity", "exact") != "exact" and proposer is not None:
@@ -171,9 +210,21 @@ def speculative_engine(system: System, target, spec: SpeculationConfig, draft: s
         say(f"token trees of {spec.tree} nodes asked, {engine.tree_nodes} served: the {type(engine.target).__name__} "
             "backend " + ("verifies chains only (trees need osd's Q4 backend, --target-backend osd)" if not
                           engine.tree_nodes else f"verifies at most {engine.tree_nodes + 1} rows in one pass"))
-    if isinstance(proposer, LookupThenDraft):  # the lookup learns continuations from every finished request
+    if isinstance(proposer, (LookupThenDraft, Sources)):  # the lookup learns continuations from every finished request
         engine.request_observers.append(lambda r: proposer.observe_request(r.prompt_ids + r.token_ids))
     return engine
+
+
+def attach_head_learner(system: System, config):
+    """Create the feature head's online learner (learn/head.py) over the --head weights and hook it into the engine."""
+    from osd.learn.head import HeadLearner
+
+    if system.head is None:
+        raise InvalidArgument("--learn-head trains a feature head: name one with --head")
+    learner = HeadLearner(system.head.head, system.head.vocab_ids, as_runner(system.target_model).embed,
+                          system.publish_head, config).attach(system.engine)
+    learner.start()
+    return learner
 
 
 def attach_learner(system: System, learn):

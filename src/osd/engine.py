@@ -137,18 +137,24 @@ class SpeculativeEngine:
         sources without forwards (the lookup). A catch-up feed is what a draft whose cache lags (a prompt it was not
         fed, tokens committed while it did not propose) pays before its first proposal: ~0.5 ms a token for the
         cheap draft on the AMD machine, a quarter of a single-token forward."""
-        proposer.begin(dummy)
         greedy = SamplingConfig(max_new_tokens=1)
-        proposer.propose(dummy, 1, greedy)  # prefill
-        proposer.propose(dummy + [0], 2, greedy)  # warm-up
+
+        def propose(tokens: list[int], k: int):
+            if getattr(proposer, "reads_target_features", False):  # a feature head: a made-up feature to read
+                proposer.observe_feature(len(tokens) - 2, torch.zeros(proposer.width))
+            return proposer.propose(tokens, k, greedy)
+
+        proposer.begin(dummy)
+        propose(dummy, 1)  # prefill
+        propose(dummy + [0], 2)  # warm-up
         proposer.rollback(len(dummy))
         t0 = self.clock()
-        proposal = proposer.propose(dummy + [0], 8, greedy)  # first forward feeds 1 token
+        proposal = propose(dummy + [0], 8)  # first forward feeds 1 token
         timings = proposal.single_token_seconds or [(self.clock() - t0) / max(proposal.k, 1)]
         t_draft = sorted(timings)[len(timings) // 2]  # median: robust to a noisy neighbour
         proposer.rollback(1)
         t0 = self.clock()
-        proposer.propose(dummy + [0], 1, greedy)  # feeds len(dummy) tokens in one forward
+        propose(dummy + [0], 1)  # feeds len(dummy) tokens in one forward (a head: none, it has no cache)
         t_catch_up = max(0.0, self.clock() - t0 - t_draft) / max(len(dummy) - 1, 1)
         return t_draft, t_catch_up
 

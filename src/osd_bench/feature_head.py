@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from torch import nn
 
 from osd.errors import InvalidArgument
+from osd.learn.head_chains import (Chains, head_chains, leading_hits, paired_mean_difference,  # noqa: F401 - used,
+                                   unrolled_loss)  # and re-exported to the run
 from osd.models.feature_head import FeatureHead
 
 
@@ -68,25 +68,6 @@ def starts(prompt: list[int], answer: list[int]) -> range:
     return range(len(prompt) - 1, len(prompt) + len(answer) - 2)
 
 
-@dataclass
-class Chains:
-    """Every start t of every sample, with what a chain of proposals from it reads and must hit.
-    features (R, F): the target's features (`target_features`) at each sample's starts and the positions after them,
-    samples concatenated; rows (N,): the row of start n's t, so the target's feature at t + 1 + d is row
-    rows[n] + 1 + d;
-    first_embedding (N, H): the embedding of the token at t + 1; labels (N, D): the map row of the target's token at
-    t + 2 + d (-1 outside the map or past the answer's end: no chain can hit it)."""
-    features: torch.Tensor
-    rows: torch.Tensor
-    first_embedding: torch.Tensor
-    labels: torch.Tensor
-
-    def blocks(self, keep: list[int], hidden: int) -> "Chains":
-        """The same starts reading only the feature blocks `keep` (indices into the F / hidden blocks)."""
-        cols = torch.cat([torch.arange(b * hidden, (b + 1) * hidden) for b in keep])
-        return replace(self, features=self.features[:, cols])
-
-
 def chain_examples(runner, samples: list[tuple[list[int], list[int]]], index: torch.Tensor, depth: int,
                    layers: tuple[int, ...] = (), progress=None) -> Chains:
     """samples [(prompt, answer)] -> their `Chains` with labels `depth` deep (a sample with no start adds none)."""
@@ -105,28 +86,6 @@ def chain_examples(runner, samples: list[tuple[list[int], list[int]]], index: to
     if not feats:
         raise InvalidArgument("no sample has a position to propose from")
     return Chains(torch.cat(feats), torch.cat(rows), torch.cat(embs), torch.cat(labels))
-
-
-def unrolled_loss(head: FeatureHead, chains: Chains, map_embeddings: torch.Tensor, j: torch.Tensor, steps: int,
-                  feature_weight: float = 0.0) -> torch.Tensor:
-    """The loss of a chain of `steps` proposals from starts j, the head reading its own predicted feature past the
-    first (EAGLE-3's training-time test: trained on the inputs it will see when serving) and the target's token (a
-    chain goes on only where it hit). Per proposal: cross entropy over the starts still alive (every label so far
-    in the map), plus feature_weight x smooth L1 between the predicted feature and the target's at t + 1 + d."""
-    hidden = chains.first_embedding.shape[-1]
-    feature, embedding = head.first_feature(chains.features[chains.rows[j]]), chains.first_embedding[j]
-    labels, alive, total = chains.labels[j], torch.ones(len(j), dtype=torch.bool), 0.0
-    for d in range(steps):
-        alive = alive & (labels[:, d] >= 0)
-        if not alive.any():
-            break
-        logits, feature = head.step(feature, embedding)
-        total = total + nn.functional.cross_entropy(logits[alive], labels[alive, d])
-        if feature_weight:
-            truth = chains.features[chains.rows[j][alive] + 1 + d, -hidden:]
-            total = total + feature_weight * nn.functional.smooth_l1_loss(feature[alive].float(), truth)
-        embedding = map_embeddings[labels[:, d].clamp(min=0)]
-    return total
 
 
 def train_head(head: FeatureHead, chains: Chains, map_embeddings: torch.Tensor, epochs: int, lr: float, batch: int,
@@ -156,21 +115,6 @@ def train_head(head: FeatureHead, chains: Chains, map_embeddings: torch.Tensor, 
     return losses
 
 
-@torch.no_grad()
-def head_chains(head: FeatureHead, chains: Chains, map_embeddings: torch.Tensor, depth: int) -> torch.Tensor:
-    """(N, depth) hits of the head's own chain from every start. Proposal 0 reads the target's feature at t and its
-    token at t + 1; proposal d > 0 reads the feature the head predicted at d - 1 and the token it proposed there, as it
-    would in serving (a label outside the map or past the answer's end is a miss)."""
-    feature = head.first_feature(chains.features[chains.rows])
-    embedding, hits = chains.first_embedding, []
-    for d in range(depth):
-        logits, feature = head.step(feature, embedding)
-        guess = logits.argmax(-1)
-        hits.append(guess == chains.labels[:, d])
-        embedding = map_embeddings[guess]
-    return torch.stack(hits, dim=1)
-
-
 def agreement(hits: list[bool]) -> float:
     """The share of positions hit (0 where there are none)."""
     return sum(hits) / max(len(hits), 1)
@@ -179,11 +123,6 @@ def agreement(hits: list[bool]) -> float:
 def head_agreement(head: FeatureHead, chains: Chains, map_embeddings: torch.Tensor) -> float:
     """The share of starts whose first proposal hits."""
     return agreement(head_chains(head, chains, map_embeddings, 1)[:, 0].tolist())
-
-
-def leading_hits(hits: torch.Tensor) -> torch.Tensor:
-    """(N, D) bool -> (N,) the hits before each row's first miss: a chain's accepted length."""
-    return hits.long().cumprod(dim=1).sum(dim=1)
 
 
 def accepted_by_depth(hits: torch.Tensor) -> list[float]:
@@ -196,16 +135,6 @@ def head_then_draft(head_chain: torch.Tensor, draft_chain: torch.Tensor) -> torc
     """(N, D) hits of a chain whose first proposal is the head's and the rest the draft's: after the head's hit the
     prefix is the target's, where the draft's teacher-forced proposals are exactly its chain's."""
     return torch.cat([head_chain[:, :1], draft_chain[:, 1:]], dim=1)
-
-
-def paired_mean_difference(base: torch.Tensor, other: torch.Tensor) -> dict:
-    """Per-start accepted lengths, paired: mean of other - base and its z (mean over standard error; 0 when every
-    difference is the same)."""
-    d = (other.double() - base.double())
-    if len(d) < 2:
-        return {"mean_difference": float(d.mean()) if len(d) else 0.0, "z": 0.0, "n": len(d)}
-    se = float(d.std(unbiased=True)) / len(d) ** 0.5
-    return {"mean_difference": float(d.mean()), "z": float(d.mean()) / se if se > 0 else 0.0, "n": len(d)}
 
 
 @torch.no_grad()

@@ -590,7 +590,16 @@ class Q4Runner(PositionCache):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden) final hidden states -> (n, V) float32 logits (final RMSNorm, LM head)."""
-        return self.head(self._quantize(self._glue.rms_norm(hidden, self.output_norm, self.shape.eps)))
+        return self.logits_of_features(self.features(hidden))
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, hidden) final hidden states -> (n, hidden) the LM head's input (after the output norm): what a feature
+        head reads (models/feature_head.py)."""
+        return self._glue.rms_norm(hidden, self.output_norm, self.shape.eps)
+
+    def logits_of_features(self, features: torch.Tensor) -> torch.Tensor:
+        """(n, hidden) LM-head inputs -> (n, V) float32 logits."""
+        return self.head(self._quantize(features))
 
     def new_cache(self, n_ctx: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """An empty KV cache of one sequence (per layer: keys, values) for forward_rows: the runner's own, or one more

@@ -8,6 +8,8 @@ cache per slot and answers:
   rollback(slot, length) keep the first `length` cached tokens of the slot
   reset(slot), length(slot), n_slots,
   exclusive (True: only these slots write their caches, so a slot's cached prefix may serve the next request)
+  keep_features (Q4Slots only: set True, and each feed also leaves in `features`, per feed, (n_logits, H) the LM
+                 head's input at the rows it returned logits for: what a feature head reads, propose/feature_head.py)
 
 `Q4Slots`: osd's Q4 kernel (models/q4_runner.py `forward_rows`): the matrices see every row of every slot in one
 pass; norms, RoPE, the cache write and attention run row by row on the row's own slot, so a row's logits are bitwise
@@ -44,6 +46,8 @@ class Q4Slots:
     allocated on first use (pages touched only as they fill), which nothing else writes: `exclusive`, so the scheduler
     may reuse what a slot holds for the next request with the same prefix."""
 
+    supports_features = True
+
     def __init__(self, runner, n_slots: int, n_ctx: int | None = None, exclusive: bool | None = None):
         """n_ctx: each slot's context (at most the runner's); exclusive: own caches for every slot (default: with
         several slots; models/q4_batch.py always asks for them)."""
@@ -52,6 +56,8 @@ class Q4Slots:
         self.exclusive = self.n_slots > 1 if exclusive is None else exclusive
         self._caches: list = [None if self.exclusive else runner._kv] + [None] * (self.n_slots - 1)
         self._lengths = [0] * self.n_slots  # slot 0's is the runner's unless exclusive
+        self.keep_features = False
+        self.features: list[torch.Tensor] = []  # the last feed's, per feed (n_logits, H), where keep_features
 
     def length(self, slot: int) -> int:
         return self.runner.length if slot == 0 and not self.exclusive else self._lengths[slot]
@@ -101,8 +107,12 @@ class Q4Slots:
     def feed(self, feeds: list[Feed]) -> list[torch.Tensor]:
         if len(feeds) == 1 and len(feeds[0].tokens) > self.runner.chunk_rows and feeds[0].tree is None:  # a lone prompt
             f, step = feeds[0], self.runner.chunk_rows
-            parts = [self._feed([Feed(f.slot, f.tokens[i : i + step], max(0, f.n_logits - (len(f.tokens) - i - step)))])[0]
-                     for i in range(0, len(f.tokens), step)]
+            parts, features = [], []
+            for i in range(0, len(f.tokens), step):
+                parts.append(self._feed([Feed(f.slot, f.tokens[i : i + step],
+                                              max(0, f.n_logits - (len(f.tokens) - i - step)))])[0])
+                features += self.features
+            self.features = [torch.cat(features)] if self.keep_features else []
             return [torch.cat(parts)]
         return self._feed(feeds)
 
@@ -119,16 +129,21 @@ class Q4Slots:
             tree = tree_rows(length, len(f.tokens) - len(f.tree), f.tree) if f.tree is not None else None
             groups.append(Rows(start, len(ids), torch.arange(length, length + len(f.tokens)), self._caches[f.slot], tree))
             keep += range(len(ids) - min(f.n_logits, len(f.tokens)), len(ids))
+        width = self.runner.shape.hidden
         if not ids:
+            self.features = [torch.empty(0, width) for _ in feeds] if self.keep_features else []
             return [torch.empty(0, self.runner.vocab_size) for _ in feeds]
         hidden = self.runner.forward_rows(self.runner.embed(ids), [g for g in groups if g.stop > g.start])  # (M, hidden)
-        logits = self.runner.logits(hidden[keep]) if keep else torch.empty(0, self.runner.vocab_size)  # (sum n, V)
-        out, at = [], 0
+        features = self.runner.features(hidden[keep]) if keep else torch.empty(0, width)  # (sum n, H)
+        logits = self.runner.logits_of_features(features) if keep else torch.empty(0, self.runner.vocab_size)
+        out, kept, at = [], [], 0  # logits (sum n, V) cut per feed
         for f in feeds:
             n = min(f.n_logits, len(f.tokens))
             out.append(logits[at : at + n])
+            kept.append(features[at : at + n])
             at += n
             self._set_length(f.slot, self.length(f.slot) + len(f.tokens))
+        self.features = kept if self.keep_features else []
         return out
 
 
@@ -136,6 +151,7 @@ class RunnerSlots:
     """One runner per slot, fed one after another (no shared pass): for backends without a multi-sequence forward."""
 
     supports_trees = False
+    supports_features = False  # the torch and llama.cpp runners hand back logits only
 
     def __init__(self, runners: list, exclusive: bool = False):
         """exclusive: nothing but these slots feeds the runners (the scheduler may reuse a slot's cached prefix)."""

@@ -25,6 +25,8 @@ class StepRecord:
     t_draft: float
     t_target: float
     draft_weights: str | None = None  # fingerprint of the weights this step's proposal ran with (Proposal.weights)
+    target_features: torch.Tensor | None = None  # (k+1, H) the LM head's input at each row of target_logits, where a
+    # source reads features (propose/feature_head.py; None otherwise)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from osd.config import SamplingConfig
+from osd.errors import InvalidArgument
 from osd.schedule.records import GenerationResult, StepRecord
 from osd.models.slots import Feed
 from osd.propose.base import Proposal, forkable
@@ -102,6 +103,12 @@ class Scheduler:
         self._free = list(range(self.capacity))
         self._proposers = {0: engine.proposer}  # slot -> its proposer: slot 0 the engine's own, the others forks
         self._held: dict[int, list[int]] = {}  # slot -> the tokens its cache holds (exclusive slots only)
+        self.keeps_features = any(getattr(s, "reads_target_features", False) for s in engine.sources)
+        if self.keeps_features:  # a feature head proposes: the target's pass hands back its features too
+            if not getattr(self.slots, "supports_features", False):
+                raise InvalidArgument("a feature head reads the target's features, which only osd's Q4 backend hands "
+                                      f"back (--target-backend osd); this target runs on {type(engine.target).__name__}")
+            self.slots.keep_features = True
 
     # ------------------------------------------------------------------------------------------ admission
     def add(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str | None = None,
@@ -209,14 +216,15 @@ class Scheduler:
             self._held.clear()  # what the caches hold is no longer known for sure
             return failed + self.fail_all(err)
         t2 = e.clock()
+        features = self.slots.features if self.keeps_features else [None] * len(logits)  # per feed (n_logits, H)
         rows = sum(len(f.tokens) for f in feeds)
         self._record(rows, decode_rows, t2 - t1, alone=len(self.running) == 1, plans=plans)
         for s in prefilling:
             s.prefill_seconds += t2 - t0
         done = failed
-        for (seq, proposal, source, t_draft), target_logits in zip(plans, logits):
+        for (seq, proposal, source, t_draft), target_logits, target_features in zip(plans, logits, features):
             try:
-                if self._commit(seq, proposal, source, target_logits, t_draft, t2 - t1):
+                if self._commit(seq, proposal, source, target_logits, t_draft, t2 - t1, target_features):
                     done.append(self._end(seq))
             except Exception as err:  # noqa: BLE001 - a failure of one sequence (its text callback, its stopping)
                 done.append(self._end(seq, err))
@@ -388,8 +396,9 @@ class Scheduler:
         return feeds
 
     def _commit(self, seq: Sequence, proposal: Proposal, source: int | None, target_logits, t_draft: float,
-                t_target: float) -> bool:
-        """Accept, emit, roll back the rejected tail, observe -> whether the sequence is done."""
+                t_target: float, target_features=None) -> bool:
+        """Accept, emit, roll back the rejected tail, observe -> whether the sequence is done. target_features
+        (rows, H): the LM head's input at each row, where a source reads them."""
         e, k, tree, before = self.engine, proposal.k, proposal.tree, len(seq.tokens)
         if e.recycled is not None:  # every verified row teaches the recycled table (accepted or not)
             e.recycled.observe([seq.tokens[-1]] + (tree.tokens if tree else proposal.tokens), target_logits)
@@ -403,18 +412,24 @@ class Scheduler:
         scored = None  # the emitted tokens' logprobs, where asked for: before a tree's logits are cut to its chain's
         if seq.logprobs is not None:
             scored = token_logprobs(target_logits[rows], emitted, seq.sampling.logprobs)
-        if tree is not None:
+        feature = target_features[rows[-1]] if target_features is not None else None  # (H,): what chose the last
+        if tree is not None:  # emitted token
             target_logits = target_logits[: k + 1]  # the chain's rows come first: the learner sees the chain's step
+            target_features = target_features[: k + 1] if target_features is not None else None
         if proposal.runners_up and outcome.n_accepted < k and e.runner_up_rates is not None:  # the draft's best missed
             e.runner_up_rates.observe(proposal.runners_up[outcome.n_accepted], outcome.next_token)
-        record = StepRecord(seq.request_id, seq.draft, seq.tokens[:], proposal.tokens, outcome.n_accepted,
+        record = StepRecord(seq.request_id, seq.draft, seq.tokens[:], proposal.tokens, outcome.n_accepted,  # copied
                             outcome.next_token, target_logits, proposal.draft_probs, betas, seq.sampling.temperature,
-                            t_draft, t_target, proposal.weights) if e.observers else None  # copy only when observed
+                            t_draft, t_target, proposal.weights, target_features) if e.observers else None  # if observed
         seq.tokens += emitted
         self.slots.rollback(seq.slot, len(seq.tokens) - 1)  # keep the accepted prefix; the last token is pending
         if k:
             for s in seq.sources:
                 s.rollback(before + outcome.n_accepted)  # the chain's accepted prefix: what the draft's cache holds
+        if feature is not None:  # the head's next proposal starts from the target's feature before the pending token
+            for s in seq.sources:
+                if getattr(s, "reads_target_features", False):
+                    s.observe_feature(len(seq.tokens) - 2, feature)
         if source is not None:
             e.policies[source].observe(k, outcome.n_accepted, proposal.single_token_seconds or [])
             seq.alphas[source].observe(k, outcome.n_accepted)

@@ -221,7 +221,11 @@ def _drafts(engine, routing) -> dict[str, int]:
     if routing is not None:
         return routing.versions()
     proposer = engine.proposer
-    return {} if proposer is None else {proposer.name.rsplit("+", 1)[-1]: proposer.version}
+    if proposer is None:
+        return {}
+    versioned = getattr(proposer, "versioned", None)  # several sources (propose/chain.py): the one that learns
+    name = proposer.sources[versioned].name if versioned is not None else proposer.name.rsplit("+", 1)[-1]
+    return {name: proposer.version}
 
 
 def _api_key_check(api_key: str | None):

@@ -13,6 +13,7 @@ def register(sub) -> None:
     """Add `osd serve` to the `osd` parser (sub). Its defaults are the configs' serving() instances, declared beside
     the dataclasses, so that what --help shows is what runs (flags.py)."""
     from osd.config import ModelConfig, SpeculationConfig
+    from osd.learn.head import HeadLearnConfig
     from osd.learn.online import LearnConfig
     from osd.route.config import RouteConfig
 
@@ -39,6 +40,10 @@ def register(sub) -> None:
     add_config_flags(p, LearnConfig.serving(), prefix="learn-", title="online learning, with --learn")  # the bare
     #   names (--top-k, ...) stay as hidden aliases
     add_config_flags(p, RouteConfig.serving(), title="several drafts routed per request, with --drafts")
+    learn_head = p.add_argument("--learn-head", action=argparse.BooleanOptionalAction, default=False)
+    learn_head.help = ("train the --head feature head online from served traffic, in place of the draft (the "
+                       "--head-* flags; learn/head.py)" + HELP_DEFAULT)
+    add_config_flags(p, HeadLearnConfig, title="the feature head's online learning, with --learn-head")
     p.set_defaults(func=cmd_serve)
 
 
@@ -66,8 +71,14 @@ def cmd_serve(args) -> None:
     spec = config_from(args, SpeculationConfig)
     system = build_system(models, spec, with_draft=spec.k > 0 or args.learn, route=config_from(args, RouteConfig))
     system.engine.calibrate()
-    learn = args.learn and system.draft_master is not None  # no draft model (n-gram lookup only): nothing to learn
-    learner = attach_learner(system, config_from(args, LearnConfig)) if learn else None
+    if args.learn_head:  # the head learns, the draft does not
+        from osd.build import attach_head_learner
+        from osd.learn.head import HeadLearnConfig
+
+        learner = attach_head_learner(system, config_from(args, HeadLearnConfig))
+    else:
+        learn = args.learn and system.draft_master is not None  # no draft model (n-gram lookup only): nothing to learn
+        learner = attach_learner(system, config_from(args, LearnConfig)) if learn else None
     name = settings.model_name or default_model_name(models.target)
     serve(system.engine, system.tokenizer, name, settings, learner, system.routing)
 
@@ -80,6 +91,8 @@ def cmd_serve_cluster(args, settings, models) -> None:
 
     if config_from(args, RouteConfig).names():
         raise InvalidArgument("--replicas with several drafts (--drafts) is not supported yet: one draft per cluster")
+    if models.head or args.learn_head:
+        raise InvalidArgument("--replicas with a feature head (--head) is not supported yet")
     try:
         from osd.cluster.launch import serve_cluster
     except ImportError as e:
