@@ -120,7 +120,7 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
     --draft auto recipe, distill/auto.py AutoDraftConfig, default when None) and said in one line.
     with_draft: load models.draft; by default only where it proposes (k > 0). A target-only system (k = 0) neither
     loads the draft nor times its serving copies; a learner needs its master, so `osd serve --k 0 --learn` asks."""
-    with_draft = spec.k > 0 if with_draft is None else with_draft
+    with_draft = (spec.k > 0 if with_draft is None else with_draft) and not models.head  # a head proposes instead
     routed = route is not None and bool(route.names())
     if routed and models.head:
         raise InvalidArgument("--head with --drafts is not supported yet (the routed proposer drafts alone)")
@@ -130,6 +130,8 @@ def build_system(models: ModelConfig, spec: SpeculationConfig, with_draft: bool 
     check_target_quantize(models, target_model)  # before anything loads
     tokenizer = load_tokenizer(models.target)
     target = build_target(models, target_model)
+    if models.head:
+        say("draft: none (the --head feature head proposes)")
     if with_draft:
         models, spec, why = choose_draft(models, spec, tokenizer, target, auto_draft)
         say(f"draft: {models.draft or ('n-gram lookup only' if spec.lookup else 'none')} ({why})")
@@ -193,7 +195,7 @@ def speculative_engine(system: System, target, spec: SpeculationConfig, draft: s
         else None
     head = FeatureHeadProposer(system.registry, HEAD, as_runner(target).embed, vocab_size) \
         if HEAD in system.registry.names() and spec.k > 0 else None
-    if head is not None:  # the head first, the draft where it has no feature yet, the lookup before both
+    if head is not None:  # the lookup first where asked, then the head (no draft model: build_system loads none)
         sources = ([NgramProposer(vocab_size)] if spec.lookup else []) + [head] + ([proposer] if proposer else [])
         proposer = Sources(sources, versioned=sources.index(head))
     elif spec.lookup and spec.k > 0:

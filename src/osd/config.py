@@ -144,8 +144,8 @@ class ModelConfig:
                               "vocabulary")
     head: str = option("", (
         "a feature head to propose with (a file `osd bench feature-head --save-head` wrote): it reads the target's own "
-        "features from each verification, no cache to feed (propose/feature_head.py); tried before the draft model, "
-        "which proposes where the head has no feature yet. Needs osd's Q4 target backend. Default: none"))
+        "features from each verification, no cache to feed (propose/feature_head.py), in place of the draft model "
+        "(none is loaded). Needs osd's Q4 target backend. Default: none"))
     target_backend: str = option("auto", (
         "who runs the target: torch, llama.cpp, osd (own Q4 kernel: qwen2, llama, qwen3, gemma3 GGUFs), or auto = a GGUF on osd "
         "where its kernel runs the file, else llama.cpp; torch otherwise"), choices=TARGET_BACKENDS)

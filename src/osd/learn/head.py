@@ -44,11 +44,13 @@ IN_FLIGHT = 256  # requests whose features are kept while they run (a request th
 @dataclass
 class HeadLearnConfig:
     head_every_requests: int = option(4, "update the feature head every N finished requests")
-    head_steps_per_update: int = option(8, "optimizer steps per update")
-    head_batch: int = option(64, "chain starts per optimizer step (one chunk of work between two serving steps)")
+    head_steps_per_update: int = option(16, "optimizer steps per update")
+    head_batch: int = option(32, "chain starts per optimizer step: one chunk of work between two serving steps "
+                             "(64 took ~0.35 s a step for the bundled target's head, bf16, 2 Zen 4 cores: "
+                             "benchmarks/drafts/feature-head-codetrain400.json)")
     head_depth: int = option(2, "training-time test: chains of this many proposals, the head reading its own predicted "
                         "feature past the first (2 paid offline, docs/feature-head.md)")
-    head_lr: float = option(3e-4, "learning rate (AdamW)")
+    head_lr: float = option(1e-3, "learning rate (AdamW; `osd bench feature-head` trains with the same)")
     head_feature_weight: float = option(1.0, "weight of the smooth-L1 fit of the predicted feature to the target's")
     head_capacity: int = option(8192, "chain starts kept for training, the oldest requests' dropped first")
     head_holdout_every: int = option(5, "every Nth finished request is held out: never trained on, the guard's "
