@@ -38,7 +38,7 @@ class FeatureHeadProposer:
         self.position, self.feature = -1, None  # the target's feature (H,) at position `position`
         self._checksum = None
         # the map's embeddings (M, H), shared with the forks: a proposal past the first reads a map row's embedding
-        # (dequantizing it from the GGUF per token cost ~0.4 ms of the head's ~1.7 ms a proposal, AMD Zen 4)
+        # (dequantizing it from the GGUF per token: 1.69 ms a proposed token, read from here: 1.22 ms; AMD Zen 4)
         self._table = _table if _table is not None else {"vocab_ids": None, "embeddings": None}
 
     def fork(self) -> "FeatureHeadProposer":
