@@ -33,6 +33,30 @@ def test_chains_of_a_sequence_read_the_feature_at_t_and_the_token_at_t_plus_1_an
     assert chains_of_sequence(tokens[:3], 1, features[:1], embed, index, 3) is None  # nothing to hit
 
 
+def test_chain_lengths_are_the_leading_hits_of_the_full_chains():
+    from osd.learn.head_chains import Chains, chain_lengths, head_chains, leading_hits
+
+    torch.manual_seed(0)
+    head = FeatureHead(8, 16, torch.randn(5, 8)).eval()
+    map_embeddings = torch.randn(5, 8)
+    chains = Chains(torch.randn(30, 8), torch.arange(20), torch.randn(20, 8), torch.zeros(20, 4, dtype=torch.long))
+    with torch.no_grad():  # the head's own greedy chains: labels that it hits all the way
+        feature, embedding = chains.features[chains.rows], chains.first_embedding
+        for d in range(4):
+            logits, feature = head.step(feature, embedding)
+            chains.labels[:, d] = logits.argmax(-1)
+            embedding = map_embeddings[chains.labels[:, d]]
+    miss_at = torch.arange(20) % 5  # chain i misses at proposal i % 5 (4: never)
+    for i, d in enumerate(miss_at.tolist()):
+        if d < 4:
+            chains.labels[i, d] = -1
+    with torch.no_grad():
+        want = leading_hits(head_chains(head, chains, map_embeddings, 4))
+    assert torch.equal(want, miss_at)
+    assert torch.equal(chain_lengths(head, chains, map_embeddings, 4), want)
+    assert torch.equal(chain_lengths(head, chains, map_embeddings, 4, torch.tensor([3, 9])), want[[3, 9]])
+
+
 @pytest.fixture(scope="module")
 def tiny_q4(tiny):
     require_module("llama_cpp")

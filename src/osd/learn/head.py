@@ -30,8 +30,8 @@ import torch
 from osd.errors import InvalidArgument
 from osd.flags import option
 from osd.learn.budget import LearnBudget
-from osd.learn.head_chains import (Chains, chains_of_sequence, concat_chains, head_chains, leading_hits,
-                                   paired_mean_difference, unrolled_loss)
+from osd.learn.head_chains import (Chains, chain_lengths, chains_of_sequence, concat_chains, paired_mean_difference,
+                                   unrolled_loss)
 from osd.learn.precision import PRECISIONS, compute_in, training_dtype
 from osd.learn.restore import RestorePoint
 from osd.schedule.turns import end_thread_team
@@ -43,7 +43,7 @@ IN_FLIGHT = 256  # requests whose features are kept while they run (a request th
 
 @dataclass
 class HeadLearnConfig:
-    head_every_requests: int = option(4, "update the feature head every N finished requests")
+    head_every_requests: int = option(8, "update the feature head every N finished requests")
     head_steps_per_update: int = option(16, "optimizer steps per update")
     head_batch: int = option(32, "chain starts per optimizer step: one chunk of work between two serving steps "
                              "(64 took ~0.35 s a step for the bundled target's head, bf16, 2 Zen 4 cores: "
@@ -55,7 +55,7 @@ class HeadLearnConfig:
     head_capacity: int = option(8192, "chain starts kept for training, the oldest requests' dropped first")
     head_holdout_every: int = option(5, "every Nth finished request is held out: never trained on, the guard's "
                                      "evidence")
-    head_guard_starts: int = option(768, "the guard compares candidate and serving head on the latest N held-out "
+    head_guard_starts: int = option(384, "the guard compares candidate and serving head on the latest N held-out "
                                     "starts")
     head_guard_z: float = option(1.64, "reject an update whose accepted length per held-out start is lower by more "
                                  "than this many standard errors (paired)")
@@ -156,6 +156,7 @@ class HeadLearner:
         with self._lock:
             self.training, start = True, self.clock()
             self.counters["requests_since_update"] = 0
+            self._wait()  # the copies below (weights, Adam moments, the chains) run in a chunk too
             restore = RestorePoint(self.params, self.optimizer)
             try:
                 report = self._update()
@@ -218,11 +219,18 @@ class HeadLearner:
 
     @torch.no_grad()
     def _score(self, holdout: Chains | None) -> torch.Tensor | None:
-        """(N,) accepted proposals per held-out start for a greedy chain of SCORE_DEPTH (None: nothing held out)."""
+        """(N,) accepted proposals per held-out start for a greedy chain of SCORE_DEPTH (None: nothing held out), in
+        chunks of 4 batches of starts, each between two serving steps (in one chunk, the whole held-out set's chains
+        held the cores from every decoding request for as long)."""
         if holdout is None:
             return None
-        self._wait()
-        return leading_hits(head_chains(self.head, holdout, self.map_embeddings, SCORE_DEPTH))
+        out, order = [], torch.arange(len(holdout.rows))
+        for i in range(0, len(order), self.config.head_batch * 4):
+            self._wait()
+            with compute_in(self.dtype):
+                out.append(chain_lengths(self.head, holdout, self.map_embeddings, SCORE_DEPTH,
+                                         order[i : i + self.config.head_batch * 4]))
+        return torch.cat(out)
 
     def _wait(self) -> None:
         """Background: before a chunk of work, the turn between two serving steps (learn/budget.py)."""

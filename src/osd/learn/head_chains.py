@@ -73,6 +73,27 @@ def head_chains(head: FeatureHead, chains: Chains, map_embeddings: torch.Tensor,
     return torch.stack(hits, dim=1)
 
 
+@torch.no_grad()
+def chain_lengths(head: FeatureHead, chains: Chains, map_embeddings: torch.Tensor, depth: int,
+                  starts: torch.Tensor | None = None) -> torch.Tensor:
+    """(n,) accepted length of the head's greedy chain from each of `starts` (default: all): leading_hits of
+    head_chains, computed for the chains still alive only (past a miss nothing is run: at an acceptance of ~0.3 a
+    4-deep score costs ~1.4 proposals a start instead of 4)."""
+    starts = torch.arange(len(chains.rows)) if starts is None else starts
+    feature = head.first_feature(chains.features[chains.rows[starts]])
+    embedding, labels = chains.first_embedding[starts], chains.labels[starts]
+    lengths, alive = torch.zeros(len(starts), dtype=torch.long), torch.arange(len(starts))
+    for d in range(depth):
+        if not len(alive):
+            break
+        logits, feature = head.step(feature, embedding)
+        guess = logits.argmax(-1)
+        hit = guess == labels[alive, d]
+        lengths[alive[hit]] += 1
+        alive, feature, embedding = alive[hit], feature[hit], map_embeddings[guess[hit]]
+    return lengths
+
+
 def leading_hits(hits: torch.Tensor) -> torch.Tensor:
     """(N, D) bool -> (N,) the hits before each row's first miss: a chain's accepted length."""
     return hits.long().cumprod(dim=1).sum(dim=1)
