@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import require_module, skip_or_fail
 
 from osd.config import SamplingConfig, SpeculationConfig
 from osd.drafts import DraftRegistry
@@ -16,6 +15,7 @@ from osd.learn.head_chains import chains_of_sequence
 from osd.models.feature_head import FeatureHead
 from osd.propose.chain import Sources
 from osd.propose.feature_head import FeatureHeadProposer
+from tests.models.tiny_gguf import ByteTokenizer, tiny, tiny_q4  # noqa: F401  (fixtures)
 
 
 def test_chains_of_a_sequence_read_the_feature_at_t_and_the_token_at_t_plus_1_and_hit_t_plus_2():
@@ -57,26 +57,6 @@ def test_chain_lengths_are_the_leading_hits_of_the_full_chains():
     assert torch.equal(chain_lengths(head, chains, map_embeddings, 4, torch.tensor([3, 9])), want[[3, 9]])
 
 
-@pytest.fixture(scope="module")
-def tiny_q4(tiny):
-    require_module("llama_cpp")
-    from osd.models import q4
-    from osd.models.q4_runner import Q4Runner
-    from tests.models.tiny_gguf import VOCAB
-
-    if not q4.available():
-        skip_or_fail("Q4 kernel unavailable on this machine")
-    return Q4Runner(tiny[0], n_ctx=256), VOCAB
-
-
-from tests.models.tiny_gguf import tiny  # noqa: E402,F401  (a fixture)
-
-
-class _Tok:
-    eos_token_id = -1
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(97 + i % 26) for i in ids)
 
 
 def served_with_learner(runner, vocab, **config):
@@ -86,7 +66,7 @@ def served_with_learner(runner, vocab, **config):
     registry = DraftRegistry()
     publish = lambda head: registry.publish("head", __import__("copy").deepcopy(head).eval(), vocab_ids)  # noqa: E731
     publish(master)
-    engine = SpeculativeEngine(runner, _Tok(), Sources([FeatureHeadProposer(registry, "head", runner.embed, vocab)]),
+    engine = SpeculativeEngine(runner, ByteTokenizer(), Sources([FeatureHeadProposer(registry, "head", runner.embed, vocab)]),
                                SpeculationConfig(k=4, adaptive=False))
     learner = HeadLearner(master, vocab_ids, runner.embed, publish,
                           HeadLearnConfig(head_schedule="sync", **config)).attach(engine)
@@ -100,7 +80,7 @@ def test_a_server_serving_the_same_traffic_again_accepts_more_with_each_head_ver
     engine, learner, registry = served_with_learner(runner, vocab, head_every_requests=2, head_steps_per_update=25,
                                                     head_lr=3e-3, head_batch=32, head_holdout_every=3)
     sampling = SamplingConfig(max_new_tokens=24, ignore_eos=True)
-    plain = SpeculativeEngine(runner, _Tok(), None, SpeculationConfig(k=0)).generate(PROMPT, sampling).token_ids
+    plain = SpeculativeEngine(runner, ByteTokenizer(), None, SpeculationConfig(k=0)).generate(PROMPT, sampling).token_ids
     accepted = []
     for _ in range(12):
         result = engine.generate(PROMPT, sampling)

@@ -182,3 +182,16 @@ def tiny(tmp_path_factory):
     reference = write_tiny_gguf(path, seed=0)
     return path, reference
 
+
+@pytest.fixture(scope="module")
+def tiny_q4(tiny):
+    """(a Q4Runner over the tiny GGUF, its vocabulary size); skipped (or failed under CI) where the kernel cannot run."""
+    from conftest import require_module, skip_or_fail
+
+    from osd.models import q4
+    from osd.models.q4_runner import Q4Runner
+
+    require_module("llama_cpp")
+    if not q4.available():
+        skip_or_fail("Q4 kernel unavailable on this machine")
+    return Q4Runner(tiny[0], n_ctx=256), VOCAB

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import require_module, skip_or_fail, tiny_qwen2
+from conftest import tiny_qwen2
 
 from osd.config import SamplingConfig, SpeculationConfig
 from osd.drafts import DraftRegistry
@@ -15,30 +15,11 @@ from osd.models.feature_head import FeatureHead
 from osd.propose import DraftModelProposer
 from osd.propose.chain import Sources
 from osd.propose.feature_head import FeatureHeadProposer
+from tests.models.tiny_gguf import ByteTokenizer, tiny, tiny_q4  # noqa: F401  (fixtures)
 
 MAP = 64  # the head proposes among target ids 0..63
 
 
-@pytest.fixture(scope="module")
-def tiny_q4(tiny):
-    require_module("llama_cpp")
-    from osd.models import q4
-    from osd.models.q4_runner import Q4Runner
-    from tests.models.tiny_gguf import VOCAB
-
-    if not q4.available():
-        skip_or_fail("Q4 kernel unavailable on this machine")
-    return Q4Runner(tiny[0], n_ctx=256), VOCAB
-
-
-from tests.models.tiny_gguf import tiny  # noqa: E402,F401  (a fixture)
-
-
-class _Tok:
-    eos_token_id = -1
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(97 + i % 26) for i in ids)
 
 
 class SpyHead(FeatureHeadProposer):
@@ -67,13 +48,13 @@ def head_engine(runner, vocab, draft=None, k=3, max_batch=1, seed=0):
     if draft is not None:
         registry.publish("draft", draft)
         sources.append(DraftModelProposer(registry, "draft", vocab))
-    engine = SpeculativeEngine(runner, _Tok(), Sources(sources), SpeculationConfig(k=k, adaptive=False,
+    engine = SpeculativeEngine(runner, ByteTokenizer(), Sources(sources), SpeculationConfig(k=k, adaptive=False,
                                                                                    max_batch=max_batch))
     return engine, head
 
 
 def target_alone(runner, prompt, n):
-    engine = SpeculativeEngine(runner, _Tok(), None, SpeculationConfig(k=0))
+    engine = SpeculativeEngine(runner, ByteTokenizer(), None, SpeculationConfig(k=0))
     return engine.generate(prompt, SamplingConfig(max_new_tokens=n, ignore_eos=True)).token_ids
 
 
@@ -150,4 +131,4 @@ def test_a_target_without_features_is_refused_by_name():
     registry.publish("head", FeatureHead(8, 16, torch.randn(MAP, 8)), torch.arange(MAP))
     head = FeatureHeadProposer(registry, "head", lambda ids: torch.zeros(len(ids), 8), target.config.vocab_size)
     with pytest.raises(InvalidArgument, match="only osd's Q4 backend"):
-        SpeculativeEngine(target, _Tok(), head, SpeculationConfig(k=3))
+        SpeculativeEngine(target, ByteTokenizer(), head, SpeculationConfig(k=3))

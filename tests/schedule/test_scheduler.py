@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from conftest import EOS, require_glue, require_module, require_q4, skip_or_fail, tiny_qwen2
+from conftest import EOS, require_glue, require_q4, tiny_qwen2
 
 from osd.config import SamplingConfig, SpeculationConfig
 from osd.drafts import DraftRegistry, weights_fingerprint
@@ -228,19 +228,9 @@ def test_chunked_prefill_beside_decoding_gives_the_logits_of_a_whole_prefill(tin
     assert torch.equal(whole, chunked)
 
 
-@pytest.fixture(scope="module")
-def tiny_q4(tiny):
-    require_module("llama_cpp")
-    from osd.models import q4
-    from osd.models.q4_runner import Q4Runner
-    from tests.models.tiny_gguf import VOCAB
-
-    if not q4.available():
-        skip_or_fail("Q4 kernel unavailable on this machine")
-    return Q4Runner(tiny[0], n_ctx=256), VOCAB
 
 
-from tests.models.tiny_gguf import tiny  # noqa: E402,F401  (a fixture)
+from tests.models.tiny_gguf import tiny, tiny_q4  # noqa: E402,F401  (fixtures)
 
 
 def test_each_request_sees_one_draft_version_while_the_draft_is_swapped_between_steps(target, draft):

@@ -13,7 +13,8 @@ from collections import OrderedDict
 import torch
 
 from osd.config import SamplingConfig
-from osd.propose.base import Proposal, forkable
+from osd.propose.base import Proposal
+from osd.propose.chain import Sources
 
 
 def ngrams_before(tokens: list[int], i: int, min_n: int, max_n: int):
@@ -120,8 +121,8 @@ class NgramProposer:
             self.traffic.add(token_ids)
 
 
-class LookupThenDraft:
-    """The n-gram lookup first; where it finds nothing, the draft model (if any) proposes.
+class LookupThenDraft(Sources):
+    """The n-gram lookup first; where it finds nothing, the draft model (if any) proposes (propose/chain.py Sources).
 
     The engine tries `sources` in order, each under its own k policy (lookup proposals cost ~nothing, model
     proposals cost draft forwards). The draft model's cache catches up on the tokens committed without it
@@ -129,35 +130,8 @@ class LookupThenDraft:
     """
 
     def __init__(self, lookup: NgramProposer, draft=None):
+        super().__init__([lookup] + ([draft] if draft is not None else []))
         self.lookup, self.draft = lookup, draft
-        self.sources = [lookup] + ([draft] if draft is not None else [])
-        self.name = f"{lookup.name}+{draft.name}" if draft is not None else lookup.name
-
-    @property
-    def version(self) -> int:
-        return self.draft.version if self.draft is not None else self.lookup.version
-
-    @property
-    def forkable(self) -> bool:
-        return self.draft is None or forkable(self.draft)
 
     def fork(self) -> "LookupThenDraft":
         return LookupThenDraft(self.lookup.fork(), self.draft.fork() if self.draft is not None else None)
-
-    def begin(self, prompt_ids: list[int], prefill: bool = True) -> None:
-        for source in self.sources:
-            source.begin(prompt_ids, prefill)
-
-    def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator=None) -> Proposal:
-        """Both sources at the same k (the engine calls the sources itself, each at its own k)."""
-        for source in self.sources:
-            if (proposal := source.propose(tokens, k, sampling, generator)).k:
-                return proposal
-        return Proposal([])
-
-    def rollback(self, length: int) -> None:
-        for source in self.sources:
-            source.rollback(length)
-
-    def observe_request(self, token_ids: list[int]) -> None:
-        self.lookup.observe_request(token_ids)
