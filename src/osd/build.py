@@ -212,7 +212,7 @@ def speculative_engine(system: System, target, spec: SpeculationConfig, draft: s
         say(f"token trees of {spec.tree} nodes asked, {engine.tree_nodes} served: the {type(engine.target).__name__} "
             "backend " + ("verifies chains only (trees need osd's Q4 backend, --target-backend osd)" if not
                           engine.tree_nodes else f"verifies at most {engine.tree_nodes + 1} rows in one pass"))
-    if isinstance(proposer, (LookupThenDraft, Sources)):  # the lookup learns continuations from every finished request
+    if isinstance(proposer, Sources):  # the lookup learns continuations from every finished request
         engine.request_observers.append(lambda r: proposer.observe_request(r.prompt_ids + r.token_ids))
     return engine
 

@@ -12,6 +12,8 @@ the candidate and the serving head propose greedy chains from the same held-out 
 published (its int8 copy, a new version: requests admitted from then on use it) unless its accepted length per start
 is lower by more than guard_z standard errors (paired). A rejected or failed update puts the weights and the
 optimizer's state back (learn/restore.py): a failed update never replaces a working head.
+Memory: the head's float weights and Adam's moments (the bundled target's head: 39.3M parameters, ~0.5 GB), a copy
+of both during an update, the map's embeddings (16,384 x 1,536 floats, ~0.1 GB) and the kept chains' features.
 Limitations: it learns the head only (the draft beside it does not learn in the same server); no checkpoint is
 written (a restart serves the --head file again); the held-out set holds the latest `guard_starts` starts only.
 """

@@ -18,6 +18,8 @@ not, `bench-serve-vs-noprop-prefill.json`.)
 Lossless per request: a sequence's rows are computed bitwise as if it ran alone (Q4Slots; RunnerSlots feeds each
 slot on its own), and acceptance runs per sequence with its own generator, so a greedy answer is the one the request
 gets alone whatever shares its steps, and sampled output keeps its law (tests/schedule/).
+A source that reads the target's features (the feature head, propose/feature_head.py) gets after each verification
+the target's feature at the row that chose the sequence's pending token, from the same pass (models/slots.py).
 The draft forwards of the sequences that propose run as one per depth (`propose_together`: one pass over the draft's
 weights for all of them, where the draft runs on the compiled glue runner), each sequence picking from its own row.
 Limitations: a draft on the transformers runner drafts per sequence (one forward per sequence per token); a
