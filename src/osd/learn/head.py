@@ -280,8 +280,9 @@ class HeadLearner:
         self._wake.set()
 
     def stats(self) -> dict:
-        train_starts = sum(len(p.labels) for p in self.train)
-        holdout_starts = sum(len(p.labels) for p in self.holdout)
+        # (list(): one atomic copy; iterating the deque itself while the serving thread appends to it could raise)
+        train_starts = sum(len(p.labels) for p in list(self.train))
+        holdout_starts = sum(len(p.labels) for p in list(self.holdout))
         return {"version": self.version, **self.counters, "train_starts": train_starts,
                 "holdout_starts": holdout_starts, "training": int(self.training), "paused": int(self.paused),
                 "parked": 0, "head_accepted_heldout": self.last_update.get("accepted_after"), **self.idle.stats()}
