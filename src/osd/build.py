@@ -223,7 +223,8 @@ def attach_head_learner(system: System, config):
 
     if system.head is None:
         raise InvalidArgument("--learn-head trains a feature head: name one with --head")
-    learner = HeadLearner(system.head.head, system.head.vocab_ids, as_runner(system.target_model).embed,
+    runner = as_runner(system.target_model)
+    learner = HeadLearner(system.head.head, system.head.vocab_ids, runner.vocab_size, runner.embed,
                           system.publish_head, config).attach(system.engine)
     learner.start()
     return learner

@@ -89,7 +89,7 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
     from osd.learn.precision import training_dtype
     from osd.models.loading import gguf_file, load_model, load_tokenizer
     from osd.models.q4_runner import Q4Runner
-    from osd.models.vocab_map import vocab_ids_of
+    from osd.models.vocab_map import target_to_draft, vocab_ids_of
     from osd_bench.replay_fast import paired_difference
 
     train_slices, heldout_slices = source_slices(train_domains, "train", train_per_domain), \
@@ -106,8 +106,7 @@ def run_feature_head(target: str, draft: str, train_domains, train_per_domain: i
         raise InvalidArgument(f"the target has layers 0 .. {len(runner.layers) - 1}")
     draft_model = load_model(draft)
     vocab_ids = vocab_ids_of(draft_model)
-    index = torch.full((runner.vocab_size,), -1, dtype=torch.long)  # target id -> row of the map
-    index[vocab_ids] = torch.arange(len(vocab_ids))
+    index = target_to_draft(vocab_ids, runner.vocab_size)  # target id -> row of the map (-1 off it)
     tapped = tuple(sorted({i for _, layers in arms for i in layers}))
     tapped, train_samples, heldout_samples, train, heldout, data_seconds = _data(
         runner, tokenizer, target, train_slices, heldout_slices, max_new_tokens, index, depth, tapped, data_cache,

@@ -59,6 +59,20 @@ def test_chain_lengths_are_the_leading_hits_of_the_full_chains():
 
 
 
+def test_a_request_with_tokens_past_the_maps_highest_id_becomes_chains_that_miss_there():
+    from types import SimpleNamespace
+
+    head = FeatureHead(8, 16, torch.randn(10, 8))
+    learner = HeadLearner(head, torch.arange(10), 100, lambda ids: torch.zeros(len(ids), 8), lambda h: None,
+                          HeadLearnConfig(head_schedule="sync", head_every_requests=100))
+    for context in ([1, 2, 3], [1, 2, 3, 50, 4]):  # each step: the pending token and one accepted proposal
+        learner.observe(SimpleNamespace(request_id="r", context=context, target_features=torch.randn(2, 8),
+                                        n_accepted=1))
+    learner.after_request(SimpleNamespace(request_id="r", prompt_ids=[1, 2, 3], token_ids=[50, 4, 60, 5]))
+    (piece,) = learner.train  # starts t = 2, 3, 4: the target's tokens 4, 60 (off the map), 5 at t + 2
+    assert piece.labels[:, 0].tolist() == [4, -1, 5]
+
+
 def served_with_learner(runner, vocab, **config):
     torch.manual_seed(0)
     hidden, vocab_ids = runner.shape.hidden, torch.arange(vocab)
@@ -68,7 +82,7 @@ def served_with_learner(runner, vocab, **config):
     publish(master)
     engine = SpeculativeEngine(runner, ByteTokenizer(), Sources([FeatureHeadProposer(registry, "head", runner.embed, vocab)]),
                                SpeculationConfig(k=4, adaptive=False))
-    learner = HeadLearner(master, vocab_ids, runner.embed, publish,
+    learner = HeadLearner(master, vocab_ids, vocab, runner.embed, publish,
                           HeadLearnConfig(head_schedule="sync", **config)).attach(engine)
     return engine, learner, registry
 

@@ -36,6 +36,7 @@ from osd.learn.head_chains import (Chains, chain_lengths, chains_of_sequence, co
                                    unrolled_loss)
 from osd.learn.precision import PRECISIONS, compute_in, training_dtype
 from osd.learn.restore import RestorePoint
+from osd.models.vocab_map import target_to_draft
 from osd.schedule.turns import end_thread_team
 
 log = logging.getLogger("osd.learn.head")
@@ -77,14 +78,13 @@ class HeadLearnConfig:
 
 
 class HeadLearner:
-    def __init__(self, head, vocab_ids: torch.Tensor, embed, publish, config: HeadLearnConfig | None = None,
-                 engine_busy=lambda: False, clock=time.monotonic):
-        """head: the float FeatureHead that trains (the master); embed: target ids -> (n, H) embeddings; publish:
-        head -> the published snapshot (its int8 copy, a new version)."""
+    def __init__(self, head, vocab_ids: torch.Tensor, vocab_size: int, embed, publish,
+                 config: HeadLearnConfig | None = None, engine_busy=lambda: False, clock=time.monotonic):
+        """head: the float FeatureHead that trains (the master); vocab_size: the target's; embed: target ids -> (n, H)
+        embeddings; publish: head -> the published snapshot (its int8 copy, a new version)."""
         self.config = config or HeadLearnConfig()
         self.head, self.embed, self.publish, self.engine_busy, self.clock = head, embed, publish, engine_busy, clock
-        self.index = torch.full((int(vocab_ids.max()) + 1,), -1, dtype=torch.long)  # target id -> map row
-        self.index[vocab_ids] = torch.arange(len(vocab_ids))
+        self.index = target_to_draft(vocab_ids, vocab_size)  # (V,) target id -> map row, -1 off the map
         self.map_embeddings = embed(vocab_ids.tolist())  # (M, H): what a proposal past the first reads
         self.params = [p for p in head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.head_lr, weight_decay=0.0)
