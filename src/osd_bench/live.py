@@ -48,7 +48,11 @@ LEARNER_SERIES = {  # /metrics sample -> short name (learn/online.py stats, lear
     "osd_learner_heldout_agreement_base": "heldout_agreement_base",
     "osd_learner_heldout_agreement_serving": "heldout_agreement_serving",
     "osd_learner_update_every_requests": "update_every_requests",  # the pace: longer while updates stop paying
-    "osd_learner_chunks_under_load_total": "chunks_under_load", "osd_learner_chunks_idle_total": "chunks_idle"}
+    "osd_learner_chunks_under_load_total": "chunks_under_load", "osd_learner_chunks_idle_total": "chunks_idle",
+    # where a step's seconds go, for both arms (a learning server's passes, rows and drafting against the other's)
+    "osd_schedule_steps_total": "passes", "osd_schedule_rows_total": "rows",
+    "osd_spec_draft_seconds_total": "draft_seconds"}
+SUMMED = {"draft_seconds"}  # labelled per draft version: summed over the labels
 
 
 @dataclass
@@ -114,7 +118,8 @@ async def scrape(client) -> dict[str, float]:
     for family in text_string_to_metric_families(r.text):
         for s in family.samples:
             if s.name in LEARNER_SERIES:
-                out[LEARNER_SERIES[s.name]] = s.value
+                key = LEARNER_SERIES[s.name]
+                out[key] = out.get(key, 0.0) + s.value if key in SUMMED else s.value
     return out
 
 
@@ -206,6 +211,8 @@ def summarise_rows(rows: list[dict], scrapes: list[dict]) -> dict:
     learner = [_delta(scrapes, t0, t1, k) for k in ("learner_busy_seconds", "learner_idle_seconds")]
     serving = _delta(scrapes, t0, t1, "serving_seconds")
     learner_seconds = sum(x for x in learner if x is not None) if any(x is not None for x in learner) else None
+    passes, pass_seconds = _delta(scrapes, t0, t1, "passes"), _delta(scrapes, t0, t1, "step_seconds")
+    rows_fed, draft_seconds = _delta(scrapes, t0, t1, "rows"), _delta(scrapes, t0, t1, "draft_seconds")
     return {"requests": len(rows), "errors": len(rows) - len(ok),
             "decode_tps_mean": sum(tps) / len(tps) if tps else None, "decode_tps_p50": percentile(tps, 50),
             "ttft_p50": percentile([r["ttft"] for r in ok if r["ttft"] is not None], 50),
@@ -216,7 +223,12 @@ def summarise_rows(rows: list[dict], scrapes: list[dict]) -> dict:
             "optimizer_steps": _delta(scrapes, t0, t1, "optimizer_steps"),
             "learner_cpu_share": learner_seconds / span if learner_seconds is not None and span > 0 else None,
             "learner_busy_share": (learner[0] / (learner[0] + serving) if learner[0] is not None and serving
-                                   else None), "span_seconds": span}
+                                   else None), "span_seconds": span,
+            # the target's passes: rows each (decode, proposals and prompt chunks) and milliseconds each; drafting's
+            # seconds as a share of the span
+            "rows_per_pass": rows_fed / passes if passes and rows_fed is not None else None,
+            "pass_ms": 1e3 * pass_seconds / passes if passes and pass_seconds is not None else None,
+            "draft_share": draft_seconds / span if draft_seconds is not None and span > 0 else None}
 
 
 def windows(rows: list[dict], scrapes: list[dict], size: int) -> list[dict]:

@@ -1,7 +1,9 @@
 """`osd bench live` (osd_bench/live.py): the arrival schedule, the per-window figures and the on/off comparison, and
 a short end-to-end run of both arms on the tiny pair (real `osd serve` processes)."""
+import asyncio
 import json
 
+import httpx
 import pytest
 
 from osd_bench import live
@@ -29,9 +31,11 @@ def _rows(tps: list[float], texts=None, version_from=None):
 
 def test_windows_the_headline_ratios_and_greedy_identity():
     scrapes = [{"t": 0.0, "optimizer_steps": 0, "published": 0, "learner_busy_seconds": 0.0,
-                "learner_idle_seconds": 0.0, "serving_seconds": 0.0},
+                "learner_idle_seconds": 0.0, "serving_seconds": 0.0, "passes": 0, "rows": 0, "step_seconds": 0.0,
+                "draft_seconds": 0.0},
                {"t": 8.0, "optimizer_steps": 16, "published": 1, "learner_busy_seconds": 0.8,
-                "learner_idle_seconds": 0.0, "serving_seconds": 7.2}]
+                "learner_idle_seconds": 0.0, "serving_seconds": 7.2, "passes": 80, "rows": 240, "step_seconds": 6.4,
+                "draft_seconds": 0.4}]
     on_rows = _rows([9.0] * 4 + [12.0] * 4, texts={7: "different"}, version_from=4)
     off_rows = _rows([10.0] * 8)
     on = {"rows": on_rows, "scrapes": scrapes, "windows": windows(on_rows, scrapes, 4)}
@@ -40,7 +44,10 @@ def test_windows_the_headline_ratios_and_greedy_identity():
     assert w["requests"] == 4 and w["decode_tps_mean"] == 9.0 and w["acceptance"] == 0.5 and w["mean_k"] == 1.6
     assert w["tokens_per_step"] == 2.0 and w["optimizer_steps"] == pytest.approx(8.0)  # 0-4 s of the 0-8 s scrapes
     assert w["learner_cpu_share"] == pytest.approx(0.1) and w["learner_busy_share"] == pytest.approx(0.1)
+    assert w["rows_per_pass"] == pytest.approx(3.0) and w["pass_ms"] == pytest.approx(80.0)
+    assert w["draft_share"] == pytest.approx(0.05)  # 0.2 s of drafting over the window's 4 s
     assert off["windows"][0]["optimizer_steps"] is None  # no learner series scraped
+    assert off["windows"][0]["pass_ms"] is None
     c = compare(on, off, 4)
     assert [x["decode_tps_ratio"] for x in c["windows"]] == pytest.approx([0.9, 1.2])
     assert c["first_quarter_ratio"] == pytest.approx(0.9) and c["last_quarter_ratio"] == pytest.approx(1.2)
@@ -48,6 +55,21 @@ def test_windows_the_headline_ratios_and_greedy_identity():
     assert c["greedy_identical"] == {"same": 7, "of": 8}
     pub = first_publish(on_rows, scrapes)
     assert pub["seconds"] == 8.0 and pub["requests_arrived"] == 8 and pub["first_request_served_by_a_new_version"] == 4
+
+
+def test_a_scrape_sums_a_labelled_series_over_its_labels():
+    from osd_bench.live import scrape
+
+    text = ('osd_spec_draft_seconds_total{draft="default",draft_version="0"} 1.5\n'
+            'osd_spec_draft_seconds_total{draft="default",draft_version="1"} 2.0\n'
+            'osd_schedule_steps_total 40.0\nosd_learner_version 1.0\n')
+
+    class Client:
+        async def get(self, path):
+            return httpx.Response(200, text=text, request=httpx.Request("GET", "http://x" + path))
+
+    out = asyncio.run(scrape(Client()))
+    assert out == {"draft_seconds": 3.5, "passes": 40.0, "version": 1.0}
 
 
 def test_the_cli_registers_live():
