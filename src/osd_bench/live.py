@@ -34,6 +34,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
+from osd.learn.online import UPDATE_PHASES
 from osd_bench.serve_load import _client, _request_body, _set_learning, one_request, percentile
 
 WARM_UP_PROMPT = "Write a haiku about the sea."  # not from any stream
@@ -52,6 +53,7 @@ LEARNER_SERIES = {  # /metrics sample -> short name (learn/online.py stats, lear
     # where a step's seconds go, for both arms (a learning server's passes, rows and drafting against the other's)
     "osd_schedule_steps_total": "passes", "osd_schedule_rows_total": "rows",
     "osd_spec_draft_seconds_total": "draft_seconds"}
+LEARNER_SERIES.update({f"osd_learner_work_seconds_{p}_total": f"work_{p}" for p in UPDATE_PHASES})  # by phase
 SUMMED = {"draft_seconds"}  # labelled per draft version: summed over the labels
 
 

@@ -342,3 +342,44 @@ def test_requests_that_finish_while_an_update_trains_count_toward_the_next_one()
     learner._update = training
     learner.update()
     assert learner.counters["requests_since_update"] == 3 and learner.counters["requests"] == 11
+
+
+def test_an_update_reports_its_work_by_phase_without_its_waits_for_a_turn(target_model, tokenizer):
+    """work_seconds: each phase's wall time less the waits for a turn in it (a clock moved only by the stand-ins
+    below: held-out evaluations 2 s, a step's gradients 0.25 s, the publish 0.5 s, every wait 5 s); the counters and
+    /metrics' osd_learner_work_seconds_<phase> add them up."""
+    draft = tiny_qwen2(seed=1, layers=1)
+    engine, registry, _ = _learner(target_model, copy.deepcopy(draft), tokenizer, mode="all", every_requests=0)
+    now = [0.0]
+    publish = lambda master, version=None: registry.publish("draft", copy.deepcopy(master).eval(), None, version)
+    learner = OnlineLearner(draft, publish, LearnConfig(mode="all", every_requests=0, lr=1e-3, steps_per_update=3,
+                                                        trainable="all", guard=True, guard_holdout=0.5, guard_z=9.0,
+                                                        schedule="background"), clock=lambda: now[0]).attach(engine)
+    for prompt in STREAM[:8]:
+        engine.generate(prompt, SamplingConfig(max_new_tokens=12))
+
+    def taking(seconds, method):
+        def run(*args, **kwargs):
+            now[0] += seconds
+            return method(*args, **kwargs)
+        return run
+
+    real_wait = learner.idle.wait
+
+    def wait():
+        now[0] += 5.0
+        learner.idle.waited_total += 5.0
+        real_wait()
+
+    learner.idle.wait = wait
+    learner._acceptance = taking(2.0, learner._acceptance)
+    learner._accumulate_gradients = taking(0.25, learner._accumulate_gradients)
+    learner._publish = taking(0.5, learner._publish)
+    report = learner.update("manual")
+    assert report["published"] and len(report["losses"]) == 3
+    work = report["work_seconds"]
+    # the serving version's held-out figures, the candidate's, the base's (the drift guard's first comparison)
+    assert work == pytest.approx({"evaluate_serving": 2.0, "train": 0.75, "evaluate_candidate": 2.0,
+                                  "publish": 0.5, "drift_guard": 2.0})
+    assert learner.counters["work_seconds_train"] == pytest.approx(0.75)
+    assert learner.stats()["work_seconds_drift_guard"] == pytest.approx(2.0)

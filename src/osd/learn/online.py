@@ -34,7 +34,7 @@ import math
 import random
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -59,6 +59,7 @@ from osd.learn.triggers import Pace, UpdateTrigger
 from osd.schedule.turns import end_thread_team
 
 log = logging.getLogger("osd.learn")
+UPDATE_PHASES = ("evaluate_serving", "train", "evaluate_candidate", "publish", "drift_guard")  # _update's work
 TRAJECTORY = "learner_trajectory"  # checkpoint file (.pt) of the learner's own weights (and step count) when the
 #   average serves
 
@@ -253,6 +254,8 @@ class OnlineLearner:
                          "steps_skipped_nonfinite": 0, "optimizer_steps": 0, "train_seconds": 0.0,
                          "rollbacks": 0, "resets": 0,  # drift guard: back to the best version / to the base
                          "parked_seconds": 0.0,  # updates parked by pause() (train_seconds, their wall time, includes it)
+                         # an update's work by phase, seconds (its wall time less its waits for a turn: _phase)
+                         **{f"work_seconds_{p}": 0.0 for p in UPDATE_PHASES},
                          "checkpoints_deferred": 0}  # updates not checkpointed: the last checkpoint was too recent
         self._saved_at: float | None = None  # when the last checkpoint was written (clock)
         self._checkpoint_due: float | None = None  # background: since when a checkpoint waits for an idle engine
@@ -346,6 +349,14 @@ class OnlineLearner:
             elif "train_items" in report:  # (not "nothing to train on": that says nothing of the pace)
                 self.pace.after_update(report["published"], report.get("heldout_flips"))
             self.last_update = report
+            for phase, seconds in report.get("work_seconds", {}).items():
+                self.counters[f"work_seconds_{phase}"] += seconds
+            if report.get("work_seconds"):
+                log.info("draft update (%s): %s, %d optimizer steps; work %.2f s (%s)", reason,
+                         f"published v{report['version']}" if report["published"] else
+                         f"rejected ({report.get('rejected_because')})", len(report.get("losses") or []),
+                         sum(report["work_seconds"].values()),
+                         ", ".join(f"{k} {v:.2f}" for k, v in report["work_seconds"].items()))
             losses = report.get("losses") or []
             self.history = (self.history + [{**{k: v for k, v in report.items() if k != "losses"},
                                              "mean_loss": sum(losses) / len(losses) if losses else None,
@@ -361,10 +372,12 @@ class OnlineLearner:
         if not train:
             return {"reason": reason, "items": 0, "published": False, "rejected_because": "nothing to train on",
                     "losses": []}
-        before = self._serving_acceptance(holdout) if holdout else None
+        phases: dict[str, float] = {}
+        with self._phase(phases, "evaluate_serving"):
+            before = self._serving_acceptance(holdout) if holdout else None
         self.master.train()
         losses = []
-        with self.average.training() if self.average is not None else nullcontext():
+        with self._phase(phases, "train"), self.average.training() if self.average is not None else nullcontext():
             share = cfg.rehearsal if not cfg.rehearsal_uniform or self.reservoir is None else \
                 history_share(self.reservoir.offered, len(train), cfg.rehearsal)
             for _ in range(cfg.steps_per_update):
@@ -386,7 +399,8 @@ class OnlineLearner:
         if self.versions is not None:  # a request some step has seen is never held out again
             self.versions.mark_trained({it.request_id for it in train + older},
                                        {it.request_id for it in self.buffer.snapshot() + self.guard_buffer.snapshot() + older})
-        after = self._acceptance(holdout) if holdout else None
+        with self._phase(phases, "evaluate_candidate"):
+            after = self._acceptance(holdout) if holdout else None
         finite = all(torch.isfinite(p).all() for p in self.params)
         before_correct = before.pop("correct") if before is not None else None
         after_correct = after.pop("correct") if after is not None else None
@@ -397,21 +411,37 @@ class OnlineLearner:
         report = {"reason": reason, "items": len(train) + len(holdout), "train_items": len(train), "losses": losses,
                   "holdout_before": before, "holdout_after": after, "published": False,
                   # (gained, lost) against the serving draft on the same held-out positions (learn/triggers.py Pace)
-                  "heldout_flips": paired_flips(before_correct, after_correct)[::-1] if before is not None else None}
+                  "heldout_flips": paired_flips(before_correct, after_correct)[::-1] if before is not None else None,
+                  "work_seconds": phases}
         if not losses or not finite or worse:
             self._restore_point.restore()  # moments too: a rejected update leaves no trace
             self.counters["updates_rejected"] += 1
             report["rejected_because"] = "no finite step" if not losses else "non-finite weights" if not finite else "guard"
-            if self._stop_drift(holdout, before_correct, report):
+            with self._phase(phases, "drift_guard"):
+                restored = self._stop_drift(holdout, before_correct, report)
+            if restored:
                 self._checkpoint(force=True)
             return report
-        self._publish()
+        with self._phase(phases, "publish"):
+            self._publish()
         if after_lists is not None:
             self._remember_serving(*after_lists)
         self.counters["updates_published"] += 1
         report.update(published=True, version=self.version)
-        self._checkpoint(force=self._stop_drift(holdout, after_correct, report))
+        with self._phase(phases, "drift_guard"):
+            restored = self._stop_drift(holdout, after_correct, report)
+        self._checkpoint(force=restored)
         return report
+
+    @contextmanager
+    def _phase(self, phases: dict, name: str):
+        """Adds the seconds of work in the block to phases[name]: its wall time less the waits for a turn between
+        serving steps in it (learn/budget.py), i.e. what the learner spent, in chunks and between them."""
+        start, waited = self.clock(), self.idle.waited_total
+        try:
+            yield
+        finally:
+            phases[name] = phases.get(name, 0.0) + (self.clock() - start) - (self.idle.waited_total - waited)
 
     def _batch(self, train: list, older: list, share: float) -> list:
         """One step's items: mixed_batch's recent / older mix; keeping unused samples (background), the recent part
