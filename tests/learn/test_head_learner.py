@@ -69,6 +69,8 @@ def test_a_request_with_tokens_past_the_maps_highest_id_becomes_chains_that_miss
         learner.observe(SimpleNamespace(request_id="r", context=context, target_features=torch.randn(2, 8),
                                         n_accepted=1))
     learner.after_request(SimpleNamespace(request_id="r", prompt_ids=[1, 2, 3], token_ids=[50, 4, 60, 5]))
+    assert not learner.train and len(learner.finished) == 1  # the serving thread only queues it
+    learner.absorb()  # the learner's thread makes it chains
     (piece,) = learner.train  # starts t = 2, 3, 4: the target's tokens 4, 60 (off the map), 5 at t + 2
     assert piece.labels[:, 0].tolist() == [4, -1, 5]
 

@@ -345,8 +345,9 @@ def test_requests_that_finish_while_an_update_trains_count_toward_the_next_one()
 
 
 def test_an_update_reports_its_work_by_phase_without_its_waits_for_a_turn(target_model, tokenizer):
-    """work_seconds: each phase's wall time less the waits for a turn in it (a clock moved only by the stand-ins
-    below: held-out evaluations 2 s, a step's gradients 0.25 s, the publish 0.5 s, every wait 5 s); the counters and
+    """work_seconds: each phase's wall time less the waits for a turn and the time parked in it (a clock moved only by
+    the stand-ins below: held-out evaluations 2 s, a step's gradients 0.25 s, the publish 0.5 s, every wait 5 s, one
+    parking 7 s); the counters and
     /metrics' osd_learner_work_seconds_<phase> add them up."""
     draft = tiny_qwen2(seed=1, layers=1)
     engine, registry, _ = _learner(target_model, copy.deepcopy(draft), tokenizer, mode="all", every_requests=0)
@@ -372,11 +373,20 @@ def test_an_update_reports_its_work_by_phase_without_its_waits_for_a_turn(target
         real_wait()
 
     learner.idle.wait = wait
+    parked = []
+
+    def park():  # parked once by pause() (the live bench pauses a learner while the other server serves): 7 s
+        if not parked:
+            parked.append(1)
+            now[0] += 7.0
+            learner.counters["parked_seconds"] += 7.0
+
+    learner._park_while_paused = park
     learner._acceptance = taking(2.0, learner._acceptance)
     learner._accumulate_gradients = taking(0.25, learner._accumulate_gradients)
     learner._publish = taking(0.5, learner._publish)
     report = learner.update("manual")
-    assert report["published"] and len(report["losses"]) == 3
+    assert report["published"] and len(report["losses"]) == 3 and parked
     work = report["work_seconds"]
     # the serving version's held-out figures, the candidate's, the base's (the drift guard's first comparison)
     assert work == pytest.approx({"evaluate_serving": 2.0, "train": 0.75, "evaluate_candidate": 2.0,

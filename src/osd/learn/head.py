@@ -4,8 +4,9 @@ The head (models/feature_head.py) learns from what serving computes anyway: ever
 source reads features holds the target's features at the rows it verified (`target_features`: the pending token's and
 each accepted proposal's), so by the end of a request the learner holds the target's feature at every position from
 the prompt's last token on. A finished request becomes chains (learn/head_chains.py `chains_of_sequence`: from each
-position t, the target's tokens at t + 2, t + 3, ...); every `holdout_every`-th request is held out, never trained on,
-and is the guard's evidence. An update takes `steps_per_update` AdamW steps of EAGLE-3's training-time test
+position t, the target's tokens at t + 2, t + 3, ...), built on the learner's thread in a turn between serving steps
+(`absorb`: the serving thread only queues the finished request's rows); every `holdout_every`-th request is held
+out, never trained on, and is the guard's evidence. An update takes `steps_per_update` AdamW steps of EAGLE-3's training-time test
 (`unrolled_loss`, chains `depth` deep) on starts drawn from the recent requests, one micro-batch per chunk of work
 between the scheduler's steps, within `busy_share` of the busy time (learn/budget.py, as the draft's learner); then
 the candidate and the serving head propose greedy chains from the same held-out starts, and the candidate is
@@ -93,6 +94,9 @@ class HeadLearner:
         self._running: OrderedDict[str, list] = OrderedDict()  # request -> [first position, [(n, H) rows]]
         self.train: deque[Chains] = deque()
         self.holdout: deque[Chains] = deque()
+        # finished requests not yet made chains: (held out, tokens, first position, feature rows), absorbed by the
+        # learner's thread in a turn of its own (absorb), not on the serving thread that finishes them
+        self.finished: deque[tuple[bool, list[int], int, list[torch.Tensor]]] = deque()
         self.version = 0
         self.counters = {"requests": 0, "requests_since_update": 0, "updates_published": 0, "updates_rejected": 0,
                          "update_errors": 0, "optimizer_steps": 0, "train_seconds": 0.0}
@@ -125,21 +129,30 @@ class HeadLearner:
         entry[1].append(record.target_features[: record.n_accepted + 1].clone())
 
     def after_request(self, result) -> None:
+        """A finished request's features wait, as they are, for the learner's thread (absorb)."""
         entry = self._running.pop(result.request_id, None)
         self.counters["requests"] += 1
         if entry is not None and entry[1]:
-            tokens = list(result.prompt_ids) + list(result.token_ids)
-            piece = chains_of_sequence(tokens, entry[0], torch.cat(entry[1]), self.embed, self.index,
-                                       max(self.config.head_depth, SCORE_DEPTH))
-            if piece is not None:
-                held = self.counters["requests"] % self.config.head_holdout_every == 0
-                self._keep(self.holdout if held else self.train, piece,
-                           self.config.head_guard_starts if held else self.config.head_capacity)
+            held = self.counters["requests"] % self.config.head_holdout_every == 0
+            self.finished.append((held, list(result.prompt_ids) + list(result.token_ids), entry[0], entry[1]))
+            while len(self.finished) > self.config.head_capacity:  # (a learner that never runs keeps a bounded queue)
+                self.finished.popleft()
         self.counters["requests_since_update"] += 1
         if self.config.head_schedule == "sync":
             self.maybe_update()
         else:
             self._wake.set()
+
+    def absorb(self) -> None:
+        """The finished requests' chains (an embedding lookup of each answer, its features concatenated) into the
+        training and held-out sets."""
+        while self.finished:
+            held, tokens, first, rows = self.finished.popleft()
+            piece = chains_of_sequence(tokens, first, torch.cat(rows), self.embed, self.index,
+                                       max(self.config.head_depth, SCORE_DEPTH))
+            if piece is not None:
+                self._keep(self.holdout if held else self.train, piece,
+                           self.config.head_guard_starts if held else self.config.head_capacity)
 
     @staticmethod
     def _keep(pieces: deque, piece: Chains, most: int) -> None:
@@ -149,7 +162,8 @@ class HeadLearner:
 
     # --- updating ---------------------------------------------------------------------------------
     def maybe_update(self) -> dict | None:
-        if self.paused or self.counters["requests_since_update"] < self.config.head_every_requests or not self.train:
+        if self.paused or self.counters["requests_since_update"] < self.config.head_every_requests or \
+                not (self.train or self.finished):
             return None
         return self.update()
 
@@ -158,12 +172,17 @@ class HeadLearner:
         with self._lock:
             self.training, start = True, self.clock()
             self.counters["requests_since_update"] = 0
-            self._wait()  # the copies below (weights, Adam moments, the chains) run in a chunk too
-            restore = RestorePoint(self.params, self.optimizer)
+            restore = None
             try:
+                self._wait()  # the chains and the copies below (weights, Adam moments) run in a chunk too
+                self.absorb()
+                if not self.train:
+                    return {"published": False, "rejected_because": "nothing to train on"}
+                restore = RestorePoint(self.params, self.optimizer)
                 report = self._update()
             except Exception as e:
-                restore.restore()
+                if restore is not None:
+                    restore.restore()
                 self.counters["update_errors"] += 1
                 self.last_update = {"error": repr(e), "published": False}
                 raise
@@ -284,6 +303,7 @@ class HeadLearner:
         train_starts = sum(len(p.labels) for p in list(self.train))
         holdout_starts = sum(len(p.labels) for p in list(self.holdout))
         return {"version": self.version, **self.counters, "train_starts": train_starts,
+                "requests_waiting": len(self.finished),
                 "holdout_starts": holdout_starts, "training": int(self.training), "paused": int(self.paused),
                 "parked": 0, "head_accepted_heldout": self.last_update.get("accepted_after"), **self.idle.stats()}
 

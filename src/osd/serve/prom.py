@@ -75,8 +75,8 @@ LEARNER_GAUGES = {"version", "training", "paused", "parked", "buffer_positions",
                   "memory_buffers_bytes", "buffer_unused_positions", "busy_share_measured", "chunk_seconds_max",
                   "heldout_agreement_base", "heldout_agreement_serving", "heldout_positions",
                   "update_every_requests",
-                  "train_starts", "holdout_starts", "head_accepted_heldout"}  # levels, not running counts (the last
-#   three: the feature head's learner, learn/head.py)
+                  "train_starts", "holdout_starts", "head_accepted_heldout", "requests_waiting"}
+# (levels, not running counts; the last four: the feature head's learner, learn/head.py)
 
 
 class ServeMetrics:
