@@ -5,14 +5,14 @@ source reads features holds the target's features at the rows it verified (`targ
 each accepted proposal's), so by the end of a request the learner holds the target's feature at every position from
 the prompt's last token on. A finished request becomes chains (learn/head_chains.py `chains_of_sequence`: from each
 position t, the target's tokens at t + 2, t + 3, ...), built on the learner's thread in a turn between serving steps
-(`absorb`: the serving thread only queues the finished request's rows); every `holdout_every`-th request is held
-out, never trained on, and is the guard's evidence. An update takes `steps_per_update` AdamW steps of EAGLE-3's
-training-time test (`unrolled_loss`, chains `depth` deep) on starts drawn from the recent requests, one micro-batch per chunk of work
-between the scheduler's steps, within `busy_share` of the busy time (learn/budget.py, as the draft's learner); then
-the candidate and the serving head propose greedy chains from the same held-out starts, and the candidate is
-published (its int8 copy, a new version: requests admitted from then on use it) unless its accepted length per start
-is lower by more than guard_z standard errors (paired). A rejected or failed update puts the weights and the
-optimizer's state back (learn/restore.py): a failed update never replaces a working head.
+(`absorb`: the serving thread only queues the finished request's rows); every `holdout_every`-th request is held out,
+never trained on, and is the guard's evidence. An update takes `steps_per_update` AdamW steps of EAGLE-3's
+training-time test (`unrolled_loss`, chains `depth` deep) on starts drawn from the recent requests, one micro-batch
+per chunk of work between the scheduler's steps, within `busy_share` of the busy time (learn/budget.py, as the draft's
+learner); then the candidate and the serving head propose greedy chains from the same held-out starts, and the
+candidate is published (its int8 copy, a new version: requests admitted from then on use it) unless its accepted
+length per start is lower by more than guard_z standard errors (paired). A rejected or failed update puts the weights
+and the optimizer's state back (learn/restore.py): a failed update never replaces a working head.
 Memory: the head's float weights and Adam's moments (the bundled target's head: 39.3M parameters, ~0.5 GB), a copy
 of both during an update, the map's embeddings (16,384 x 1,536 floats, ~0.1 GB) and the kept chains' features.
 Limitations: it learns the head only (the draft beside it does not learn in the same server); no checkpoint is
