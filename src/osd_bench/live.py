@@ -34,7 +34,6 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
-from osd.learn.online import UPDATE_PHASES
 from osd_bench.serve_load import _client, _request_body, _set_learning, one_request, percentile
 
 WARM_UP_PROMPT = "Write a haiku about the sea."  # not from any stream
@@ -53,7 +52,8 @@ LEARNER_SERIES = {  # /metrics sample -> short name (learn/online.py stats, lear
     # where a step's seconds go, for both arms (a learning server's passes, rows and drafting against the other's)
     "osd_schedule_steps_total": "passes", "osd_schedule_rows_total": "rows",
     "osd_spec_draft_seconds_total": "draft_seconds"}
-LEARNER_SERIES.update({f"osd_learner_work_seconds_{p}_total": f"work_{p}" for p in UPDATE_PHASES})  # by phase
+# an update's work by phase (learn/online.py UPDATE_PHASES), matched by name: the bench's client never loads torch
+WORK_PREFIX, WORK_SUFFIX = "osd_learner_work_seconds_", "_total"
 SUMMED = {"draft_seconds"}  # labelled per draft version: summed over the labels
 
 
@@ -108,6 +108,13 @@ def decode_tps(sample) -> float | None:
     return (sample.completion_tokens - 1) / (sample.seconds - sample.ttft)
 
 
+def series_of_phase(name: str) -> str | None:
+    """osd_learner_work_seconds_<phase>_total -> work_<phase>; None for any other name."""
+    if name.startswith(WORK_PREFIX) and name.endswith(WORK_SUFFIX) and len(name) > len(WORK_PREFIX + WORK_SUFFIX):
+        return "work_" + name[len(WORK_PREFIX):-len(WORK_SUFFIX)]
+    return None
+
+
 async def scrape(client) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -119,8 +126,8 @@ async def scrape(client) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(r.text):
         for s in family.samples:
-            if s.name in LEARNER_SERIES:
-                key = LEARNER_SERIES[s.name]
+            key = LEARNER_SERIES.get(s.name) or series_of_phase(s.name)
+            if key is not None:
                 out[key] = out.get(key, 0.0) + s.value if key in SUMMED else s.value
     return out
 
@@ -347,6 +354,20 @@ def append_block(arm: dict, block: dict, lo: int) -> None:
     arm["wall_seconds"] += block["wall_seconds"]
 
 
+def block_line(on_rows: list[dict], off_rows: list[dict]) -> str:
+    """One block's progress line: each arm's mean decode tokens/s, their ratio, the learning arm's draft version."""
+    def mean_tps(rows):
+        tps = [r["decode_tps"] for r in rows if r.get("decode_tps")]
+        return sum(tps) / len(tps) if tps else None
+
+    on, off = mean_tps(on_rows), mean_tps(off_rows)
+    versions = [r["draft_version"] for r in on_rows if r.get("draft_version") is not None]
+    if on is None or off is None:
+        return "no decode speed measured in this block"
+    return (f"decode {on:.2f} tokens/s learning on (draft v{max(versions) if versions else '?'}), {off:.2f} off: "
+            f"{on / off:.2f}x")
+
+
 def set_learner_paused(server, paused: bool) -> None:
     async def pause() -> None:
         async with _client(server.url, server.api_key, 60.0, 1) as client:
@@ -377,6 +398,7 @@ def run_interleaved(target: str, draft: str, config: LiveConfig, prompts: list[s
                                                  block_arrivals(arrivals, lo, hi), config.max_tokens,
                                                  config.scrape_every, warm_up=b == 0))
                 append_block(arms[name], block, lo)
+            progress("  " + block_line(arms["on"]["rows"][lo:hi], arms["off"]["rows"][lo:hi]))
         if pausable:
             set_learner_paused(on, False)
         for name, server in servers.items():
@@ -505,5 +527,5 @@ def _cmd(args) -> None:
                         args.capacity, args.capacity_requests, args.window, args.max_tokens, args.seed,
                         tuple(shlex.split(args.osd_args)), tuple(shlex.split(args.learn_args)), args.order,
                         args.scrape_every, args.max_batch, tuple(args.arms), args.interleave)
-    result = run_live(config, args.log_dir)
+    result = run_live(config, args.log_dir, progress=lambda line: print(line, flush=True))  # (seen in a log too)
     report_live(result, args.out, args.markdown)

@@ -62,14 +62,25 @@ def test_a_scrape_sums_a_labelled_series_over_its_labels():
 
     text = ('osd_spec_draft_seconds_total{draft="default",draft_version="0"} 1.5\n'
             'osd_spec_draft_seconds_total{draft="default",draft_version="1"} 2.0\n'
-            'osd_schedule_steps_total 40.0\nosd_learner_version 1.0\n')
+            'osd_schedule_steps_total 40.0\nosd_learner_version 1.0\n'
+            '# TYPE osd_learner_work_seconds_train counter\nosd_learner_work_seconds_train_total 3.25\n'
+            'osd_learner_work_seconds_total 9.0\nosd_other_total 1.0\n')
 
     class Client:
         async def get(self, path):
             return httpx.Response(200, text=text, request=httpx.Request("GET", "http://x" + path))
 
     out = asyncio.run(scrape(Client()))
-    assert out == {"draft_seconds": 3.5, "passes": 40.0, "version": 1.0}
+    assert out == {"draft_seconds": 3.5, "passes": 40.0, "version": 1.0, "work_train": 3.25}
+
+
+def test_every_update_phase_of_the_learner_has_its_scraped_series():
+    from osd.learn.online import UPDATE_PHASES
+    from osd_bench.live import series_of_phase
+
+    assert [series_of_phase(f"osd_learner_work_seconds_{p}_total") for p in UPDATE_PHASES] == \
+        [f"work_{p}" for p in UPDATE_PHASES]
+    assert series_of_phase("osd_learner_optimizer_steps_total") is None
 
 
 def test_the_cli_registers_live():
@@ -190,3 +201,12 @@ def test_recompare_rewrites_a_result_files_comparison_from_its_rows(tmp_path):
     assert "stale" not in c and c["last_quarter_ratio"] == pytest.approx(1.2)
     assert c["mean_ratio"] == pytest.approx(1.2) and c["mean_ratio_interval"] == pytest.approx([1.2, 1.2])
     assert "git_revision" in saved["comparison_recomputed"]
+
+
+def test_a_block_progress_line_gives_both_arms_speed_their_ratio_and_the_draft_version():
+    from osd_bench.live import block_line
+
+    on = [{"decode_tps": 12.0, "draft_version": 2}, {"decode_tps": 18.0, "draft_version": 3}, {"decode_tps": None}]
+    off = [{"decode_tps": 10.0, "draft_version": 0}, {"decode_tps": 14.0, "draft_version": 0}]
+    assert block_line(on, off) == "decode 15.00 tokens/s learning on (draft v3), 12.00 off: 1.25x"
+    assert block_line([{"decode_tps": None}], off) == "no decode speed measured in this block"
