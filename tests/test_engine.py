@@ -127,6 +127,15 @@ def test_calibration_is_not_skewed_by_a_slow_spell_on_one_row_count(draft_model,
         assert engine.target_costs.seconds == pytest.approx([0.010 + 0.002 * n for n in range(1, k + 2)], rel=1e-9)
 
 
+def test_the_calibration_line_says_what_a_pass_costs_by_rows_and_each_draft_token():
+    line = SpeculativeEngine.describe_calibration({"t_target": [0.012, 0.014, 0.018], "verify_cost": [1.0, 14 / 12, 1.5],
+                                                   "t_draft_by_source": [0.0, 0.0006]})
+    assert line == ("calibrated: a target pass of 1 row 12.0 ms, 2 rows 1.17x, 3 rows 1.50x; "
+                    "a draft token 0.00 ms (c 0.000), 0.60 ms (c 0.050)")
+    assert SpeculativeEngine.describe_calibration({"t_target": [0.02], "verify_cost": [1.0], "t_draft_by_source": []}) \
+        == "calibrated: a target pass of 1 row 20.0 ms"
+
+
 def test_calibration_times_what_a_lagging_draft_feeds_per_token(target_model, draft_model, tokenizer):
     """The draft's policy learns what a catch-up feed costs per token (what the allocation charges a sequence whose
     draft cache lags); a draft-less source (the lookup) costs none."""

@@ -109,6 +109,16 @@ class SpeculativeEngine:
         for policy in self.policies:
             policy.adaptive = adaptive
 
+    @staticmethod
+    def describe_calibration(calibration: dict) -> str:
+        """One line of what `calibrate` measured, what the k policy and the scheduler's goodput decide from: a target
+        pass by rows against one row, each draft's token against one target row (c)."""
+        t = calibration["t_target"]
+        rows = ", ".join(f"{n} rows {v:.2f}x" for n, v in enumerate(calibration["verify_cost"][1:], start=2))
+        drafts = ", ".join(f"{d * 1e3:.2f} ms (c {d / t[0]:.3f})" for d in calibration["t_draft_by_source"])
+        return f"calibrated: a target pass of 1 row {t[0] * 1e3:.1f} ms" + (f", {rows}" if rows else "") + \
+            (f"; a draft token {drafts}" if drafts else "")
+
     def _row_seconds(self, prefix: list[int], t_target: list[float], repeats: int) -> dict[int, float]:
         """Seconds of one pass by rows for the scheduler's goodput (schedule/goodput.py), up to what a full step holds:
         every sequence at k_max plus a prefill chunk. Measured on one sequence (a pass's cost is its matrices' rows),

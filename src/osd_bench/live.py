@@ -331,7 +331,18 @@ def run_arm(target: str, draft: str, config: LiveConfig, learning: bool, prompts
         command = " ".join(server.command()[2:])
     result["server_command"] = command
     result["arm_seconds"] = time.perf_counter() - started
+    result["calibration"] = calibration_of(log_path)
     return finish_arm(result, config, learning)
+
+
+def calibration_of(log_path: str) -> str | None:
+    """The server's startup calibration line (engine.describe_calibration) from its log: two servers alike can measure
+    their passes differently, and their k choices follow what they measured."""
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            return next((line[line.index("calibrated:"):].strip() for line in f if "calibrated:" in line), None)
+    except OSError:
+        return None
 
 
 def block_arrivals(arrivals: list[float], lo: int, hi: int) -> list[float]:
@@ -403,6 +414,7 @@ def run_interleaved(target: str, draft: str, config: LiveConfig, prompts: list[s
             set_learner_paused(on, False)
         for name, server in servers.items():
             arms[name]["server_command"] = " ".join(server.command()[2:])
+            arms[name]["calibration"] = calibration_of(f"{log_dir}/load{load}-{name}.log")
             arms[name]["arm_seconds"] = arms[name]["wall_seconds"]  # its own blocks' seconds, not the other arm's
     return {name: finish_arm(arm, config, name == "on") for name, arm in arms.items()}
 

@@ -71,6 +71,7 @@ def report_live(result: dict, out: str, markdown: str | None) -> None:
     blocks = []
     for entry in result["loads"]:
         blocks += [headline(entry), window_table(entry)]
+        blocks += [f"{arm}: {a['calibration']}" for arm, a in entry["arms"].items() if a.get("calibration")]
     cfg = result["config"]
     description = (f"`{result.get('command', 'osd bench live')}`: stream {cfg['stream']} ({cfg['split']}), "
                    f"{cfg['requests']} requests, capacity {result['capacity']['requests_per_s']:.3f} requests/s, "

@@ -210,3 +210,14 @@ def test_a_block_progress_line_gives_both_arms_speed_their_ratio_and_the_draft_v
     off = [{"decode_tps": 10.0, "draft_version": 0}, {"decode_tps": 14.0, "draft_version": 0}]
     assert block_line(on, off) == "decode 15.00 tokens/s learning on (draft v3), 12.00 off: 1.25x"
     assert block_line([{"decode_tps": None}], off) == "no decode speed measured in this block"
+
+
+def test_an_arm_records_its_server_s_calibration_line_from_the_log(tmp_path):
+    from osd_bench.live import calibration_of
+
+    log = tmp_path / "server.log"
+    log.write_text("[osd] loading\n2026-11-30 07:00:00 INFO osd.serve: calibrated: a target pass of 1 row 60.1 ms, "
+                   "2 rows 1.20x\nINFO osd.stats: running 0\n")
+    assert calibration_of(str(log)) == "calibrated: a target pass of 1 row 60.1 ms, 2 rows 1.20x"
+    log.write_text("no such line\n")
+    assert calibration_of(str(log)) is None and calibration_of(str(tmp_path / "missing.log")) is None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from osd.flags import HELP_DEFAULT, add_config_flags, config_from
@@ -70,7 +71,7 @@ def cmd_serve(args) -> None:
         return
     spec = config_from(args, SpeculationConfig)
     system = build_system(models, spec, with_draft=spec.k > 0 or args.learn, route=config_from(args, RouteConfig))
-    system.engine.calibrate()
+    logging.getLogger("osd.serve").info(system.engine.describe_calibration(system.engine.calibrate()))
     if args.learn_head:  # the head learns, the draft does not
         from osd.build import attach_head_learner
         from osd.learn.head import HeadLearnConfig
