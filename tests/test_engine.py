@@ -136,6 +136,39 @@ def test_the_calibration_line_says_what_a_pass_costs_by_rows_and_each_draft_toke
         == "calibrated: a target pass of 1 row 20.0 ms"
 
 
+def test_a_calibration_written_by_one_server_is_what_the_next_one_decides_from(tmp_path, target_model, draft_model,
+                                                                                tokenizer):
+    """osd serve --calibration FILE: the first engine measures and writes, an engine alike reads the same costs (its
+    k policy, its goodput's pass costs) without measuring; a file for another engine, or not a calibration, is a
+    clear error."""
+    import json
+
+    from osd.engine import calibrate_or_load
+
+    path = tmp_path / "calibration.json"
+    first, _ = make_engine(target_model, draft_model, tokenizer, k=3, adaptive=True, max_batch=4)
+    measured, source = calibrate_or_load(first, str(path))
+    assert source == "measured" and path.exists() and measured["row_seconds"]
+    second, _ = make_engine(target_model, draft_model, tokenizer, k=3, adaptive=True, max_batch=4)
+    loaded, source = calibrate_or_load(second, str(path))
+    assert source == str(path)
+    assert second.target_costs.seconds == first.target_costs.seconds
+    assert second.row_costs.seconds == first.row_costs.seconds and second.row_costs.seconds
+    assert [p.t_draft for p in second.policies] == [p.t_draft for p in first.policies] != [0.0]
+    assert second.describe_calibration(loaded) == first.describe_calibration(measured)
+
+    other, _ = make_engine(target_model, draft_model, tokenizer, k=5, adaptive=True, max_batch=4)
+    with pytest.raises(InvalidArgument, match="does not fit this engine"):
+        calibrate_or_load(other, str(path))
+    path.write_text(json.dumps({"t_target": [0.01]}))
+    with pytest.raises(InvalidArgument, match="not a calibration osd wrote"):
+        calibrate_or_load(second, str(path))
+    path.write_text("{not json")
+    with pytest.raises(InvalidArgument, match="could not be read"):
+        calibrate_or_load(second, str(path))
+    assert calibrate_or_load(second, None)[1] == "measured"
+
+
 def test_calibration_times_what_a_lagging_draft_feeds_per_token(target_model, draft_model, tokenizer):
     """The draft's policy learns what a catch-up feed costs per token (what the allocation charges a sequence whose
     draft cache lags); a draft-less source (the lookup) costs none."""

@@ -206,14 +206,57 @@ class SpeculativeEngine:
                 if round_:
                     t_target[n - 1] = min(t_target[n - 1], seconds)
         drafts = [self._draft_seconds(proposer, dummy) for proposer in self.sources] if self.target_costs.k_max else []
-        if self.scheduler.capacity > 1:
-            self.row_costs.calibrate(self._row_seconds(dummy[:prefix], t_target, repeats))
+        row_seconds = self._row_seconds(dummy[:prefix], t_target, repeats) if self.scheduler.capacity > 1 else None
         self.target.reset()
-        self.target_costs.calibrate(t_target)
-        for policy, (t_draft, t_catch_up) in zip(self.policies, drafts):
-            policy.calibrate(t_draft, t_catch_up=t_catch_up)
         t_drafts = [t for t, _ in drafts]
         t_draft = max(t_drafts, default=0.0)
-        return {"t_draft": t_draft, "t_draft_by_source": t_drafts, "t_catch_up_by_source": [t for _, t in drafts],
-                "t_target": t_target, "c": t_draft / t_target[0],
-                "verify_cost": [t / t_target[0] for t in t_target]}
+        calibration = {"t_draft": t_draft, "t_draft_by_source": t_drafts, "t_catch_up_by_source": [t for _, t in drafts],
+                       "t_target": t_target, "c": t_draft / t_target[0],
+                       "verify_cost": [t / t_target[0] for t in t_target], "row_seconds": row_seconds}
+        self.apply_calibration(calibration)
+        return calibration
+
+    def apply_calibration(self, calibration: dict) -> None:
+        """Feed measured costs (`calibrate`'s dict, or one an earlier server wrote: `osd serve --calibration FILE`) to
+        the k policies and the scheduler's goodput. A dict measured for other row counts or draft sources is refused:
+        its costs would be read against the wrong rows or drafts."""
+        sources = len(self.policies) if self.target_costs.k_max else 0
+        if len(calibration["t_target"]) != self.target_costs.k_max + 1 or \
+                len(calibration["t_draft_by_source"]) != sources:
+            raise InvalidArgument(
+                f"a calibration of {len(calibration['t_target'])} target row counts and "
+                f"{len(calibration['t_draft_by_source'])} draft sources does not fit this engine "
+                f"({self.target_costs.k_max + 1} row counts, {sources} sources): measure it again")
+        if calibration.get("row_seconds") and self.scheduler.capacity > 1:
+            self.row_costs.calibrate({int(n): t for n, t in calibration["row_seconds"].items()})
+        self.target_costs.calibrate(calibration["t_target"])
+        for policy, t_draft, t_catch_up in zip(self.policies, calibration["t_draft_by_source"],
+                                               calibration["t_catch_up_by_source"]):
+            policy.calibrate(t_draft, t_catch_up=t_catch_up)
+
+
+CALIBRATION_KEYS = {"t_target", "verify_cost", "t_draft_by_source", "t_catch_up_by_source"}  # what applying reads
+
+
+def calibrate_or_load(engine: SpeculativeEngine, path: str | None) -> tuple[dict, str]:
+    """The engine's costs from `path` when that file exists (`apply_calibration`), else measured (`calibrate`) and
+    written to `path` if one is given -> (the calibration, where it came from: "measured" or the path)."""
+    import json
+    import os
+
+    if path and os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                calibration = json.load(f)
+        except (OSError, ValueError) as e:
+            raise InvalidArgument(f"calibration file {path} could not be read ({e}): remove it to measure again") from e
+        if not isinstance(calibration, dict) or not CALIBRATION_KEYS <= calibration.keys():
+            raise InvalidArgument(f"calibration file {path} is not a calibration osd wrote (it needs "
+                                  f"{sorted(CALIBRATION_KEYS)}): remove it to measure again")
+        engine.apply_calibration(calibration)
+        return calibration, path
+    calibration = engine.calibrate()
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(calibration, f)
+    return calibration, "measured"

@@ -77,6 +77,7 @@ class LiveConfig:
     max_batch: int = 8  # the servers' --max-batch (osd serve's default): the capacity run's clients
     arms_run: tuple[str, ...] = field(default=("off", "on"))
     interleave: int = 0  # requests per block, both servers up, arms alternating by block (0: one, then the other)
+    same_calibration: bool = False  # interleaved: both servers decide k from the first one's measured costs
 
 
 def arrival_schedule(n: int, rate: float, seed: int) -> list[float]:
@@ -390,10 +391,18 @@ def set_learner_paused(server, paused: bool) -> None:
 def run_interleaved(target: str, draft: str, config: LiveConfig, prompts: list[str], arrivals: list[float],
                     log_dir: str, load: float, progress=print) -> dict:
     """Both arms, block by block (module docstring: --interleave) -> {"off": arm, "on": arm}."""
+    from pathlib import Path
+
     from osd_bench.soak_server import ServerProcess
 
-    with ServerProcess(target, draft, 10_000_000, arm_args(config, False), f"{log_dir}/load{load}-off.log") as off, \
-            ServerProcess(target, draft, 10_000_000, arm_args(config, True), f"{log_dir}/load{load}-on.log") as on:
+    shared = []
+    if config.same_calibration:  # the off server measures and writes it, the on server (started after) reads it
+        path = Path(log_dir) / f"calibration-load{load}.json"
+        path.unlink(missing_ok=True)  # (never an earlier run's)
+        shared = ["--calibration", str(path)]
+    with ServerProcess(target, draft, 10_000_000, arm_args(config, False) + shared, f"{log_dir}/load{load}-off.log") \
+            as off, ServerProcess(target, draft, 10_000_000, arm_args(config, True) + shared,
+                                  f"{log_dir}/load{load}-on.log") as on:
         servers = {"off": off, "on": on}
         pausable = "--no-learn" not in arm_args(config, True)  # (a ceiling run: both arms not learning, drafts differ)
         arms = {name: {"rows": [], "scrapes": [], "wall_seconds": 0.0} for name in servers}
@@ -492,6 +501,10 @@ def register(bench) -> None:
     p.add_argument("--interleave", type=int, default=0, help="both servers up, the stream fed in blocks of this many "
                    "requests to one arm then the other (alternating which first), the learner paused while the other "
                    "serves: a slow spell of the machine falls on both arms alike (0 = one arm, then the other)")
+    p.add_argument("--same-calibration", action="store_true",
+                   help="with --interleave: both servers decide k from one measurement of the costs (the learning-off "
+                   "server's, `osd serve --calibration`), not each its own; only where both arms serve drafts of the "
+                   "same cost")
     p.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on"])
     p.add_argument("--scrape-every", type=float, default=5.0)
     p.add_argument("--max-batch", type=int, default=8, help="the capacity run's clients (osd serve's --max-batch)")
@@ -538,6 +551,6 @@ def _cmd(args) -> None:
     config = LiveConfig(args.models, args.stream, args.split, args.requests, args.offset, tuple(args.load),
                         args.capacity, args.capacity_requests, args.window, args.max_tokens, args.seed,
                         tuple(shlex.split(args.osd_args)), tuple(shlex.split(args.learn_args)), args.order,
-                        args.scrape_every, args.max_batch, tuple(args.arms), args.interleave)
+                        args.scrape_every, args.max_batch, tuple(args.arms), args.interleave, args.same_calibration)
     result = run_live(config, args.log_dir, progress=lambda line: print(line, flush=True))  # (seen in a log too)
     report_live(result, args.out, args.markdown)

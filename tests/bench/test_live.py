@@ -134,10 +134,14 @@ def test_interleaved_arms_answer_identically_and_the_learner_rests_while_the_oth
     monkeypatch.setattr(live, "set_learner_paused", lambda server, p: paused.append(p) or real(server, p))
     config = LiveConfig(models="tiny", stream=str(stream), requests=6, loads=(0.5,), capacity=4.0, window=3,
                         max_tokens=24, scrape_every=0.5, osd_args=("--threads", "1"),
-                        learn_args=("--every-requests", "2", "--busy-share", "0.5"), interleave=3)
+                        learn_args=("--every-requests", "2", "--busy-share", "0.5"), interleave=3,
+                        same_calibration=True)
     entry = run_live(config, str(tmp_path / "logs"), progress=lambda *_: None)["loads"][0]
     on, off = entry["arms"]["on"], entry["arms"]["off"]
     assert paused == [True, False, False, True, False]  # block 0: off then on; block 1: on then off; then resumed
+    # one measurement of the costs for both: the off server's, read by the on server
+    assert off["calibration"].endswith("(measured)") and on["calibration"].endswith("calibration-load0.5.json)")
+    assert on["calibration"].rsplit(" (", 1)[0] == off["calibration"].rsplit(" (", 1)[0]
     assert [r["index"] for r in on["rows"]] == [r["index"] for r in off["rows"]] == list(range(6))
     assert all(r["ok"] for r in on["rows"] + off["rows"]) and len(on["windows"]) == 2
     assert entry["comparison"]["greedy_identical"] == {"same": 6, "of": 6}

@@ -54,6 +54,7 @@ def default_model_name(target: str) -> str:
 
 def cmd_serve(args) -> None:
     from osd.build import attach_learner, build_system
+    from osd.engine import calibrate_or_load
     from osd.config import ModelConfig, SpeculationConfig
     from osd.learn.online import LearnConfig
     from osd.memory import return_freed_memory_to_the_system
@@ -71,7 +72,8 @@ def cmd_serve(args) -> None:
         return
     spec = config_from(args, SpeculationConfig)
     system = build_system(models, spec, with_draft=spec.k > 0 or args.learn, route=config_from(args, RouteConfig))
-    logging.getLogger("osd.serve").info(system.engine.describe_calibration(system.engine.calibrate()))
+    calibration, source = calibrate_or_load(system.engine, settings.calibration)
+    logging.getLogger("osd.serve").info("%s (%s)", system.engine.describe_calibration(calibration), source)
     if args.learn_head:  # the head learns, the draft does not
         from osd.build import attach_head_learner
         from osd.learn.head import HeadLearnConfig

@@ -33,6 +33,11 @@ class ServeSettings:
                                    "tokens/s, acceptance, k, draft version, learner) every this many seconds while "
                                    "it works; 0 = never")
 
+    calibration: str | None = option(None, "a JSON file of the engine's costs (a target pass by rows, each draft's "
+                                     "token) that decide k: read when it exists, else measured at startup and written "
+                                     "there; servers given one file choose k from the same costs (one engine: "
+                                     "--replicas measure their own); none = measured, not kept")
+
     def __post_init__(self):
         if not (0 <= self.port <= 65535):
             raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
