@@ -240,7 +240,8 @@ CALIBRATION_KEYS = {"t_target", "verify_cost", "t_draft_by_source", "t_catch_up_
 
 def calibrate_or_load(engine: SpeculativeEngine, path: str | None) -> tuple[dict, str]:
     """The engine's costs from `path` when that file exists (`apply_calibration`), else measured (`calibrate`) and
-    written to `path` if one is given -> (the calibration, where it came from: "measured" or the path)."""
+    written to `path` if one is given (whole or not at all) -> (the calibration, where it came from: "measured" or the
+    path). Read from a file, no warm-up passes run: the first request pays them."""
     import json
     import os
 
@@ -257,6 +258,7 @@ def calibrate_or_load(engine: SpeculativeEngine, path: str | None) -> tuple[dict
         return calibration, path
     calibration = engine.calibrate()
     if path:
-        with open(path, "w", encoding="utf-8") as f:
+        with open(f"{path}.tmp", "w", encoding="utf-8") as f:
             json.dump(calibration, f)
+        os.replace(f"{path}.tmp", path)  # a server reading it never sees half a file
     return calibration, "measured"
