@@ -8,6 +8,8 @@ learning from verification needs no extra target forward.
 """
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from typing import Callable
@@ -242,9 +244,6 @@ def calibrate_or_load(engine: SpeculativeEngine, path: str | None) -> tuple[dict
     """The engine's costs from `path` when that file exists (`apply_calibration`), else measured (`calibrate`) and
     written to `path` if one is given (whole or not at all) -> (the calibration, where it came from: "measured" or the
     path). Read from a file, no warm-up passes run: the first request pays them."""
-    import json
-    import os
-
     if path and os.path.exists(path):
         try:
             with open(path, encoding="utf-8") as f:

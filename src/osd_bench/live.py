@@ -367,17 +367,13 @@ def append_block(arm: dict, block: dict, lo: int) -> None:
 
 
 def block_line(on_rows: list[dict], off_rows: list[dict]) -> str:
-    """One block's progress line: each arm's mean decode tokens/s, their ratio, the learning arm's draft version."""
-    def mean_tps(rows):
-        tps = [r["decode_tps"] for r in rows if r.get("decode_tps")]
-        return sum(tps) / len(tps) if tps else None
-
-    on, off = mean_tps(on_rows), mean_tps(off_rows)
-    versions = [r["draft_version"] for r in on_rows if r.get("draft_version") is not None]
-    if on is None or off is None:
+    """One block's progress line: each arm's mean decode tokens/s (summarise_rows, as the windows have it), their
+    ratio, the learning arm's draft version."""
+    on, off = summarise_rows(on_rows, []), summarise_rows(off_rows, [])
+    if not on["decode_tps_mean"] or not off["decode_tps_mean"]:
         return "no decode speed measured in this block"
-    return (f"decode {on:.2f} tokens/s learning on (draft v{max(versions) if versions else '?'}), {off:.2f} off: "
-            f"{on / off:.2f}x")
+    return (f"decode {on['decode_tps_mean']:.2f} tokens/s learning on (draft v{on['draft_version']}), "
+            f"{off['decode_tps_mean']:.2f} off: {on['decode_tps_mean'] / off['decode_tps_mean']:.2f}x")
 
 
 def set_learner_paused(server, paused: bool) -> None:
@@ -400,11 +396,11 @@ def run_interleaved(target: str, draft: str, config: LiveConfig, prompts: list[s
         path = Path(log_dir) / f"calibration-load{load}.json"
         path.unlink(missing_ok=True)  # (never an earlier run's)
         shared = ["--calibration", str(path)]
-    with ServerProcess(target, draft, 10_000_000, arm_args(config, False) + shared, f"{log_dir}/load{load}-off.log") \
-            as off, ServerProcess(target, draft, 10_000_000, arm_args(config, True) + shared,
-                                  f"{log_dir}/load{load}-on.log") as on:
+    off_args, on_args = arm_args(config, False) + shared, arm_args(config, True) + shared
+    with ServerProcess(target, draft, 10_000_000, off_args, f"{log_dir}/load{load}-off.log") as off, \
+            ServerProcess(target, draft, 10_000_000, on_args, f"{log_dir}/load{load}-on.log") as on:
         servers = {"off": off, "on": on}
-        pausable = "--no-learn" not in arm_args(config, True)  # (a ceiling run: both arms not learning, drafts differ)
+        pausable = "--no-learn" not in on_args  # (a ceiling run: both arms not learning, drafts differ)
         arms = {name: {"rows": [], "scrapes": [], "wall_seconds": 0.0} for name in servers}
         blocks = range(0, len(prompts), config.interleave)
         for b, lo in enumerate(blocks):

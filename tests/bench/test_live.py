@@ -210,10 +210,14 @@ def test_recompare_rewrites_a_result_files_comparison_from_its_rows(tmp_path):
 def test_a_block_progress_line_gives_both_arms_speed_their_ratio_and_the_draft_version():
     from osd_bench.live import block_line
 
-    on = [{"decode_tps": 12.0, "draft_version": 2}, {"decode_tps": 18.0, "draft_version": 3}, {"decode_tps": None}]
-    off = [{"decode_tps": 10.0, "draft_version": 0}, {"decode_tps": 14.0, "draft_version": 0}]
+    def row(tps, version, ok=True):
+        return {"ok": ok, "decode_tps": tps, "draft_version": version, "arrival": 0.0, "done": 1.0, "ttft": 0.1,
+                "proposed": 4, "accepted": 2, "steps": 10, "completion_tokens": 12}
+
+    on = [row(12.0, 2), row(18.0, 3), row(None, 3), row(90.0, 9, ok=False)]  # a failed request counts for neither
+    off = [row(10.0, 0), row(14.0, 0)]
     assert block_line(on, off) == "decode 15.00 tokens/s learning on (draft v3), 12.00 off: 1.25x"
-    assert block_line([{"decode_tps": None}], off) == "no decode speed measured in this block"
+    assert block_line([row(None, 0)], off) == "no decode speed measured in this block"
 
 
 def test_an_arm_records_its_server_s_calibration_line_from_the_log(tmp_path):

@@ -54,8 +54,8 @@ def default_model_name(target: str) -> str:
 
 def cmd_serve(args) -> None:
     from osd.build import attach_learner, build_system
-    from osd.engine import calibrate_or_load
     from osd.config import ModelConfig, SpeculationConfig
+    from osd.engine import calibrate_or_load
     from osd.learn.online import LearnConfig
     from osd.memory import return_freed_memory_to_the_system
     from osd.route.config import RouteConfig
