@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from osd.schedule.confidence import ConfidenceBins
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Expected tokens emitted per step (bonus included), i.i.d. acceptance: (1-a^(k+1))/(1-a)."""
@@ -131,6 +133,7 @@ class KPolicy:
         self.costs = costs or TargetCosts(k_max)
         self._zero_steps, self._interval, self.probes = 0, probe_every, 0
         self.draft_version = None
+        self.confidence = ConfidenceBins()  # acceptance by the draft's confidence in a token (schedule/confidence.py)
 
     @property
     def alpha(self) -> float:
@@ -157,6 +160,10 @@ class KPolicy:
         if costs is None or self.t_draft is None:
             return None
         return best_k(self.alpha if alpha is None else alpha, self.t_draft, costs[: cap + 1], cap)
+
+    def could_pay(self) -> bool:
+        """Whether speculation would pay at one-row costs if every token were accepted (costs measured)."""
+        return bool(self._best(self.k_max, alpha=1.0))
 
     def on_draft_version(self, version) -> None:
         """The source's draft version at the start of a request (None: a source without versions)."""

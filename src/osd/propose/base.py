@@ -18,10 +18,20 @@ class Proposal:
     weights: str | None = None  # fingerprint of the draft weights that made these tokens (None: no weights ran)
     tree: "Tree | None" = None  # set by the scheduler: these tokens as a chain plus other branches (propose/tree.py)
     runners_up: list[list[int]] | None = None  # per depth d, the draft's next-best tokens beside tokens[d] (trees)
+    confidence: list[float] | None = None  # per token, the draft's probability of it (schedule/confidence.py)
 
     @property
     def k(self) -> int:
         return len(self.tokens)
+
+    def cut(self, k: int) -> "Proposal":
+        """The first k tokens of this proposal (a draft's proposal drafted further than the allocation verifies)."""
+        if k >= self.k:
+            return self
+        return Proposal(self.tokens[:k], self.draft_probs[:k] if self.draft_probs is not None else None,
+                        self.single_token_seconds, self.weights if k else None, None,
+                        self.runners_up[:k] if self.runners_up is not None else None,
+                        self.confidence[:k] if self.confidence is not None else None)
 
 
 class Proposer(Protocol):

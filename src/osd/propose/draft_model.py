@@ -121,7 +121,13 @@ class DraftModelProposer:
             return int(self._full_vocab(logits).argmax())
         return int(self.vocab_ids[int(logits[: len(self.vocab_ids)].argmax())])
 
-    def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator=None) -> Proposal:
+    def _confidence(self, logits: torch.Tensor) -> float:
+        """The draft's probability of its argmax, from its logits over its own vocabulary."""
+        head = logits[: self.vocab_size if self.vocab_ids is None else len(self.vocab_ids)]
+        return float((head.max() - head.logsumexp(0)).exp())
+
+    def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator=None, go_on=None) -> Proposal:
+        """Up to k tokens; go_on(confidences so far) -> False stops drafting early (schedule/confidence.py)."""
         drafting = _Drafting(self, sampling, generator)
         runner, start = self.runner, self.runner.length
         pending = tokens[start:]
@@ -131,6 +137,8 @@ class DraftModelProposer:
             if len(pending) == 1:  # catch-up forwards (several pending tokens) would skew the cost model
                 drafting.timings.append(time.perf_counter() - t0)
             pending = [drafting.pick(logits)]
+            if go_on is not None and not go_on(drafting.confidence):
+                break
         self._note(tokens, drafting.tokens, start)
         return drafting.proposal()
 
@@ -169,19 +177,21 @@ class _Drafting:
 
     def __init__(self, proposer: DraftModelProposer, sampling: SamplingConfig, generator):
         self.proposer, self.sampling, self.generator = proposer, sampling, generator
-        self.tokens, self.probs, self.timings, self.runners_up = [], [], [], []
+        self.tokens, self.probs, self.timings, self.runners_up, self.confidence = [], [], [], [], []
 
     def pick(self, logits: torch.Tensor) -> int:
         """The next proposed token from the draft's logits at one position (its probabilities and runners-up noted)."""
         p, sampling = self.proposer, self.sampling
         if sampling.greedy:
             token = p._greedy(logits)
+            self.confidence.append(p._confidence(logits))
             if p.runners_up:
                 self.runners_up.append(p._runners_up(logits, token))
         else:
             q = warp(p._full_vocab(logits), sampling)
             token = sample_from(q, self.generator)
             self.probs.append(q)
+            self.confidence.append(float(q[token]))
             if p.runners_up:  # the likeliest other tokens under q (deterministic given the context)
                 top = q.topk(p.runners_up + 1).indices.tolist()
                 self.runners_up.append([t for t in top if t != token and q[t] > 0][: p.runners_up])
@@ -191,27 +201,34 @@ class _Drafting:
     def proposal(self) -> Proposal:
         p = self.proposer
         return Proposal(self.tokens, torch.stack(self.probs) if self.probs else None, single_token_seconds=self.timings,
-                        weights=p.fingerprint(p.runner), runners_up=self.runners_up or None)
+                        weights=p.fingerprint(p.runner), runners_up=self.runners_up or None,
+                        confidence=self.confidence)
 
 
 def propose_together(proposers: list[DraftModelProposer], tokens: list[list[int]], ks: list[int],
-                     samplings: list[SamplingConfig], generators: list) -> list[Proposal]:
+                     samplings: list[SamplingConfig], generators: list, go_on: list | None = None) -> list[Proposal]:
     """Each proposer's proposal of ks[i] tokens for its own sequence, the draft forwards of every sequence still
     drafting at a depth run as one (`feed_together`: one pass over the draft's weights for all of them). The same
     proposals as each proposer's `propose` alone: each row's logits are bitwise those of its own forward, and each
     sequence picks from them with its own sampling and generator, in the same order. Proposers whose runners are not
     glue runners over one serving copy propose one after another. A sequence's per-token seconds are its share of the
     forwards it was in (timed where every row fed was a single token, as `propose` times). Q4 runners over one Q4
-    copy (models/q4_draft.py) batch the same way (q4_runner.feed_together)."""
+    copy (models/q4_draft.py) batch the same way (q4_runner.feed_together). go_on[i] (or None): as in `propose`,
+    stops sequence i's drafting early."""
     runners = [p.runner for p in proposers]
+    go_on = go_on or [None] * len(proposers)
     together = _feed_together(runners)
     if together is None:
-        return [p.propose(t, k, s, g) for p, t, k, s, g in zip(proposers, tokens, ks, samplings, generators)]
+        return [p.propose(t, k, s, g, stop) for p, t, k, s, g, stop in zip(proposers, tokens, ks, samplings, generators,
+                                                                         go_on)]
     drafting = [_Drafting(p, s, g) for p, s, g in zip(proposers, samplings, generators)]
     starts = [r.length for r in runners]
     pending = [t[start:] for t, start in zip(tokens, starts)]
+    ks = list(ks)
     for depth in range(max(ks, default=0)):
         active = [i for i, k in enumerate(ks) if k > depth]
+        if not active:
+            break
         t0 = time.perf_counter()
         logits = together([runners[i] for i in active], [pending[i] for i in active])  # (len(active), V')
         share = (time.perf_counter() - t0) / len(active)
@@ -220,6 +237,8 @@ def propose_together(proposers: list[DraftModelProposer], tokens: list[list[int]
             if single:
                 drafting[i].timings.append(share)
             pending[i] = [drafting[i].pick(logits[row])]
+            if go_on[i] is not None and not go_on[i](drafting[i].confidence):
+                ks[i] = depth + 1  # this sequence drafts no further
     for p, t, d, start in zip(proposers, tokens, drafting, starts):
         p._note(t, d.tokens, start)
     return [d.proposal() for d in drafting]

@@ -27,18 +27,29 @@ from typing import Callable
 from osd.speed_model import expected_tokens
 
 
-def goodput(alphas: list[float], ks: list[int], draft_seconds: list[float], step_seconds: Callable[[int], float],
+Chance = float | list[float]  # a sequence's acceptance alpha, or its drafted proposal's chain (below)
+
+
+def tokens_of(chance: Chance, k: int) -> float:
+    """Expected tokens a sequence emits verifying k proposals: E(alpha, k) for an acceptance alpha, or for a proposal
+    drafted already 1 + sum(chain[:k]), chain[d] being the chance its first d + 1 tokens are all accepted
+    (schedule/confidence.py: each token's chance read from the draft's confidence in it)."""
+    return 1.0 + sum(chance[:k]) if isinstance(chance, (list, tuple)) else expected_tokens(chance, k)
+
+
+def goodput(alphas: list[Chance], ks: list[int], draft_seconds: list[float], step_seconds: Callable[[int], float],
             catch_up_seconds: list[float] | None = None) -> float:
     """Expected tokens per second of one step in which sequence i verifies k_i proposals (catch_up_seconds: what
-    sequence i's draft feeds before it can propose at all, paid once if k_i > 0)."""
+    sequence i's draft feeds before it can propose at all, paid once if k_i > 0; a drafted chain's draft seconds: 0,
+    spent already)."""
     rows = sum(k + 1 for k in ks)
     seconds = step_seconds(rows) + sum(k * t for k, t in zip(ks, draft_seconds))
     if catch_up_seconds is not None:
         seconds += sum(c for k, c in zip(ks, catch_up_seconds) if k)
-    return sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / seconds
+    return sum(tokens_of(a, k) for a, k in zip(alphas, ks)) / seconds
 
 
-def allocate_k(alphas: list[float], draft_seconds: list[float], caps: list[int], step_seconds: Callable[[int], float],
+def allocate_k(alphas: list[Chance], draft_seconds: list[float], caps: list[int], step_seconds: Callable[[int], float],
                catch_up_seconds: list[float] | None = None) -> list[int]:
     """Each sequence's k (0..cap) for the largest goodput: greedy ascent from all-zero, one proposal at a time to
     the sequence whose extra proposal raises goodput most (a run of two is tried too, so a k = 1 that does not pay

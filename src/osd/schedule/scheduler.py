@@ -57,6 +57,8 @@ MIN_PREFILL_ROWS = 16  # prompt rows per step however many decode rows share it:
 MAX_PREFILL_ROWS = 256  # prompt rows per step beside decoding sequences, however many prompts wait
 PROBE_EVERY = 16  # with company, the batch probes about once in this many steps (evidence for a better draft version)
 FREE_SECONDS = 1e-4  # a source whose proposal costs less than this per token is asked before the allocation
+CAUGHT_UP = 2  # a draft whose cache lags by at most this many tokens drafts ahead of the allocation (confidence.py)
+DRAFT_AHEAD_CHANCE = 0.3  # drafting ahead goes on while the chance of the tokens so far all accepted stays >= this
 
 
 def catch_up_seconds(source, policy, tokens: list[int]) -> float:
@@ -69,7 +71,7 @@ class Ask(NamedTuple):
     """What the allocation knows of one decoding sequence's next proposal (`_ask_free_sources`)."""
     source: int | None  # index of the source that will propose (None: no source can)
     proposal: Proposal | None  # a free source's proposal, made already (None: a draft proposes after the allocation)
-    alpha: float  # the sequence's live acceptance for that source
+    alpha: float | list[float]  # the sequence's live acceptance for that source, or a drafted proposal's chain
     draft_seconds: float  # per proposed token (0 for a free source)
     catch_up_seconds: float  # this step's share of what a lagging draft cache feeds before proposing (goodput.py)
     cap: int  # the most tokens it may propose
@@ -249,20 +251,78 @@ class Scheduler:
                 asked.append((seq, self._ask_free_sources(seq)))
             except Exception as err:  # noqa: BLE001
                 failed.append(self._end(seq, err))
-        asks = [a for _, a in asked]
+        ahead = self._draft_ahead([(seq, a) for seq, a in asked if self._drafts_ahead(seq, a, len(asked))])
+        asks = [a if id(seq) not in ahead else self._ask_drafted(seq, a, ahead[id(seq)]) for seq, a in asked]
         caps = [a.cap for a in asks]
         ks = caps if not self.engine.spec.adaptive else allocate_k(  # fixed k: every sequence at its cap
             [a.alpha for a in asks], [a.draft_seconds for a in asks], caps, self.engine.row_costs,
             [a.catch_up_seconds for a in asks])
-        ks = [self._probe(seq, k, a.source, len(asked)) for (seq, a), k in zip(asked, ks)]
+        ks = [self._probe(seq, k, a.source, len(asked)) for (seq, _), a, k in zip(asked, asks, ks)]
         drafted = self._draft_together([(seq, a.source, k) for (seq, a), k in zip(asked, ks)
-                                        if k and a.source is not None and a.proposal is None])
+                                        if k and a.source is not None and a.proposal is None and id(seq) not in ahead])
         for (seq, a), k in zip(asked, ks):
             try:
-                plans.append(drafted.get(id(seq)) or self._draft(seq, a.source, a.proposal, k))
+                plans.append(self._cut(ahead[id(seq)], k) if id(seq) in ahead else
+                             drafted.get(id(seq)) or self._draft(seq, a.source, a.proposal, k))
             except Exception as err:  # noqa: BLE001
                 failed.append(self._end(seq, err))
         return plans, failed
+
+    def _drafts_ahead(self, seq: Sequence, ask: Ask, decoding: int) -> bool:
+        """Whether this sequence's draft proposes before the allocation (schedule/confidence.py): a draft model whose
+        cache is caught up, on an adaptive engine with --confidence, where one sure token would pay for its row."""
+        e = self.engine
+        if not (e.spec.adaptive and e.spec.confidence) or ask.source is None or ask.proposal is not None or not ask.cap:
+            return False
+        source = seq.sources[ask.source]
+        if not isinstance(source, DraftModelProposer) or source.lag(seq.tokens) > CAUGHT_UP:
+            return False
+        costs = e.row_costs
+        return (decoding + 1) / (costs(decoding + 1) + ask.draft_seconds) > decoding / costs(decoding)
+
+    def _draft_ahead(self, wanted: list[tuple[Sequence, Ask]]) -> dict:
+        """Each sequence's draft proposal up to its cap, drafting on while the chance its tokens so far are all
+        accepted stays >= DRAFT_AHEAD_CHANCE -> id(seq) -> plan. Where drafting fails, the sequence's draft cache is
+        rolled back and it takes the allocation's usual path (where a failure fails its own sequence only)."""
+        e, plans = self.engine, {}
+        groups: dict[int, list[tuple[Sequence, Ask]]] = {}
+        for seq, ask in wanted:
+            runner = seq.sources[ask.source].runner
+            groups.setdefault(id(getattr(runner, "model", runner)), []).append((seq, ask))
+        for group in groups.values():
+            proposers = [seq.sources[ask.source] for seq, ask in group]
+            lengths = [p.runner.length for p in proposers]
+            go_on = [self._worth_drafting(e.policies[ask.source].confidence) for _, ask in group]
+            t0 = e.clock()
+            try:
+                proposals = propose_together(proposers, [s.tokens for s, _ in group], [a.cap for _, a in group],
+                                             [s.sampling for s, _ in group], [s.generator for s, _ in group], go_on)
+            except Exception:  # noqa: BLE001
+                for p, length in zip(proposers, lengths):
+                    p.rollback(min(length, p.runner.length))
+                continue
+            seconds, total = e.clock() - t0, max(1, sum(p.k for p in proposals))
+            for (seq, ask), proposal in zip(group, proposals):
+                plans[id(seq)] = (seq, proposal, ask.source, seconds * proposal.k / total)
+        return plans
+
+    @staticmethod
+    def _worth_drafting(bins):
+        return lambda confidences: bins.chain(confidences)[-1] >= DRAFT_AHEAD_CHANCE
+
+    def _ask_drafted(self, seq: Sequence, ask: Ask, plan) -> Ask:
+        """The allocation's view of a proposal drafted already: each depth's chance from the draft's confidence, no
+        draft seconds (spent), at most the tokens drafted."""
+        proposal = plan[1]
+        chain = self.engine.policies[ask.source].confidence.chain(proposal.confidence or [])
+        return Ask(ask.source, None, chain, 0.0, 0.0, proposal.k)
+
+    def _cut(self, plan, k: int):
+        """A plan drafted ahead, cut to the k allocated; its draft cache keeps no more than the tokens verified."""
+        seq, proposal, source, t_draft = plan
+        if k < proposal.k:
+            seq.sources[source].rollback(len(seq.tokens) + k)
+        return seq, proposal.cut(k), source if k else None, t_draft
 
     def _draft_together(self, wanted: list[tuple[Sequence, int, int]]) -> dict:
         """The draft proposals of several sequences (seq, source index, k), each draft's forwards for all of them in
@@ -298,6 +358,8 @@ class Scheduler:
         single-request rule, policies and all), grown into a token tree where trees are on."""
         e = self.engine
         for j, (source, policy) in enumerate(zip(seq.sources, e.policies)):
+            if self._drafts_ahead_alone(seq, source, policy):
+                return self._propose_ahead_alone(seq, j)
             k = policy.choose_k(seq.remaining, catch_up_seconds(source, policy, seq.tokens))
             if k:
                 t0 = e.clock()
@@ -306,6 +368,25 @@ class Scheduler:
                     t_draft = e.clock() - t0
                     return seq, self._grow(seq, proposal, policy.alpha, t_draft), j, t_draft
         return seq, self._grow(seq, Proposal([]), 0.0, 0.0), None, 0.0
+
+    def _drafts_ahead_alone(self, seq: Sequence, source, policy) -> bool:
+        """As `_drafts_ahead`, for a sequence decoding alone: where a sure token would pay at one-row costs."""
+        e = self.engine
+        return (e.spec.adaptive and e.spec.confidence and isinstance(source, DraftModelProposer)
+                and seq.remaining > 1 and source.lag(seq.tokens) <= CAUGHT_UP and policy.could_pay())
+
+    def _propose_ahead_alone(self, seq: Sequence, j: int):
+        """Draft ahead (`_draft_ahead`), then verify as many of the drafted tokens as the one-row costs say pay."""
+        e, source, policy = self.engine, seq.sources[j], self.engine.policies[j]
+        cap = max(0, min(e.k_max, seq.remaining - 1))
+        t0 = e.clock()
+        proposal = source.propose(seq.tokens, cap, seq.sampling, seq.generator, self._worth_drafting(policy.confidence))
+        t_draft = e.clock() - t0
+        costs = e.target_costs.by_rows()
+        chain = policy.confidence.chain(proposal.confidence or [])
+        k = allocate_k([chain], [0.0], [proposal.k], lambda rows: costs[min(rows, len(costs)) - 1])[0]
+        _, proposal, source_index, _ = self._cut((seq, proposal, j, t_draft), k)
+        return seq, self._grow(seq, proposal, policy.alpha, t_draft), source_index, t_draft
 
     def _grow(self, seq: Sequence, proposal: Proposal, alpha: float, t_draft: float) -> Proposal:
         """The chain plus the draft's runners-up and the recycled table's branches (propose/tree.py), where the engine
@@ -434,6 +515,8 @@ class Scheduler:
                     s.observe_feature(len(seq.tokens) - 2, feature)
         if source is not None:
             e.policies[source].observe(k, outcome.n_accepted, proposal.single_token_seconds or [])
+            if proposal.confidence:
+                e.policies[source].confidence.observe(proposal.confidence[:k], outcome.n_accepted)
             seq.alphas[source].observe(k, outcome.n_accepted)
         seq.counters.add_step(k, outcome.n_accepted, len(emitted), betas, t_draft, t_target)
         seq.counters.rows += 1 + (tree.size if tree else k)
