@@ -115,6 +115,11 @@ def test_fast_path_acceptance_equals_the_engine_greedy_run(target_model, draft_m
     buckets = summary["by_target_confidence"]  # the same positions, split by the target's top-1 probability
     assert abs(sum(b["share"] for b in buckets) - 1) < 1e-9
     assert abs(sum(b["share"] * (b["agreement"] or 0) for b in buckets) - summary["alpha_greedy"]) < 1e-9
+    by_draft = summary["by_draft_confidence"]  # ... and by the draft's own top-1 probability
+    assert len(by_draft) == 7 and abs(sum(b["share"] for b in by_draft) - 1) < 1e-9
+    assert abs(sum(b["share"] * (b["agreement"] or 0) for b in by_draft) - summary["alpha_greedy"]) < 1e-9
+    top1 = [p for st in stats for p in st["draft_top1"]]
+    assert all(0 < p <= 1 for p in top1) and len(set(top1)) > 1
 
 
 def test_agreement_by_confidence_buckets():
@@ -151,3 +156,4 @@ def test_position_stats_of_a_restricted_head_equal_those_of_its_logits_expanded_
     assert any(True in g["matches"] for g in got) and any(False in g["matches"] for g in got)
     for g, w in zip(got, want):
         assert g["beta"] == pytest.approx(w["beta"], abs=1e-5)
+        assert g["draft_top1"] == pytest.approx(w["draft_top1"], abs=1e-5)

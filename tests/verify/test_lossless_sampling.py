@@ -597,3 +597,36 @@ def test_real_proposers_pooled_over_k(case):
     pooled = sum((real_run(case, k).counts for k in (1, 3, 6)), Counter())
     law = exact_first_tokens_law(engine_target(), ENGINE_PROMPT, REAL_CASES[case])
     assert_same_law(pooled, law, 0.12, f"{case} pooled over k = 1, 3, 6")
+
+
+# --- drafting ahead by the draft's confidence (schedule/confidence.py) -------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def confidence_run():
+    """600 seeded generations of 3 tokens with confidence drafting (the proposal's length set by the draft's own
+    probabilities of what it sampled, then cut by the allocation)."""
+    from osd.drafts import DraftRegistry
+    from osd.propose import DraftModelProposer
+
+    target, tokenizer = engine_target(), ToyTokenizer()
+    registry = DraftRegistry()
+    registry.publish("d", real_draft_model())
+    spec = SpeculationConfig(k=6, adaptive=True, confidence=True)
+    engine = SpeculativeEngine(target, tokenizer, DraftModelProposer(registry, "d", target.config.vocab_size), spec)
+    for policy in engine.policies:
+        policy.calibrate(1e-3, [1.0 + 0.3 * k for k in range(engine.k_max + 1)])  # rows dear enough to cut
+    base = SamplingConfig(temperature=0.8, top_k=3, top_p=0.9)
+    stop, counts, first_k = every_text_of_first_tokens(tokenizer), Counter(), Counter()
+    for seed in range(ENGINE_SAMPLES):
+        sampling = replace(base, max_new_tokens=7, stop=stop, seed=50_000 + seed)
+        result = engine.generate(ENGINE_PROMPT, sampling)
+        counts[tuple(result.token_ids)] += 1
+        first_k[result.steps[0][0]] += 1
+    return counts, first_k, base
+
+
+def test_sampled_tokens_follow_the_target_law_when_the_draft_decides_how_far_to_propose():
+    counts, first_k, base = confidence_run()
+    assert len(first_k) >= 2  # proposals of several lengths: the rule did decide
+    assert_same_law(counts, exact_first_tokens_law(engine_target(), ENGINE_PROMPT, base), ENGINE_TV,
+                    "confidence drafting, sampled")

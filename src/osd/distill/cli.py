@@ -117,5 +117,5 @@ def cmd_eval(args) -> None:
     models = config_from(args, ModelConfig)
     result = run_eval(models, args.drafts or [models.draft], config_from(args, DecodeSettings), args.dataset, args.split,
                       args.limit, args.k, newest_calibration(args.calibration, models), args.batch_size_generate, args.cache_dir,
-                      progress_bar("target outputs"))
+                      progress_bar("target outputs"), args.offset)
     report_eval(result, args.out, args.markdown)

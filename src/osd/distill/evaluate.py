@@ -43,11 +43,13 @@ def greedy_steps(matches: list[bool], k: int, max_new_tokens: int | None = None)
 
 
 CONFIDENCE_EDGES = (0.5, 0.9)
+DRAFT_CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)  # where the serving scheduler's confidence bins matter
 
 
 def agreement_by_confidence(target_top1: list[float], matches: list[bool], edges=CONFIDENCE_EDGES) -> list[dict]:
-    """Greedy agreement in buckets of the target's own top-1 probability: is the draft wrong where the target is
-    sure of its token, or where it hesitates? Per bucket [lo, hi): share of positions and agreement there."""
+    """Greedy agreement in buckets of a top-1 probability: the target's own (is the draft wrong where the target is
+    sure of its token, or where it hesitates?) or the draft's (does the draft know where it is right? what the
+    scheduler's drafting ahead reads, schedule/confidence.py). Per bucket [lo, hi): share of positions and agreement."""
     bounds = [0.0, *edges, 1.0]
     out = []
     for lo, hi in zip(bounds, bounds[1:]):
@@ -98,6 +100,7 @@ def _stats(logits: torch.Tensor, items: list[ReplayItem], samples: list[TargetSa
     restricted head's map into the target's vocabulary and back (None: a full head), measured over the head's own
     columns (mapped_bucket_log_probs: the buckets of the logits expanded to the target's vocabulary, without it)."""
     target_logp, draft_logp = mapped_bucket_log_probs(logits, CompactDist.cat([it.target for it in items]), lut)
+    draft_top1 = logits.float().softmax(-1).max(-1).values  # the draft's probability of its argmax
     predicted = logits.argmax(-1)  # the first maximum over the head: the expanded logits' argmax but at exact ties
     predicted = predicted if vocab_ids is None else vocab_ids[predicted]
     beta = 1 - tv_distance(target_logp, draft_logp)
@@ -106,7 +109,8 @@ def _stats(logits: torch.Tensor, items: list[ReplayItem], samples: list[TargetSa
         n = len(item.positions)
         pred = predicted[offset : offset + n]
         out.append({"matches": (pred == torch.tensor(sample.response_ids)).tolist(),
-                    "beta": beta[offset : offset + n].tolist(), "target_top1": item.target.probs[:, 0].tolist()})
+                    "beta": beta[offset : offset + n].tolist(), "target_top1": item.target.probs[:, 0].tolist(),
+                    "draft_top1": draft_top1[offset : offset + n].tolist()})
         offset += n
     return out
 
@@ -122,7 +126,9 @@ def summarize(stats: list[dict], k: int, calibration: dict | None = None, max_ne
            "acceptance_greedy": sum(a for _, a, _ in steps) / max(1, proposed),
            "tokens_per_step_greedy": len(matches) / max(1, len(steps)),
            "alpha_sampling_t1": sum(beta) / max(1, len(beta)),
-           "by_target_confidence": agreement_by_confidence([p for s in stats for p in s["target_top1"]], matches)}
+           "by_target_confidence": agreement_by_confidence([p for s in stats for p in s["target_top1"]], matches),
+           "by_draft_confidence": agreement_by_confidence([p for s in stats for p in s["draft_top1"]], matches,
+                                                          DRAFT_CONFIDENCE_EDGES)}
     if calibration:
         c, v = calibration["c"], calibration["verify_cost"]
         for name, alpha in (("greedy", out["alpha_greedy"]), ("sampling_t1", out["alpha_sampling_t1"])):

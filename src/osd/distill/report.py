@@ -28,9 +28,16 @@ def confidence_table(result: dict) -> str:
             + f"\n\nshare of positions per bucket: {shares}")
 
 
+def draft_confidence_table(result: dict) -> str:
+    """Per draft and bucket of its own top-1 probability: the share of positions there and its agreement."""
+    rows = [[name, b["bucket"], b["share"], b["agreement"]] for name, row in result["drafts"].items()
+            for b in row.get("by_draft_confidence", [])]
+    return table(rows, ["draft", "draft top-1 in", "share", "agreement"])
+
+
 def report_eval(result: dict, out: str, markdown: str) -> None:
     path = write_result(result, out)
-    t = eval_table(result) + "\n\n" + confidence_table(result)
+    t = eval_table(result) + "\n\n" + confidence_table(result) + "\n\n" + draft_confidence_table(result)
     cal = result.get("calibration")
     notes = (f"{result['dataset']} {result['split']} first {result['limit']} prompts, k={result['k']}, "
              f"target greedy outputs, max_new_tokens={result['teacher']['max_new_tokens']}; implied speedup = "

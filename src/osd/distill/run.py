@@ -107,8 +107,9 @@ def run_distill(models: ModelConfig, settings: DecodeSettings, config: DistillCo
 
 def run_eval(models: ModelConfig, drafts: list[str], settings: DecodeSettings, dataset: str, split: str, limit: int,
              k: int = 4, calibration: dict | None = None, batch_size_generate: int = 8, cache_dir=None,
-             progress=None) -> dict:
-    samples, _ = dataset_samples(models, dataset, split, limit, settings, 0, batch_size_generate, cache_dir, progress)
+             progress=None, offset: int = 0) -> dict:
+    samples, _ = dataset_samples(models, dataset, split, limit, settings, offset, batch_size_generate, cache_dir,
+                                 progress)
     keep_ids = special_ids(load_tokenizer(models.target))
     rows = {}
     for spec in drafts:
@@ -117,5 +118,5 @@ def run_eval(models: ModelConfig, drafts: list[str], settings: DecodeSettings, d
         if models.draft_quantize != "none" or models.draft_vocab:  # what serving proposes from (build.py)
             copy = serving_copy(master, models.draft_quantize, models.draft_vocab, keep_ids, models.allow_kernel_fallback)
         rows[spec] = evaluate_draft(master, samples, k, calibration, settings.max_new_tokens, copy)
-    return {"dataset": dataset, "split": split, "limit": limit, "teacher": asdict(settings), "k": k,
+    return {"dataset": dataset, "split": split, "limit": limit, "offset": offset, "teacher": asdict(settings), "k": k,
             "calibration": calibration, "drafts": rows, "peak_rss_gib": peak_rss_gib()}

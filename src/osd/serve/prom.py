@@ -32,6 +32,9 @@ scraper's to derive:
                                                     step = rows / steps, mean k = proposed / sequence_steps, goodput =
                                                     accepted / step_seconds, tokens/s = emitted / step_seconds
   osd_schedule_last_rows, osd_schedule_last_step_seconds   gauges: the latest step
+  osd_draft_{acceptance,tokens}_by_confidence{source,bin}   gauges: acceptance of verified draft tokens by the
+                                                    draft's probability of them, and the tokens it rests on (what
+                                                    decides how far a drafted proposal is verified: --confidence)
   osd_engine_info{target_backend,slots,draft_runner,k_limit,k_asked,max_batch,greedy_identity}   what serves: the target runner
                                                     (Q4Runner, LlamaCppRunner: a fallback where the Q4 kernel cannot
                                                     run), its slots (Q4Slots: one pass for all sequences), the draft
@@ -163,6 +166,7 @@ class _EngineCollector:
         yield GaugeMetricFamily("osd_sequences_running", "Sequences in the scheduler.", value=len(sched.running))
         yield GaugeMetricFamily("osd_sequence_capacity", "Sequences the scheduler runs at once.", value=sched.capacity)
         yield from schedule_families(sched.stats)
+        yield from confidence_families(e)
         yield InfoMetricFamily("osd_engine", "What serves: target runner, its slots, the k limits.",
                                value=engine_info(e))
 
@@ -184,6 +188,20 @@ class _PoolCollector:
         yield up
         for key, value in p.counters.items():
             yield CounterMetricFamily(f"osd_cluster_{key}", f"Front: {key.replace('_', ' ')}.", value=value)
+
+
+def confidence_families(engine) -> list:
+    """Each proposal source's acceptance by the draft's confidence in its token (schedule/confidence.py), per bin with
+    evidence: what the scheduler reads to decide how far each drafted proposal is verified."""
+    acceptance = GaugeMetricFamily("osd_draft_acceptance_by_confidence", "Acceptance of verified draft tokens by the "
+                                   "draft's probability of them (recent tokens).", labels=["source", "bin"])
+    seen = GaugeMetricFamily("osd_draft_tokens_by_confidence", "Verified draft tokens the bin's acceptance rests on "
+                             "(forgetting applied).", labels=["source", "bin"])
+    for source, policy in zip(engine.sources, engine.policies):
+        for row in policy.confidence.table():
+            acceptance.add_metric([source.name, row["bin"]], row["acceptance"])
+            seen.add_metric([source.name, row["bin"]], row["seen"])
+    return [acceptance, seen]
 
 
 def engine_info(engine) -> dict:
