@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_qwen2
-from test_scheduler import _Tok
+from test_scheduler import _Tok, draft, target  # noqa: F401 (target, draft: the scheduler tests' fixtures)
 
 from osd.config import SamplingConfig, SpeculationConfig
 from osd.drafts import DraftRegistry
@@ -92,16 +91,6 @@ def test_the_allocation_verifies_sure_tokens_and_leaves_out_unsure_ones_at_the_s
 
 
 # --- the draft's proposal stops where asked -----------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_qwen2(seed=0)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return tiny_qwen2(seed=1)
-
 
 def proposer_of(draft, prompt):
     registry = DraftRegistry()
