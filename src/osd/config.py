@@ -74,9 +74,9 @@ class SpeculationConfig:
                                   "errors of paying")
     cost_refresh_every: int = option(16, "every N-th speculating step re-times a neighbour of the best k "
                                      "(0 = never)")
-    confidence: bool = option(False, "draft first, then verify each sequence's drafted tokens as far as the draft's "
-                              "confidence in them says it pays (adaptive k; schedule/confidence.py; measured live "
-                              "within noise so far, hence off)")
+    confidence: bool = option(True, "draft first, then verify each sequence's drafted tokens as far as the draft's "
+                              "confidence in them says it pays (adaptive k; schedule/confidence.py); off: k from the "
+                              "average acceptance alone")
     lookup: bool = option(False, "propose by n-gram lookup in the request and earlier traffic first, the draft "
                           "model after (propose/ngram.py)")
     # schedule/scheduler.py; serving() raises it to 8
