@@ -1,9 +1,11 @@
 """The chance a draft token is accepted, read from the draft's own probability of it (its confidence).
 
 A draft learnt on the traffic knows where it is sure. On held-out code requests (test split 300-399, the bundled
-target's greedy answers, 6,400 positions), the cheap draft learnt live on requests 0-299 agreed with the target on 96%
-of the positions where its own top probability was >= 0.95 (19% of them) and on 16% of those under 0.3 (24%); the
-shipped draft, less calibrated, 84% and 9% (10% and 28% of the positions). A sequence's average acceptance
+target's greedy answers, 6,400 positions, the serving q4 copies; `osd eval`,
+benchmarks/learning/eval-draft-confidence-code-test300-intel.json), the cheap draft `osd replay` learnt on requests
+0-299 agreed with the target on 0.953 of the positions where its own top probability was >= 0.95 (0.192 of them) and
+on 0.156 of those under 0.3 (0.243); the shipped draft, less calibrated, 0.837 and 0.085 (0.101 and 0.278 of the
+positions). A sequence's average acceptance
 (0.3-0.5) cannot tell those tokens apart: the goodput allocation then verifies a row where a token is likely to fail
 and leaves one out where it is almost sure. So the scheduler drafts first and allocates after
 (schedule/scheduler.py), from each drafted token's chance here.

@@ -271,14 +271,18 @@ class Scheduler:
     def _drafts_ahead(self, seq: Sequence, ask: Ask, decoding: int) -> bool:
         """Whether this sequence's draft proposes before the allocation (schedule/confidence.py): a draft model whose
         cache is caught up, on an adaptive engine with --confidence, where one sure token would pay for its row."""
-        e = self.engine
-        if not (e.spec.adaptive and e.spec.confidence) or ask.source is None or ask.proposal is not None or not ask.cap:
+        if ask.source is None or ask.proposal is not None or not ask.cap or \
+                not self._may_draft_ahead(seq, seq.sources[ask.source]):
             return False
-        source = seq.sources[ask.source]
-        if not isinstance(source, DraftModelProposer) or source.lag(seq.tokens) > CAUGHT_UP:
-            return False
-        costs = e.row_costs
+        costs = self.engine.row_costs
         return (decoding + 1) / (costs(decoding + 1) + ask.draft_seconds) > decoding / costs(decoding)
+
+    def _may_draft_ahead(self, seq: Sequence, source) -> bool:
+        """What drafting ahead needs, alone or with company: an adaptive engine with --confidence, and a draft model
+        whose cache is caught up with the sequence."""
+        e = self.engine
+        return (e.spec.adaptive and e.spec.confidence and isinstance(source, DraftModelProposer)
+                and source.lag(seq.tokens) <= CAUGHT_UP)
 
     def _draft_ahead(self, wanted: list[tuple[Sequence, Ask]]) -> dict:
         """Each sequence's draft proposal up to its cap, drafting on while the chance its tokens so far are all
@@ -371,12 +375,11 @@ class Scheduler:
 
     def _drafts_ahead_alone(self, seq: Sequence, source, policy) -> bool:
         """As `_drafts_ahead`, for a sequence decoding alone: where a sure token would pay at one-row costs."""
-        e = self.engine
-        return (e.spec.adaptive and e.spec.confidence and isinstance(source, DraftModelProposer)
-                and seq.remaining > 1 and source.lag(seq.tokens) <= CAUGHT_UP and policy.could_pay())
+        return seq.remaining > 1 and self._may_draft_ahead(seq, source) and policy.could_pay()
 
     def _propose_ahead_alone(self, seq: Sequence, j: int):
-        """Draft ahead (`_draft_ahead`), then verify as many of the drafted tokens as the one-row costs say pay."""
+        """Draft ahead (as `_draft_ahead`, one sequence), then verify as many of the drafted tokens as the one-row
+        costs say pay."""
         e, source, policy = self.engine, seq.sources[j], self.engine.policies[j]
         cap = max(0, min(e.k_max, seq.remaining - 1))
         t0 = e.clock()
@@ -445,8 +448,7 @@ class Scheduler:
         if k == 0 or source is None:
             return seq, Proposal([]), None, 0.0
         if proposal is not None:  # a free source's proposal, cut to the k allocated
-            probs = proposal.draft_probs[:k] if proposal.draft_probs is not None else None
-            return seq, Proposal(proposal.tokens[:k], probs, proposal.single_token_seconds, proposal.weights), source, 0.0
+            return seq, proposal.cut(k), source, 0.0
         t0 = e.clock()
         proposal = seq.sources[source].propose(seq.tokens, k, seq.sampling, seq.generator)
         return seq, proposal, source if proposal.k else None, e.clock() - t0
