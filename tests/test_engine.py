@@ -134,6 +134,22 @@ def test_the_calibration_line_says_what_a_pass_costs_by_rows_and_each_draft_toke
                     "a draft token 0.00 ms (c 0.000), 0.60 ms (c 0.050)")
     assert SpeculativeEngine.describe_calibration({"t_target": [0.02], "verify_cost": [1.0], "t_draft_by_source": []}) \
         == "calibrated: a target pass of 1 row 20.0 ms"
+    model = {"per_sequence": 0.0003, "per_sequence_context": 3.1e-6, "per_row_context": 4.1e-6, "base_context": 57}
+    assert SpeculativeEngine.describe_calibration({"t_target": [0.02], "verify_cost": [1.0], "t_draft_by_source": [],
+                                                   "pass_model": model}) == (
+        "calibrated: a target pass of 1 row 20.0 ms; in company, a pass +0.3 ms a sequence, and per 1000 cached "
+        "tokens +3.1 ms a sequence, +4.1 ms a row")
+
+
+def test_calibrating_forgets_what_the_slots_held(target_model, draft_model, tokenizer):
+    """The pass model's timed passes write the scheduler's slots: a later request must not reuse a prefix a slot held
+    before them (its cache now holds the calibration's tokens, or nothing)."""
+    engine, _ = make_engine(target_model, draft_model, tokenizer, k=3, adaptive=True, max_batch=4)
+    prompt = list(range(3, 40))
+    engine.generate(prompt, SamplingConfig(max_new_tokens=4))
+    assert engine.generate(prompt, SamplingConfig(max_new_tokens=4)).cached_tokens > 0  # reused while held
+    engine.calibrate(context_len=32, repeats=0)
+    assert engine.generate(prompt, SamplingConfig(max_new_tokens=4)).cached_tokens == 0
 
 
 def test_a_calibration_written_by_one_server_is_what_the_next_one_decides_from(tmp_path, target_model, draft_model,
@@ -154,6 +170,10 @@ def test_a_calibration_written_by_one_server_is_what_the_next_one_decides_from(t
     assert source == str(path)
     assert second.target_costs.seconds == first.target_costs.seconds
     assert second.row_costs.seconds == first.row_costs.seconds and second.row_costs.seconds
+    terms = ("per_sequence", "per_sequence_context", "per_row_context", "base_context")
+    assert set(terms) <= set(measured["pass_model"])
+    assert [getattr(second.row_costs, t) for t in terms] == [getattr(first.row_costs, t) for t in terms]
+    assert all(first.slots.length(slot) == 0 for slot in range(first.slots.n_slots))  # the timed passes left nothing
     assert [p.t_draft for p in second.policies] == [p.t_draft for p in first.policies] != [0.0]
     assert second.describe_calibration(loaded) == first.describe_calibration(measured)
 

@@ -20,14 +20,16 @@ from osd.config import SamplingConfig, SpeculationConfig
 from osd.errors import ContextTooLong, InvalidArgument
 from osd.metrics import SpecCounters, SpecMetrics
 from osd.models.runner import as_runner, eos_ids_of
-from osd.models.slots import slots_for
+from osd.models.slots import Feed, slots_for
 from osd.propose.base import Proposer
 from osd.propose.recycle import RankRates, RecycledTable
-from osd.schedule.goodput import RowCosts
+from osd.schedule.goodput import RowCosts, fit_pass_model
 from osd.schedule.records import GenerationResult, StepRecord
 from osd.schedule.scheduler import Scheduler
 from osd.schedule.turns import Turns
 from osd.speed_model import KPolicy, TargetCosts
+
+PASS_CONTEXT = 448  # cached tokens of the long passes `_pass_model` times (about a code request's prompt + answer)
 
 __all__ = ["GenerationResult", "SpeculativeEngine", "StepRecord"]
 
@@ -118,8 +120,12 @@ class SpeculativeEngine:
         t = calibration["t_target"]
         rows = ", ".join(f"{n} rows {v:.2f}x" for n, v in enumerate(calibration["verify_cost"][1:], start=2))
         drafts = ", ".join(f"{d * 1e3:.2f} ms (c {d / t[0]:.3f})" for d in calibration["t_draft_by_source"])
+        model = calibration.get("pass_model")
+        company = (f"; in company, a pass +{model['per_sequence'] * 1e3:.1f} ms a sequence, and per 1000 cached tokens "
+                   f"+{model['per_sequence_context'] * 1e6:.1f} ms a sequence, +{model['per_row_context'] * 1e6:.1f} ms"
+                   " a row") if model else ""
         return f"calibrated: a target pass of 1 row {t[0] * 1e3:.1f} ms" + (f", {rows}" if rows else "") + \
-            (f"; a draft token {drafts}" if drafts else "")
+            (f"; a draft token {drafts}" if drafts else "") + company
 
     def _row_seconds(self, prefix: list[int], t_target: list[float], repeats: int) -> dict[int, float]:
         """Seconds of one pass by rows for the scheduler's goodput (schedule/goodput.py), up to what a full step holds:
@@ -143,6 +149,40 @@ class SpeculativeEngine:
                 self.target.rollback(len(prefix))
             seconds[n] = best
         return seconds
+
+    def _pass_model(self, base_context: int, row_seconds: dict[int, float], repeats: int) -> dict:
+        """What the sequences of a pass add to its rows' cost (schedule/goodput.py RowCosts): passes of 1 and up to 4
+        sequences, 1 and 2 rows each and one of k_max + 1 rows, over the scheduler's slots at a long context
+        (PASS_CONTEXT cached tokens, or what the slots hold) and the short one the rows curve was measured at; fitted
+        by `fit_pass_model`. The slots are emptied after."""
+        slots, n = self.slots, min(4, self.scheduler.capacity)
+        long = min(PASS_CONTEXT, (self.context_window or PASS_CONTEXT + self.k_max + 2) - self.k_max - 2)
+        tokens = torch.randint(0, min(self.vocab_size, 1000), (max(long, base_context),),
+                               generator=torch.Generator().manual_seed(1)).tolist()
+        curve = RowCosts()
+        curve.calibrate(row_seconds)
+        passes = []
+        for context in sorted({base_context, long} if long > 2 * base_context else {base_context}):
+            for slot in range(n):
+                slots.reset(slot)
+                if slot and getattr(slots, "exclusive", False) and hasattr(slots, "copy_prefix"):
+                    slots.copy_prefix(0, slot, context)  # the same keys/values, in the slot's own cache
+                else:
+                    slots.feed([Feed(slot, tokens[:context], 0)])
+            shapes = [(1, 1), (1, self.k_max + 1), (n, 1), (n, 2)] if context == long else [(n, 1), (n, 2)]
+            for sequences, rows in shapes:
+                best = float("inf")
+                for _ in range(repeats + 1):
+                    t0 = self.clock()
+                    slots.feed([Feed(slot, tokens[:rows], rows) for slot in range(sequences)])
+                    best = min(best, self.clock() - t0)
+                    for slot in range(sequences):
+                        slots.rollback(slot, context)
+                passes.append(([context] * sequences, sequences * rows, best))
+        for slot in range(n):
+            slots.reset(slot)
+        self.scheduler.forget_held()
+        return fit_pass_model(passes, curve.curve, base_context)
 
     def _draft_seconds(self, proposer, dummy: list[int]) -> tuple[float, float]:
         """-> (median seconds of one single-token draft forward, seconds per token of a catch-up feed): ~0 for
@@ -210,11 +250,13 @@ class SpeculativeEngine:
         drafts = [self._draft_seconds(proposer, dummy) for proposer in self.sources] if self.target_costs.k_max else []
         row_seconds = self._row_seconds(dummy[:prefix], t_target, repeats) if self.scheduler.capacity > 1 else None
         self.target.reset()
+        pass_model = self._pass_model(prefix, row_seconds, repeats) if row_seconds else None
         t_drafts = [t for t, _ in drafts]
         t_draft = max(t_drafts, default=0.0)
         calibration = {"t_draft": t_draft, "t_draft_by_source": t_drafts, "t_catch_up_by_source": [t for _, t in drafts],
                        "t_target": t_target, "c": t_draft / t_target[0],
-                       "verify_cost": [t / t_target[0] for t in t_target], "row_seconds": row_seconds}
+                       "verify_cost": [t / t_target[0] for t in t_target], "row_seconds": row_seconds,
+                       "pass_model": pass_model}
         self.apply_calibration(calibration)
         return calibration
 
@@ -230,7 +272,8 @@ class SpeculativeEngine:
                 f"{len(calibration['t_draft_by_source'])} draft sources does not fit this engine "
                 f"({self.target_costs.k_max + 1} row counts, {sources} sources): measure it again")
         if calibration.get("row_seconds") and self.scheduler.capacity > 1:
-            self.row_costs.calibrate({int(n): t for n, t in calibration["row_seconds"].items()})
+            self.row_costs.calibrate({int(n): t for n, t in calibration["row_seconds"].items()},
+                                     calibration.get("pass_model"))
         self.target_costs.calibrate(calibration["t_target"])
         for policy, t_draft, t_catch_up in zip(self.policies, calibration["t_draft_by_source"],
                                                calibration["t_catch_up_by_source"]):

@@ -40,6 +40,15 @@ def cmd_bench_rows(args) -> None:
     report_rows(run_rows(args.target, args.threads, args.context, args.repeats, backends), args.out, args.markdown)
 
 
+def cmd_bench_passes(args) -> None:
+    from osd_bench.passes import run_passes
+    from osd_bench.report import report_passes
+
+    ints = lambda text: tuple(int(x) for x in text.split(",") if x)  # noqa: E731
+    report_passes(run_passes(args.target, ints(args.contexts), ints(args.sequences), ints(args.rows_each),
+                             args.repeats, args.threads), args.out, args.markdown)
+
+
 def cmd_bench_evidence(args) -> None:
     from osd_bench.evidence import report_evidence
 
@@ -321,6 +330,17 @@ def register(sub) -> None:
     p.add_argument("--out", default="benchmarks/kernel/bench-rows.json")
     p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=cmd_bench_rows)
+    p = bench.add_parser("passes", help="cost of one target pass by rows, sequences and cached context (osd's Q4 "
+                         "kernel), against the scheduler's cost model fitted on it")
+    p.add_argument("--target", default=ModelConfig.target)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--contexts", default="64,500", help="comma list: cached tokens of every sequence")
+    p.add_argument("--sequences", default="1,2,4,8", help="comma list: sequences in a pass")
+    p.add_argument("--rows-each", default="1,2,4,8", help="comma list: rows of each sequence")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/kernel/bench-passes.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
+    p.set_defaults(func=cmd_bench_passes)
     p = bench.add_parser("evidence", help="held-out table of finished fast replays (control, online, equal-step offline "
                          "drafts, paired z) with the learning targets' verdicts and a bar chart; re-measures nothing")
     p.add_argument("results", nargs="+", help="result JSON files of `osd replay --fast --heldout N`")

@@ -261,3 +261,18 @@ def report_rows(result: dict, out: str, markdown: str) -> None:
                 f"`{redacted_command(sys.argv[1:])}` target={cfg['target']} context={cfg['context']} threads="
                 f"{cfg['threads'] or 'default'}; machine: {m['cpu']} ({m['cpu_flags']}), {m['cores']} cores",
                 [t, notes], path, markdown)
+
+
+def report_passes(result: dict, out: str, markdown: str) -> None:
+    path = write_result(result, out)
+    rows = [[g["context"], g["sequences"], g["rows_each"], g["rows"], f"{1000 * g['seconds']:.1f}",
+             f"{1000 * g['model_seconds']:.1f}", f"{1000 * g['rows_only_seconds']:.1f}"] for g in result["grid"]]
+    t = table(rows, ["cached tokens", "sequences", "rows each", "rows", "ms measured", "ms model", "ms rows only"])
+    m, e, model = machine(), result["mean_abs_relative_error"], result["pass_model"]
+    notes = (f"model: the one-sequence curve at {model['base_context']} cached tokens + {1e3 * model['per_sequence']:.2f}"
+             f" ms a sequence beyond the first, and per 1000 cached tokens {1e6 * model['per_sequence_context']:.2f} ms "
+             f"a sequence and {1e6 * model['per_row_context']:.2f} ms a row; mean |error| {100 * e['model_seconds']:.1f}%"
+             f" (rows alone {100 * e['rows_only_seconds']:.1f}%)")
+    emit_report("Target pass cost by rows, sequences and context (`osd bench passes`)",
+                f"`{redacted_command(sys.argv[1:])}` target={result['config']['target']}; machine: {m['cpu']} "
+                f"({m['cpu_flags']}), {m['cores']} cores", [t, notes], path, markdown)

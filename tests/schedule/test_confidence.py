@@ -121,8 +121,11 @@ class _Rows:
     def __init__(self, row: float):
         self.row = row
 
-    def observe(self, rows, seconds):
+    def observe(self, rows, seconds, contexts):
         pass
+
+    def at(self, contexts):
+        return self
 
     def __call__(self, rows):
         return 1.0 + self.row * (rows - 1)

@@ -1,7 +1,7 @@
 """The goodput allocation (schedule/goodput.py): pure functions on known costs."""
 import pytest
 
-from osd.schedule.goodput import RowCosts, allocate_k, amortized_catch_up, goodput, non_decreasing
+from osd.schedule.goodput import RowCosts, allocate_k, amortized_catch_up, fit_pass_model, goodput, non_decreasing
 from osd.speed_model import expected_tokens
 
 
@@ -80,8 +80,55 @@ def test_row_costs_interpolate_between_and_extrapolate_beyond_what_was_measured(
     costs.calibrate({1: 1.0, 8: 1.7, 64: 6.0})
     assert costs(8) == 1.7 and costs(4) == pytest.approx(1.0 + 0.7 * 3 / 7)
     assert costs(128) == pytest.approx(6.0 + (6.0 - 1.7) / 56 * 64)
-    costs.observe(8, 2.7)
-    assert costs(8) == pytest.approx(0.8 * 1.7 + 0.2 * 2.7)
+
+
+MODEL = {"per_sequence": 0.3, "per_sequence_context": 0.01, "per_row_context": 0.004, "base_context": 50}
+
+
+def test_a_pass_costs_its_rows_plus_what_its_sequences_and_their_contexts_add():
+    costs = RowCosts()
+    costs.calibrate({1: 50.0, 8: 70.0, 16: 120.0}, MODEL)
+    assert costs.at([50])(8) == pytest.approx(70.0)  # one sequence at the curve's own context: the curve
+    # 4 sequences at 450 cached tokens, 8 rows: 3 more sequences, 4 caches of 450 read (1 of 50 in the curve), 8 rows
+    # each attending to 400 more tokens
+    assert costs.at([450] * 4)(8) == pytest.approx(70.0 + 3 * 0.3 + 0.01 * (1800 - 200) + 0.004 * 8 * 400)
+    contexts = [300, 500, 400]  # a row's context: the step's mean
+    assert costs.at(contexts)(9) - costs.at(contexts)(8) == pytest.approx(
+        costs.curve(9) - costs.curve(8) + 0.004 * 350)
+
+
+def test_the_scale_follows_the_machine_and_never_frees_rows_it_did_not_see():
+    """Live passes move one scale (observed / modelled), for every row count alike. A count seen slow (5 rows of 5
+    sequences at 500 tokens) must not make the counts beside it look free, as the EMAs by rows alone did, pooled by
+    the non-decreasing fit with counts left at their one-sequence calibration."""
+    costs = RowCosts(ema=0.5)
+    costs.calibrate({1: 53.6, 5: 58.7, 7: 62.2, 8: 66.5, 16: 121.5}, MODEL)
+    contexts = [500] * 5
+    modelled = costs.at(contexts)(5)
+    costs.observe(5, 2 * modelled, contexts)
+    assert costs.scale == pytest.approx(1.5)
+    assert costs.at(contexts)(5) == pytest.approx(1.5 * modelled)
+    step = costs.at(contexts)
+    assert step(7) - step(5) == pytest.approx(1.5 * (62.2 - 58.7 + 2 * 0.004 * 450))  # two rows more cost their share
+    assert costs(8) == pytest.approx(1.5 * 66.5)
+    for bad in (float("nan"), 0.0):
+        costs.observe(5, bad, contexts)
+    costs.observe(5, 99.0, [])
+    assert costs.scale == pytest.approx(1.5)  # nothing learnt from a pass with no decoding rows or no time
+
+
+def test_the_pass_model_is_fitted_back_from_passes_it_made():
+    curve = RowCosts()
+    curve.calibrate({1: 50.0, 2: 52.0, 8: 70.0})
+    truth = RowCosts()
+    truth.calibrate(curve.seconds, MODEL)
+    shapes = [([450], 1), ([450], 8), ([450] * 4, 4), ([450] * 4, 8), ([50] * 4, 4), ([50] * 4, 8)]
+    passes = [(c, rows, truth.at(c)(rows)) for c, rows in shapes]
+    fitted = fit_pass_model(passes, curve.curve, 50)
+    assert fitted == pytest.approx(MODEL)
+    cheaper = [(c, rows, t - 0.5 * (len(c) - 1)) for c, rows, t in passes]  # sequences that make a pass cheaper
+    fitted = fit_pass_model(cheaper, curve.curve, 50)
+    assert fitted["per_sequence"] == 0.0 and fitted["per_row_context"] > 0 and fitted["per_sequence_context"] > 0
 
 
 def test_row_costs_never_fall_with_more_rows():

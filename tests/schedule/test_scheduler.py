@@ -420,7 +420,7 @@ def test_the_goodput_costs_learn_only_from_steps_of_decoding_rows(target, draft)
     make proposals look cheap, so only steps of decoding rows alone feed the allocation's costs."""
     engine, _ = engine_over(target, draft, k=3, adaptive=True, max_batch=3, prefill_rows=4)
     seen = []
-    engine.row_costs.observe = lambda rows, seconds: seen.append(rows)
+    engine.row_costs.observe = lambda rows, seconds, contexts: seen.append(rows)
     sched, stats = engine.scheduler, engine.scheduler.stats
     prompts = [list(range(3, 3 + n)) for n in (9, 14, 6, 11)]
     pending, mixed, pure = list(prompts), 0, 0
@@ -492,8 +492,11 @@ def test_a_prompt_beside_more_decode_rows_than_prefill_rows_still_advances_every
 class _Flat:
     """Row costs where a pass costs the same however many rows: every proposal pays (the allocation proposes)."""
 
-    def observe(self, rows, seconds):
+    def observe(self, rows, seconds, contexts):
         pass
+
+    def at(self, contexts):
+        return self
 
     def __call__(self, rows):
         return 1.0
@@ -552,8 +555,11 @@ def test_with_company_no_sequence_proposes_in_a_step_that_feeds_prompt_rows(targ
 class _Proportional:
     """Row costs where every row costs the same: a proposal never pays (the allocation keeps k = 0)."""
 
-    def observe(self, rows, seconds):
+    def observe(self, rows, seconds, contexts):
         pass
+
+    def at(self, contexts):
+        return self
 
     def __call__(self, rows):
         return float(rows)

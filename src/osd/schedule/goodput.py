@@ -13,8 +13,9 @@ benchmarks/archive/live/bench-live-ceiling-code300-load05-nolookup-ac89ec1.json)
 proposed nothing and the learnt draft decoded them at 21.5 against 20.1
 (benchmarks/live/bench-live-ceiling-code300-load05-nolookup.json). What still holds speculation back under load is
 the pass's cost past 4 rows, not the catch-up.
-E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) (speed_model.expected_tokens); t_target(rows) is the measured cost of
-one target pass over that many rows, whatever sequences they belong to. On osd's Q4 kernel a pass over 8 rows costs
+E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) (speed_model.expected_tokens); t_target(rows) is the cost of one
+target pass over that many rows of the step's sequences (RowCosts: a curve by rows, plus what the sequences and the
+contexts they attend to add, at the machine's measured speed). On osd's Q4 kernel a pass over 8 rows costs
 ~1.7x one row, so while the machine has room, proposals are almost free; when the pass is saturated each row costs
 its full share and speculation backs off (k = 0) where a sequence's acceptance does not pay for its rows.
 """
@@ -80,31 +81,49 @@ def amortized_catch_up(seconds: float, remaining: int, alpha: float) -> float:
 
 
 class RowCosts:
-    """Seconds of one target pass by total rows: calibrated at a few row counts, then EMAs of what steps took.
+    """Seconds of one target pass of decoding rows: a curve by rows, plus what the rows' sequences add, times the
+    machine's speed now.
 
-    Read through the least-squares non-decreasing fit of those EMAs (pool adjacent violators), so that more rows never
-    cost less: each count's EMA rests on a few steps of one mix of decode and prompt rows, and a count that happened
-    to be measured cheap (16 rows at 108 ms beside 13 at 160 ms, seen under load at 8 clients) made proposals look
-    free up to it; the allocation then verified ~22% more rows for ~3% fewer steps. Between counts linear
-    interpolation; beyond the largest, linear extrapolation from the last two."""
+        seconds(rows | contexts) = scale * (curve(rows) + per_sequence * (n - 1)
+                                            + per_sequence_context * (sum(contexts) - base_context)
+                                            + per_row_context * rows * (mean(contexts) - base_context))
 
-    def __init__(self, ema: float = 0.8):
+    `curve` is calibrated on one sequence whose rows attend to `base_context` cached tokens (read through its
+    least-squares non-decreasing fit, so more rows never cost less); the three terms are fitted at startup from
+    passes of several sequences at a long context (`fit_pass_model`): each sequence's attention reads its own cache
+    once (per_sequence_context) and each row does its own dot products over it (per_row_context). `scale` is an EMA
+    of observed / modelled seconds of the passes the server runs. A grid of passes on the bundled 1.5B (Intel, 2
+    threads, benchmarks/kernel/bench-passes-intel.json): 8 rows cost 68.4 ms as one sequence at 64 cached tokens,
+    84.0 ms at 500, and 97.9 ms as 8 sequences at 500; the model misses the grid's passes by 1.9% on average, rows
+    alone by 9.9%.
+
+    The model replaces EMAs of live passes kept by rows alone: a count seen live (5 rows: 5 sequences at ~500 cached
+    tokens, ~80 ms) beside counts never seen live, left at their calibration (7 rows: one sequence at 56 tokens,
+    62 ms), was pooled by the non-decreasing fit into a flat stretch, so the allocation read the rows up to 7 as
+    free and verified rows that did not pay (code at 0.5 of capacity, Intel: passes of 7.3 rows at 113.6 ms against
+    5.3 at 89.8 ms, where the calibration said 6% apart)."""
+
+    def __init__(self, ema: float = 0.9):
         self.ema = ema
-        self.seconds: dict[int, float] = {}
-        self._fitted: tuple[list[int], list[float]] | None = None  # the non-decreasing fit, made again after a change
+        self.seconds: dict[int, float] = {}  # the calibrated curve by rows (one sequence at base_context)
+        self.per_sequence = self.per_sequence_context = self.per_row_context = 0.0
+        self.base_context = 0
+        self.scale = 1.0
+        self._fitted: tuple[list[int], list[float]] | None = None
 
-    def calibrate(self, rows_seconds: dict[int, float]) -> None:
+    def calibrate(self, rows_seconds: dict[int, float], pass_model: dict | None = None) -> None:
+        """rows_seconds: the one-sequence curve; pass_model: `fit_pass_model`'s terms (absent: rows alone)."""
         self.seconds = {int(r): float(t) for r, t in rows_seconds.items() if math.isfinite(t)}
+        model = pass_model or {}
+        self.per_sequence = float(model.get("per_sequence", 0.0))
+        self.per_sequence_context = float(model.get("per_sequence_context", 0.0))
+        self.per_row_context = float(model.get("per_row_context", 0.0))
+        self.base_context = int(model.get("base_context", 0))
+        self.scale = 1.0
         self._fitted = None
 
-    def observe(self, rows: int, seconds: float) -> None:
-        if rows > 0 and math.isfinite(seconds):
-            old = self.seconds.get(rows)
-            self.seconds[rows] = seconds if old is None else self.ema * old + (1 - self.ema) * seconds
-            self._fitted = None
-
     def fitted(self) -> tuple[list[int], list[float]]:
-        """(rows, seconds), by rows: the measured EMAs' non-decreasing fit (what the allocation reads)."""
+        """(rows, seconds), by rows: the calibrated curve's non-decreasing fit."""
         if self._fitted is None:
             points = non_decreasing(sorted(self.seconds.items()))
             self._fitted = [r for r, _ in points], [t for _, t in points]
@@ -114,10 +133,12 @@ class RowCosts:
     def known(self) -> bool:
         return bool(self.seconds)
 
-    def __call__(self, rows: int) -> float:
+    def curve(self, rows: int) -> float:
+        """The calibrated one-sequence seconds of `rows` (unscaled): linear between measured counts, extrapolated
+        from the last two beyond them; nothing measured: proportional to rows (speculation never looks free)."""
         xs, ys = self.fitted()  # read many times a step (allocate_k): a bisection, no scan
         if not xs:
-            return float(rows)  # nothing measured: proportional to rows (speculation then never looks free)
+            return float(rows)
         if len(xs) == 1:
             return ys[0] * rows / xs[0]
         i = bisect.bisect_left(xs, rows)
@@ -126,6 +147,56 @@ class RowCosts:
         i = min(max(i, 1), len(xs) - 1)  # the segment around rows, or the first / last one to extrapolate
         (r0, t0), (r1, t1) = (xs[i - 1], ys[i - 1]), (xs[i], ys[i])
         return max(t0 + (t1 - t0) * (rows - r0) / (r1 - r0), 1e-9)
+
+    def at(self, contexts: list[int]) -> Callable[[int], float]:
+        """rows -> seconds of a pass whose rows belong to sequences with these cached lengths (one step's)."""
+        n, total = len(contexts), sum(contexts)
+        mean = total / n if n else float(self.base_context)
+        fixed = self.per_sequence * max(n - 1, 0) + self.per_sequence_context * (total - self.base_context * max(n, 1))
+        per_row = self.per_row_context * (mean - self.base_context)
+        return lambda rows: self.scale * max(self.curve(rows) + fixed + per_row * rows, 1e-9)
+
+    def __call__(self, rows: int) -> float:
+        """Seconds of `rows` on one sequence at the calibration's context (scaled)."""
+        return self.scale * self.curve(rows)
+
+    def observe(self, rows: int, seconds: float, contexts: list[int]) -> None:
+        """A pass of decoding rows timed: the scale follows observed / modelled."""
+        if rows > 0 and contexts and math.isfinite(seconds) and seconds > 0:
+            modelled = self.at(contexts)(rows) / self.scale
+            self.scale = self.ema * self.scale + (1 - self.ema) * seconds / modelled
+
+
+PASS_TERMS = ("per_sequence", "per_row_context", "per_sequence_context")
+
+
+def fit_pass_model(passes: list[tuple[list[int], int, float]], curve: Callable[[int], float],
+                   base_context: int) -> dict:
+    """Timed passes [(the cached length of each sequence, rows, seconds)] -> RowCosts' terms: least squares of what
+    the one-sequence curve leaves unexplained, each term >= 0 (a term fitted negative is dropped and the rest fitted
+    again: more sequences or more context never make a pass cheaper)."""
+    features, residuals = [], []
+    for contexts, rows, seconds in passes:
+        n, total = len(contexts), sum(contexts)
+        features.append([n - 1, rows * (total / n - base_context), total - base_context * n])
+        residuals.append(seconds - curve(rows))
+    kept = list(range(len(PASS_TERMS)))
+    while True:
+        coef = _least_squares([[f[j] for j in kept] for f in features], residuals) if kept else []
+        negative = [j for j, c in zip(kept, coef) if c < 0]
+        if not negative:
+            break
+        kept.remove(min(negative, key=lambda j: coef[kept.index(j)]))
+    terms = dict.fromkeys(PASS_TERMS, 0.0)
+    terms.update({PASS_TERMS[j]: float(c) for j, c in zip(kept, coef)})
+    return {**terms, "base_context": int(base_context)}
+
+
+def _least_squares(x: list[list[float]], y: list[float]) -> list[float]:
+    import numpy as np
+
+    coef, *_ = np.linalg.lstsq(np.array(x, dtype=float), np.array(y, dtype=float), rcond=None)
+    return coef.tolist()
 
 
 def non_decreasing(points: list[tuple[int, float]]) -> list[tuple[int, float]]:

@@ -192,6 +192,11 @@ class Scheduler:
             if self.slots.exclusive:
                 self._held[seq.slot] = seq.tokens[: self.slots.length(seq.slot)]
 
+    def forget_held(self) -> None:
+        """The slots' caches were written from outside the scheduler (the engine's calibration): what a free slot
+        holds is no longer known, so no request reuses it."""
+        self._held.clear()
+
     def fail_all(self, error: BaseException) -> list[Sequence]:
         """End every running sequence with `error` (a fault of the shared step) -> them; the scheduler stays usable."""
         return [self._end(seq, error) for seq in list(self.running)]
@@ -210,6 +215,7 @@ class Scheduler:
         t0 = e.clock()
         plans, failed = self._propose(decoding, bool(prefilling))  # [(seq, proposal, source index, draft seconds)]
         feeds = [self._verify_feed(s, p) for s, p, _, _ in plans]
+        contexts = [self.slots.length(s.slot) for s, _, _, _ in plans]  # what the decoding rows attend to
         decode_rows = sum(len(f.tokens) for f in feeds)
         feeds += (self._prefill_feeds(prefilling, self._prefill_budget(decode_rows, len(prefilling))) if decoding
                   else self._first_prompt_feeds(prefilling))
@@ -222,7 +228,7 @@ class Scheduler:
         t2 = e.clock()
         features = self.slots.features if self.keeps_features else [None] * len(logits)  # per feed (n_logits, H)
         rows = sum(len(f.tokens) for f in feeds)
-        self._record(rows, decode_rows, t2 - t1, alone=len(self.running) == 1, plans=plans)
+        self._record(rows, decode_rows, t2 - t1, alone=len(self.running) == 1, plans=plans, contexts=contexts)
         for s in prefilling:
             s.prefill_seconds += t2 - t0
         done = failed
@@ -251,12 +257,12 @@ class Scheduler:
                 asked.append((seq, self._ask_free_sources(seq)))
             except Exception as err:  # noqa: BLE001
                 failed.append(self._end(seq, err))
-        ahead = self._draft_ahead([(seq, a) for seq, a in asked if self._drafts_ahead(seq, a, len(asked))])
+        costs = self.engine.row_costs.at([self.slots.length(seq.slot) for seq, _ in asked])  # this step's pass
+        ahead = self._draft_ahead([(seq, a) for seq, a in asked if self._drafts_ahead(seq, a, costs, len(asked))])
         asks = [a if id(seq) not in ahead else self._ask_drafted(seq, a, ahead[id(seq)]) for seq, a in asked]
         caps = [a.cap for a in asks]
         ks = caps if not self.engine.spec.adaptive else allocate_k(  # fixed k: every sequence at its cap
-            [a.alpha for a in asks], [a.draft_seconds for a in asks], caps, self.engine.row_costs,
-            [a.catch_up_seconds for a in asks])
+            [a.alpha for a in asks], [a.draft_seconds for a in asks], caps, costs, [a.catch_up_seconds for a in asks])
         ks = [self._probe(seq, k, a.source, len(asked)) for (seq, _), a, k in zip(asked, asks, ks)]
         drafted = self._draft_together([(seq, a.source, k) for (seq, a), k in zip(asked, ks)
                                         if k and a.source is not None and a.proposal is None and id(seq) not in ahead])
@@ -268,13 +274,12 @@ class Scheduler:
                 failed.append(self._end(seq, err))
         return plans, failed
 
-    def _drafts_ahead(self, seq: Sequence, ask: Ask, decoding: int) -> bool:
+    def _drafts_ahead(self, seq: Sequence, ask: Ask, costs, decoding: int) -> bool:
         """Whether this sequence's draft proposes before the allocation (schedule/confidence.py): a draft model whose
         cache is caught up, on an adaptive engine with --confidence, where one sure token would pay for its row."""
         if ask.source is None or ask.proposal is not None or not ask.cap or \
                 not self._may_draft_ahead(seq, seq.sources[ask.source]):
             return False
-        costs = self.engine.row_costs
         return (decoding + 1) / (costs(decoding + 1) + ask.draft_seconds) > decoding / costs(decoding)
 
     def _may_draft_ahead(self, seq: Sequence, source) -> bool:
@@ -560,12 +565,12 @@ class Scheduler:
             target_probs[:on_path], proposal.draft_probs[:on_path]).tolist() if tree.chain else []
         return VerifyOutcome(agreed, emitted[agreed]), betas, emitted, [0] + [1 + j for j in path]
 
-    def _record(self, rows: int, decode_rows: int, seconds: float, alone: bool, plans) -> None:
+    def _record(self, rows: int, decode_rows: int, seconds: float, alone: bool, plans, contexts: list[int]) -> None:
         e, st = self.engine, self.stats
         if alone and plans and rows == decode_rows:  # one sequence decoding: the per-rows costs the policies read
             e.target_costs.observe(rows - 1, seconds)
         elif rows and rows == decode_rows:  # decoding rows only (each with its logits: what a proposal costs); a step
-            e.row_costs.observe(rows, seconds)  # with prompt rows is cheaper per row and would make proposals look cheap
+            e.row_costs.observe(rows, seconds, contexts)  # with prompt rows is cheaper per row and would make proposals look cheap
         st.steps += 1
         st.rows += rows
         st.decode_rows += decode_rows
