@@ -151,10 +151,11 @@ class SpeculativeEngine:
         return seconds
 
     def _pass_model(self, base_context: int, row_seconds: dict[int, float], repeats: int) -> dict:
-        """What the sequences of a pass add to its rows' cost (schedule/goodput.py RowCosts): passes of 1 and up to 4
-        sequences, 1 and 2 rows each and one of k_max + 1 rows, over the scheduler's slots at a long context
-        (PASS_CONTEXT cached tokens, or what the slots hold) and the short one the rows curve was measured at; fitted
-        by `fit_pass_model`. The slots are emptied after."""
+        """What the sequences of a pass add to its rows' cost (schedule/goodput.py RowCosts): the same passes (1, 2
+        and up to 4 sequences, 1 to k_max + 1 rows each) over the scheduler's slots at a long context (PASS_CONTEXT
+        cached tokens, or what the slots hold) and at the short one the rows curve was measured at, so that the
+        context's terms rest on differences of like passes, not on the curve's own noise; fitted by
+        `fit_pass_model`. The slots are emptied after."""
         slots, n = self.slots, min(4, self.scheduler.capacity)
         long = min(PASS_CONTEXT, (self.context_window or PASS_CONTEXT + self.k_max + 2) - self.k_max - 2)
         tokens = torch.randint(0, min(self.vocab_size, 1000), (max(long, base_context),),
@@ -169,7 +170,7 @@ class SpeculativeEngine:
                     slots.copy_prefix(0, slot, context)  # the same keys/values, in the slot's own cache
                 else:
                     slots.feed([Feed(slot, tokens[:context], 0)])
-            shapes = [(1, 1), (1, self.k_max + 1), (n, 1), (n, 2)] if context == long else [(n, 1), (n, 2)]
+            shapes = sorted({(1, 1), (1, 4), (1, self.k_max + 1), (2, 1), (2, 4), (n, 1), (n, 2)})
             for sequences, rows in shapes:
                 best = float("inf")
                 for _ in range(repeats + 1):

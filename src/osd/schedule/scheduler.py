@@ -291,29 +291,10 @@ class Scheduler:
 
     def _draft_ahead(self, wanted: list[tuple[Sequence, Ask]]) -> dict:
         """Each sequence's draft proposal up to its cap, drafting on while the chance its tokens so far are all
-        accepted stays >= DRAFT_AHEAD_CHANCE -> id(seq) -> plan. Where drafting fails, the sequence's draft cache is
-        rolled back and it takes the allocation's usual path (where a failure fails its own sequence only)."""
-        e, plans = self.engine, {}
-        groups: dict[int, list[tuple[Sequence, Ask]]] = {}
-        for seq, ask in wanted:
-            runner = seq.sources[ask.source].runner
-            groups.setdefault(id(getattr(runner, "model", runner)), []).append((seq, ask))
-        for group in groups.values():
-            proposers = [seq.sources[ask.source] for seq, ask in group]
-            lengths = [p.runner.length for p in proposers]
-            go_on = [self._worth_drafting(e.policies[ask.source].confidence) for _, ask in group]
-            t0 = e.clock()
-            try:
-                proposals = propose_together(proposers, [s.tokens for s, _ in group], [a.cap for _, a in group],
-                                             [s.sampling for s, _ in group], [s.generator for s, _ in group], go_on)
-            except Exception:  # noqa: BLE001
-                for p, length in zip(proposers, lengths):
-                    p.rollback(min(length, p.runner.length))
-                continue
-            seconds, total = e.clock() - t0, max(1, sum(p.k for p in proposals))
-            for (seq, ask), proposal in zip(group, proposals):
-                plans[id(seq)] = (seq, proposal, ask.source, seconds * proposal.k / total)
-        return plans
+        accepted stays >= DRAFT_AHEAD_CHANCE -> id(seq) -> plan (where drafting fails, the allocation's usual path)."""
+        policies = self.engine.policies
+        return self._propose_grouped([(seq, ask.source, ask.cap) for seq, ask in wanted],
+                                     [self._worth_drafting(policies[ask.source].confidence) for _, ask in wanted])
 
     @staticmethod
     def _worth_drafting(bins):
@@ -334,32 +315,42 @@ class Scheduler:
         return seq, proposal.cut(k), source if k else None, t_draft
 
     def _draft_together(self, wanted: list[tuple[Sequence, int, int]]) -> dict:
-        """The draft proposals of several sequences (seq, source index, k), each draft's forwards for all of them in
-        one (`propose_together`) -> id(seq) -> plan. Where a joint forward fails, nothing is kept: each of its
-        sequences' draft caches is rolled back and drafts alone (`_draft`), so a failure stays with its sequence."""
-        groups: dict[int, list[tuple[Sequence, int, int]]] = {}  # by the draft model their forwards run on
-        for seq, source, k in wanted:
+        """The draft proposals of several sequences (seq, source index, k) that share a draft model -> id(seq) -> plan;
+        the others (and those of a failed joint forward) draft alone (`_draft`), where a failure fails its own
+        sequence only."""
+        return self._propose_grouped(wanted, least=2)
+
+    def _propose_grouped(self, wanted: list[tuple[Sequence, int, int]], go_on: list | None = None,
+                         least: int = 1) -> dict:
+        """Draft proposals of sequences [(seq, source index, k)], each draft model's forwards for its group in one
+        (`propose_together`; go_on[i]: whether sequence i drafts on, as in `propose`) -> id(seq) -> plan, the
+        forwards' seconds shared by the tokens drafted. Groups smaller than `least` are left out; where a joint
+        forward fails, its sequences' draft caches are rolled back and they are left out too."""
+        groups: dict[int, list[int]] = {}  # by the draft model their forwards run on
+        for i, (seq, source, _) in enumerate(wanted):
             proposer = seq.sources[source]
             if isinstance(proposer, DraftModelProposer):
-                groups.setdefault(id(getattr(proposer.runner, "model", proposer)), []).append((seq, source, k))
+                groups.setdefault(id(getattr(proposer.runner, "model", proposer.runner)), []).append(i)
         plans = {}
-        for group in groups.values():
-            if len(group) < 2:
+        for members in groups.values():
+            if len(members) < least:
                 continue
-            seqs, ks = [seq for seq, _, _ in group], [k for _, _, k in group]
+            group = [wanted[i] for i in members]
+            seqs = [seq for seq, _, _ in group]
             proposers = [seq.sources[source] for seq, source, _ in group]
             lengths = [p.runner.length for p in proposers]
             t0 = self.engine.clock()
             try:
-                proposals = propose_together(proposers, [s.tokens for s in seqs], ks, [s.sampling for s in seqs],
-                                             [s.generator for s in seqs])
-            except Exception:  # noqa: BLE001 - retried alone below, where a failure fails its own sequence only
+                proposals = propose_together(proposers, [s.tokens for s in seqs], [k for _, _, k in group],
+                                             [s.sampling for s in seqs], [s.generator for s in seqs],
+                                             [go_on[i] for i in members] if go_on else None)
+            except Exception:  # noqa: BLE001 - its sequences take their callers' usual path
                 for p, length in zip(proposers, lengths):
                     p.rollback(min(length, p.runner.length))
                 continue
-            seconds = self.engine.clock() - t0
-            for (seq, source, k), proposal in zip(group, proposals):
-                plans[id(seq)] = (seq, proposal, source if proposal.k else None, seconds * k / sum(ks))
+            seconds, total = self.engine.clock() - t0, max(1, sum(p.k for p in proposals))
+            for (seq, source, _), proposal in zip(group, proposals):
+                plans[id(seq)] = (seq, proposal, source if proposal.k else None, seconds * proposal.k / total)
         return plans
 
     def _propose_alone(self, seq: Sequence):
