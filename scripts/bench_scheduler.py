@@ -14,6 +14,7 @@ given more than once is also pooled. Run it alone on the machine. Writes JSON an
     python scripts/bench_scheduler.py --levels 1 4 --arms spec spec-q4 spec-q4-fresh target-only  # draft prefix reuse
     python scripts/bench_scheduler.py --levels 1 4 --arms spec spec-int8 target-only  # auto's copy against int8
     python scripts/bench_scheduler.py --levels 4 4 4 4 --arms spec target-only  # a level 4 times: pooled, paired
+    python scripts/bench_scheduler.py --levels 4 8 4 8 --arms spec spec-rows-only target-only --no-lookup  # pass model
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ Q4_DRAFT = {"draft": "bundled:qwen2.5-coder-0.5b", "draft_quantize": "q4"}  # th
 ARMS = {"spec": (6, {}), "target-only": (0, {}),  # k, and what the arm's ModelConfig sets beside the target
         "spec-int8": (6, {"draft_quantize": "int8"}),  # the default draft's int8 copy (spec: the copy auto picks)
         "spec-q4": (6, Q4_DRAFT),
-        "spec-q4-fresh": (6, Q4_DRAFT)}  # the same, its draft feeding every prompt whole (no draft prefix reuse)
+        "spec-q4-fresh": (6, Q4_DRAFT),  # the same, its draft feeding every prompt whole (no draft prefix reuse)
+        "spec-rows-only": (6, {})}  # spec, its goodput pricing a pass by rows alone (no sequence or context terms)
 
 
 def timed(totals: collections.Counter, name: str, f):
@@ -78,9 +80,11 @@ class Arm:
     def __init__(self, name: str, args):
         k, models = ARMS[name]
         system = build_system(ModelConfig(target=args.target, threads=args.threads, **models),
-                              SpeculationConfig(k=k, lookup=True, max_batch=args.max_batch))
+                              SpeculationConfig(k=k, lookup=not args.no_lookup, max_batch=args.max_batch))
         self.name, self.engine, self.totals = name, system.engine, collections.Counter()
         self.engine.calibrate()
+        if name == "spec-rows-only":  # the pass model's terms dropped: the curve by rows, at the same live scale
+            self.engine.row_costs.calibrate(self.engine.row_costs.seconds, None)
         sched = self.engine.scheduler
         sched._propose = timed(self.totals, "propose_s", sched._propose)
         sched._admit = timed(self.totals, "admit_s", sched._admit)  # the draft's prompt prefill, where it runs
@@ -217,6 +221,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-lookup", action="store_true", help="the draft alone (osd serve's default), no n-gram lookup")
     p.add_argument("--out", default="benchmarks/serve/bench-scheduler.json")
     p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     args = p.parse_args(argv)
