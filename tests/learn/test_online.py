@@ -307,6 +307,49 @@ def test_pace_backs_off_while_pooled_updates_stop_paying_and_comes_back_when_the
     assert trigger.due(11, 5, 0.0, factor=4) is None and trigger.due(12, 5, 0.0, factor=4) == "requests"
 
 
+def test_the_pace_backs_off_where_learning_does_not_pay_for_the_learners_cores_whatever_held_out_says():
+    from osd.learn.triggers import Pace, learning_pays
+    assert learning_pays(1.30, 0.12) is True and learning_pays(1.04, 0.09) is False
+    assert learning_pays(None, 0.1) is None and learning_pays(1.3, None) is None
+    pace = Pace(max_factor=8, window=1)
+    assert pace.after_update(True, (9, 0), pays=False) == 2  # held-out agreement rose, but the server lost by it
+    assert pace.after_update(True, (9, 0), pays=True) == 1  # it pays: held-out decides (z > keep_z: halves)
+    assert pace.after_update(True, (9, 0), pays=None) == 1
+
+
+def test_a_learner_judges_whether_learning_pays_from_what_each_version_served_and_its_own_work():
+    """The learner's share of the wall time over its last pace.window updates, against the serving version's tokens
+    per step over the first version's: on the same updates, a gain below the share backs the pace off, one above
+    it does not; before the window is full, or while the first version is the newest that served, no judgement."""
+    from osd.metrics import SpecCounters
+
+    def run(emitted_by_v1):
+        now = [0.0]
+        learner = OnlineLearner(tiny_qwen2(seed=1, layers=1), lambda m, version=None: SimpleNamespace(version=1, name="d"),
+                                LearnConfig(guard=False, every_requests=8, back_off=8), clock=lambda: now[0])
+        counters = {("d", 0): SpecCounters(steps=100, emitted=110)}
+        learner.live_counters = lambda: counters
+        learner.draft_name = "d"
+
+        def training(reason):  # 1 s of work in every 10 s of wall time: a share of 0.1
+            now[0] += 10.0
+            return {"reason": reason, "train_items": 4, "published": True, "version": 1, "heldout_flips": (3, 2),
+                    "losses": [0.1],
+                    "work_seconds": {"train": 1.0}}
+
+        learner._update = training
+        judged = []
+        for i in range(6):
+            if i == 2:  # a second version served from here
+                counters[("d", 1)] = SpecCounters(steps=100, emitted=emitted_by_v1)
+            learner.update()
+            judged.append(learner.last_update["learning_pays"])
+        return judged, learner.pace.factor
+
+    assert run(115) == ([None, None, None, False, False, False], 8)  # 115/110: +4.5% a step, for 10% of the time
+    assert run(150) == ([None, None, None, True, True, True], 1)  # +36% a step
+
+
 def test_a_learner_whose_updates_change_nothing_spaces_them_out(target_model, tokenizer):
     """lr 1e-12: no update flips a held-out position, so once four updates pooled show no gain the interval doubles,
     up to back_off x every_requests; with back_off 1 the same stream updates at every interval."""

@@ -34,6 +34,7 @@ import math
 import random
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 
@@ -55,7 +56,8 @@ from osd.learn.rehearsal import Reservoir, Sweeps, history_share, mixed_batch
 from osd.learn.residual import add_difference
 from osd.learn.restore import RestorePoint
 from osd.learn.trainable import configure_trainable, split_index
-from osd.learn.triggers import Pace, UpdateTrigger
+from osd.learn.triggers import Pace, UpdateTrigger, learning_pays
+from osd.metrics import learning_effect
 from osd.schedule.turns import end_thread_team
 
 log = logging.getLogger("osd.learn")
@@ -242,6 +244,9 @@ class OnlineLearner:
         self.guard_buffer = ReplayBuffer(self.config.guard_capacity, clock)
         self.trigger = UpdateTrigger(self.config.every_requests, self.config.min_positions, self.config.max_age_seconds)
         self.pace = Pace(self.config.back_off)  # every_requests' factor while updates stop paying
+        self.live_counters = None  # attached: the engine's SpecMetrics.counters (what each draft version served)
+        self.draft_name: str | None = None  # the name it publishes under (known from the first publish)
+        self._work = deque(maxlen=self.pace.window)  # (start, work seconds) of the last updates: the learner's share
         self.params = configure_trainable(master, self.config.trainable, self.config.train_layers, self.config.lora_rank)
         self.split = split_index(master, self.config.train_layers)
         self.dtype = training_dtype(self.config.precision)  # of the step's matrix products (learn/precision.py)
@@ -312,6 +317,7 @@ class OnlineLearner:
         engine.observers.append(self.observe)
         engine.request_observers.append(self.after_request)
         self.engine_busy = engine.busy
+        self.live_counters = engine.metrics.counters
         self.idle.turns = getattr(engine, "turns", None)  # chunks between steps, never beside one
         self.idle.pressure = getattr(engine, "pressure", lambda: False)  # none while a request waits to start
         return self
@@ -355,7 +361,9 @@ class OnlineLearner:
             if "restored_version" in report.get("vs_base", {}):
                 self.pace.reset()  # the drift guard acted: the traffic moved, learn at full pace again
             elif "train_items" in report:  # (not "nothing to train on": that says nothing of the pace)
-                self.pace.after_update(report["published"], report.get("heldout_flips"))
+                self._work.append((start, sum(report.get("work_seconds", {}).values())))
+                report["learning_pays"] = self._learning_pays()
+                self.pace.after_update(report["published"], report.get("heldout_flips"), report["learning_pays"])
             self.last_update = report
             for phase, seconds in report.get("work_seconds", {}).items():
                 self.counters[f"work_seconds_{phase}"] += seconds
@@ -521,9 +529,23 @@ class OnlineLearner:
         report["vs_base"]["published_version"] = self.version
         return True
 
+    def _learning_pays(self) -> bool | None:
+        """learn/triggers.py `learning_pays` on what the server saw: the serving draft's newest version with enough
+        steps against its first version, tokens per step, and the work of the last `pace.window` updates over the wall
+        time since the first of them started. None before that many updates, or while the newest is the first."""
+        if self.live_counters is None or self.draft_name is None or len(self._work) < self._work.maxlen:
+            return None
+        effect = learning_effect(self.live_counters()).get(self.draft_name)
+        if not effect or effect["latest"] == effect["first"]:
+            return None
+        span = self.clock() - self._work[0][0]
+        return learning_pays(effect["tokens_per_step_vs_first"], sum(w for _, w in self._work) / span if span > 0
+                             else None)
+
     def _publish(self) -> None:
         """Publish the master; it now matches what serves, so a later failure in this update returns to it."""
-        self.version = self.publish(self.master).version
+        snapshot = self.publish(self.master)
+        self.version, self.draft_name = snapshot.version, getattr(snapshot, "name", self.draft_name)
         self._restore_point = None  # (never two restore points in memory at once)
         self._restore_point = RestorePoint(self.weights(), self.optimizer)
 
@@ -706,7 +728,8 @@ class OnlineLearner:
         if state is None:
             return False
         self.counters.update(state["counters"])
-        self.version = self.publish(self.master, version=state["version"]).version
+        snapshot = self.publish(self.master, version=state["version"])
+        self.version, self.draft_name = snapshot.version, getattr(snapshot, "name", self.draft_name)
         if self.average is not None:  # the trajectory as saved, or (a checkpoint without one) from the average
             saved = load_extra(self.config.checkpoint_dir, TRAJECTORY)
             self.average.load_state_dict(saved or {"trajectory": self.params, "steps": 0})

@@ -31,7 +31,8 @@ class Pace:
     """Updates spaced out while they stop paying: the request interval's factor doubles when the last `window`
     published updates together did not raise held-out agreement (their held-out flips pooled, McNemar's z,
     guard.flips_z, <= `back_z`) or an update was rejected, halves when they did (z > `keep_z`),
-    and stays between; within [1, max_factor]. `reset` (the drift guard restored a version: the traffic moved) brings
+    and stays between; within [1, max_factor]. It also doubles when learning's live gain does not pay for the
+    learner's cores (`learning_pays`), however held-out agreement moves. `reset` (the drift guard restored a version: the traffic moved) brings
     it back to 1 and forgets the window.
 
     Pooled, not per update: one update of the serving recipe (8 steps of 2 items) moves held-out agreement by a few
@@ -46,16 +47,19 @@ class Pace:
         self.factor = 1
         self.recent: list[tuple[int, int]] = []  # (gained, lost) of the last `window` published updates
 
-    def after_update(self, published: bool, flips: tuple[int, int] | None) -> int:
+    def after_update(self, published: bool, flips: tuple[int, int] | None, pays: bool | None = None) -> int:
         """One update's outcome (flips: its (gained, lost) on held-out positions against the serving draft; None:
-        no held-out measure, the pace stays) -> the factor now."""
+        no held-out measure, the pace stays; pays: whether learning's live gain covers what the learner costs the
+        server, `learning_pays`; False doubles the factor whatever held-out agreement says) -> the factor now."""
         if not published:
             self.factor = min(self.max_factor, 2 * self.factor)
             return self.factor
-        if flips is None:
+        if flips is not None:
+            self.recent = (self.recent + [tuple(flips)])[-self.window:]
+        if pays is False:
+            self.factor = min(self.max_factor, 2 * self.factor)
             return self.factor
-        self.recent = (self.recent + [tuple(flips)])[-self.window:]
-        if len(self.recent) < self.window:
+        if flips is None or len(self.recent) < self.window:
             return self.factor
         gained, lost = sum(g for g, _ in self.recent), sum(lo for _, lo in self.recent)
         z = flips_z(gained, lost)
@@ -67,3 +71,15 @@ class Pace:
 
     def reset(self) -> None:
         self.factor, self.recent = 1, []
+
+
+def learning_pays(tokens_per_step_vs_first: float | None, learner_share: float | None) -> bool | None:
+    """Whether learning pays for the cores it takes: the serving version's tokens per verification step over the
+    first version's, less 1 (what learning bought each step; an upper bound on the speed it bought, since more
+    accepted tokens also mean dearer passes), against the learner's share of the wall time. None while either is
+    unknown. On chat (Intel, benchmarks/live/bench-live-chat300-load05-il25-intel-clean.json) tokens per step
+    1.03-1.11 against 1.04-1.06 learning off, for 0.05-0.10 of the wall time: it does not; on code (0.5 of capacity)
+    1.30-1.43 against 1.13-1.23 for 0.10-0.13: it does."""
+    if tokens_per_step_vs_first is None or learner_share is None:
+        return None
+    return tokens_per_step_vs_first - 1.0 >= learner_share

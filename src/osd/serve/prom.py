@@ -55,6 +55,7 @@ import math
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
+from osd.metrics import MIN_STEPS, learning_effect  # noqa: F401 - re-exported (the app, the tests)
 from osd.models import kernels
 
 log = logging.getLogger("osd.serve")
@@ -245,35 +246,6 @@ def spec_families(counters: dict) -> list:
                 family.add_metric([draft, str(version), str(i)], n)
         families.append(family)
     return families
-
-
-MIN_STEPS = 32  # a version's figures count once it served this many verification steps
-
-
-def learning_effect(counters: dict, min_steps: int = MIN_STEPS) -> dict:
-    """Learning's effect as it happens, per draft: {draft: {"versions": {version: {"acceptance", "tokens_per_step",
-    "steps"}}, "first", "latest", "acceptance_vs_first", "tokens_per_step_vs_first"}}.
-
-    counters: SpecMetrics.counters(), {(draft, version): SpecCounters}. "first" is the draft's lowest version served,
-    "latest" the newest with at least `min_steps` steps (the newest at all when none has): the ratios are latest /
-    first (None while either is missing). Each version's figures are on the traffic it served (the first version's
-    on the earliest requests); the guard's held-out comparison on the same positions is the learner's
-    `heldout_agreement_{base,serving}`."""
-    by_draft: dict[str, dict] = {}
-    for (draft, version), c in sorted(counters.items()):
-        by_draft.setdefault(draft, {})[version] = {
-            "acceptance": c.accepted / c.proposed if c.proposed else None,
-            "tokens_per_step": c.emitted / c.steps if c.steps else None, "steps": c.steps}
-    out = {}
-    for draft, versions in by_draft.items():
-        first = min(versions)
-        ripe = [v for v in versions if versions[v]["steps"] >= min_steps]
-        latest = max(ripe) if ripe else max(versions)
-        ratio = lambda key: (versions[latest][key] / versions[first][key]
-                             if versions[latest][key] is not None and versions[first][key] else None)
-        out[draft] = {"versions": versions, "first": first, "latest": latest,
-                      "acceptance_vs_first": ratio("acceptance"), "tokens_per_step_vs_first": ratio("tokens_per_step")}
-    return out
 
 
 def learning_families(effect: dict) -> list:
