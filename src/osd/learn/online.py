@@ -93,9 +93,10 @@ class LearnConfig:
     steps_per_update: int = option(8, "optimizer steps per update (batches sampled from the buffer)")
     back_off: int = option(1, (
         "space updates up to this many times every_requests while they stop paying: the interval doubles after an "
-        "update that was rejected or when the last 4 published ones together did not raise held-out agreement, and "
-        "halves when they did (z > 1); back to every_requests when the drift guard restores a version "
-        "(learn/triggers.py Pace). 1 = a fixed pace"))
+        "update that was rejected, when the last 4 published ones together did not raise held-out agreement, or when "
+        "the serving version's tokens per step over the first version's gain less than the learner's share of the "
+        "wall time; it halves when held-out agreement rose (z > 1); back to every_requests when the drift guard "
+        "restores a version (learn/triggers.py Pace). 1 = a fixed pace"))
     rehearsal: float = option(0.5, (
         "share of each training batch drawn from a uniform sample of older traffic (what the buffer evicted; "
         "learn/rehearsal.py), against forgetting after a shift (cheap draft, gsm8k -> spider -> code: gsm8k held-out "
