@@ -369,11 +369,13 @@ class OnlineLearner:
             for phase, seconds in report.get("work_seconds", {}).items():
                 self.counters[f"work_seconds_{phase}"] += seconds
             if report.get("work_seconds"):
-                log.info("draft update (%s): %s, %d optimizer steps; work %.2f s (%s)", reason,
-                         f"published v{report['version']}" if report["published"] else
+                log.info("draft update (%s): %s, %d optimizer steps; work %.2f s (%s); learning pays: %s, next after %d "
+                         "requests", reason, f"published v{report['version']}" if report["published"] else
                          f"rejected ({report.get('rejected_because')})", len(report.get("losses") or []),
                          sum(report["work_seconds"].values()),
-                         ", ".join(f"{k} {v:.2f}" for k, v in report["work_seconds"].items()))
+                         ", ".join(f"{k} {v:.2f}" for k, v in report["work_seconds"].items()),
+                         {True: "yes", False: "no"}.get(report.get("learning_pays"), "not judged"),
+                         self.config.every_requests * self.pace.factor)
             losses = report.get("losses") or []
             self.history = (self.history + [{**{k: v for k, v in report.items() if k != "losses"},
                                              "mean_loss": sum(losses) / len(losses) if losses else None,

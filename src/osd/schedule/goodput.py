@@ -152,7 +152,7 @@ class RowCosts:
         """rows -> seconds of a pass whose rows belong to sequences with these cached lengths (one step's)."""
         n, total = len(contexts), sum(contexts)
         mean = total / n if n else float(self.base_context)
-        fixed = self.per_sequence * max(n - 1, 0) + self.per_sequence_context * (total - self.base_context * max(n, 1))
+        fixed = self.per_sequence * (n - 1) + self.per_sequence_context * (total - self.base_context * n) if n else 0.0
         per_row = self.per_row_context * (mean - self.base_context)
         return lambda rows: self.scale * max(self.curve(rows) + fixed + per_row * rows, 1e-9)
 
