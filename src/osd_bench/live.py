@@ -51,6 +51,7 @@ LEARNER_SERIES = {  # /metrics sample -> short name (learn/online.py stats, lear
     "osd_learner_chunks_under_load_total": "chunks_under_load", "osd_learner_chunks_idle_total": "chunks_idle",
     # where a step's seconds go, for both arms (a learning server's passes, rows and drafting against the other's)
     "osd_schedule_steps_total": "passes", "osd_schedule_rows_total": "rows",
+    "osd_schedule_prefill_rows_total": "prompt_rows",
     "osd_spec_draft_seconds_total": "draft_seconds"}
 # an update's work by phase (learn/online.py UPDATE_PHASES), matched by name: the bench's client never loads torch
 WORK_PREFIX, WORK_SUFFIX = "osd_learner_work_seconds_", "_total"
@@ -223,6 +224,7 @@ def summarise_rows(rows: list[dict], scrapes: list[dict]) -> dict:
     learner_seconds = sum(x for x in learner if x is not None) if any(x is not None for x in learner) else None
     passes, pass_seconds = _delta(scrapes, t0, t1, "passes"), _delta(scrapes, t0, t1, "step_seconds")
     rows_fed, draft_seconds = _delta(scrapes, t0, t1, "rows"), _delta(scrapes, t0, t1, "draft_seconds")
+    prompt_rows = _delta(scrapes, t0, t1, "prompt_rows")
     return {"requests": len(rows), "errors": len(rows) - len(ok),
             "decode_tps_mean": sum(tps) / len(tps) if tps else None, "decode_tps_p50": percentile(tps, 50),
             "ttft_p50": percentile([r["ttft"] for r in ok if r["ttft"] is not None], 50),
@@ -234,9 +236,11 @@ def summarise_rows(rows: list[dict], scrapes: list[dict]) -> dict:
             "learner_cpu_share": learner_seconds / span if learner_seconds is not None and span > 0 else None,
             "learner_busy_share": (learner[0] / (learner[0] + serving) if learner[0] is not None and serving
                                    else None), "span_seconds": span,
-            # the target's passes: rows each (decode, proposals and prompt chunks) and milliseconds each; drafting's
-            # seconds as a share of the span
+            # the target's passes: rows each (decode, proposals and prompt chunks), prompt rows each (whether a
+            # server's dearer passes carried its proposals or its prompts), milliseconds each; drafting's seconds as
+            # a share of the span
             "rows_per_pass": rows_fed / passes if passes and rows_fed is not None else None,
+            "prompt_rows_per_pass": prompt_rows / passes if passes and prompt_rows is not None else None,
             "pass_ms": 1e3 * pass_seconds / passes if passes and pass_seconds is not None else None,
             "draft_share": draft_seconds / span if draft_seconds is not None and span > 0 else None}
 

@@ -7,7 +7,8 @@ from osd.records import emit_report, table, write_result
 
 SECTION = "Live learning: learning on vs off under Poisson load (osd bench live)"
 COLUMNS = ["decode_tps_mean", "ttft_p50", "aggregate_tps", "acceptance", "tokens_per_step", "mean_k", "draft_version",
-           "optimizer_steps", "learner_cpu_share", "learner_busy_share", "rows_per_pass", "pass_ms", "draft_share"]
+           "optimizer_steps", "learner_cpu_share", "learner_busy_share", "rows_per_pass", "prompt_rows_per_pass",
+           "pass_ms", "draft_share"]
 
 
 def window_table(entry: dict) -> str:
@@ -19,7 +20,8 @@ def window_table(entry: dict) -> str:
             rows.append([arm, f"{w['first']}-{w['first'] + w['requests'] - 1}", *[w.get(c) for c in COLUMNS],
                          ratios.get(w["first"]) if arm == "on" else None])
     header = ["learning", "requests", "decode tok/s", "TTFT p50 s", "agg tok/s", "acceptance", "tok/step", "k",
-              "version", "opt steps", "learner CPU", "learner busy share", "rows/pass", "pass ms", "draft share",
+              "version", "opt steps", "learner CPU", "learner busy share", "rows/pass", "prompt rows/pass", "pass ms",
+              "draft share",
               "on/off"]
     return table(rows, header)
 
