@@ -150,11 +150,10 @@ class RowCosts:
 
     def at(self, contexts: list[int]) -> Callable[[int], float]:
         """rows -> seconds of a pass whose rows belong to sequences with these cached lengths (one step's)."""
-        n, total = len(contexts), sum(contexts)
-        mean = total / n if n else float(self.base_context)
-        fixed = self.per_sequence * (n - 1) + self.per_sequence_context * (total - self.base_context * n) if n else 0.0
-        per_row = self.per_row_context * (mean - self.base_context)
-        return lambda rows: self.scale * max(self.curve(rows) + fixed + per_row * rows, 1e-9)
+        terms = [getattr(self, term) for term in PASS_TERMS]  # the features are linear in rows: read at 0 and 1
+        fixed, one = (sum(t * f for t, f in zip(terms, pass_features(contexts, rows, self.base_context)))
+                      for rows in (0, 1))
+        return lambda rows: self.scale * max(self.curve(rows) + fixed + (one - fixed) * rows, 1e-9)
 
     def __call__(self, rows: int) -> float:
         """Seconds of `rows` on one sequence at the calibration's context (scaled)."""
@@ -170,16 +169,21 @@ class RowCosts:
 PASS_TERMS = ("per_sequence", "per_row_context", "per_sequence_context")
 
 
+def pass_features(contexts: list[int], rows: int, base_context: int) -> list[float]:
+    """What each of PASS_TERMS is multiplied by in a pass of `rows` rows over sequences with these cached lengths:
+    the sequences beyond the first, each row's cached tokens beyond base_context (at the sequences' mean), the
+    sequences' cached tokens beyond base_context each. No sequences: nothing."""
+    n, total = len(contexts), sum(contexts)
+    return [n - 1, rows * (total / n - base_context), total - base_context * n] if n else [0.0] * len(PASS_TERMS)
+
+
 def fit_pass_model(passes: list[tuple[list[int], int, float]], curve: Callable[[int], float],
                    base_context: int) -> dict:
     """Timed passes [(the cached length of each sequence, rows, seconds)] -> RowCosts' terms: least squares of what
     the one-sequence curve leaves unexplained, each term >= 0 (a term fitted negative is dropped and the rest fitted
     again: more sequences or more context never make a pass cheaper)."""
-    features, residuals = [], []
-    for contexts, rows, seconds in passes:
-        n, total = len(contexts), sum(contexts)
-        features.append([n - 1, rows * (total / n - base_context), total - base_context * n])
-        residuals.append(seconds - curve(rows))
+    features = [pass_features(contexts, rows, base_context) for contexts, rows, _ in passes]
+    residuals = [seconds - curve(rows) for _, rows, seconds in passes]
     kept = list(range(len(PASS_TERMS)))
     while True:
         coef = _least_squares([[f[j] for j in kept] for f in features], residuals) if kept else []
