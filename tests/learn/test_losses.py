@@ -164,3 +164,47 @@ def test_mapped_buckets_equal_the_buckets_of_logits_expanded_to_the_target_vocab
     torch.testing.assert_close(got_d.exp(), want_d.exp())
     torch.testing.assert_close(tv_distance(got_t, got_d), tv_distance(want_t, want_d))
     assert tv_distance(got_t, got_d)[2] > 0.99 * (1 - 0.1)  # row 2: the draft's mass all in the tail bucket
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_a_repeated_id_with_no_mass_changes_no_loss_and_leaves_gradients_finite(loss):
+    """restrict_compact (a draft with its own vocabulary map) and CompactDist.cat's padding list a token again with
+    probability 0: the loss must be the loss without the repeats. Before repeats were emptied on the draft's side,
+    every distance but forward KL counted the draft's probability of that token once per repeat (the first listed
+    token, mostly the target's choice) and pushed it down: a live learner with reverse KL, JSD or TV had every
+    update rejected by its guard."""
+    from osd.learn.compact import CompactDist
+
+    draft = logits(5, n=3, v=12).requires_grad_(True)
+    ids, probs = torch.tensor([[2, 7, 1], [4, 0, 9], [3, 5, 8]]), torch.tensor([[0.6, 0.2, 0.1], [0.5, 0.3, 0.1],
+                                                                               [0.4, 0.4, 0.1]])
+    plain = distill_loss(draft, CompactDist(ids, probs), loss)
+    repeated = CompactDist(torch.cat([ids, ids[:, :1].repeat(1, 3)], -1), torch.cat([probs, torch.zeros(3, 3)], -1))
+    with_repeats = distill_loss(draft, repeated, loss)
+    assert with_repeats.item() == pytest.approx(plain.item(), rel=1e-5, abs=1e-6)
+    with_repeats.backward()
+    assert torch.isfinite(draft.grad).all()
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_every_loss_moves_a_mapped_draft_towards_the_target_restricted_to_its_map(loss):
+    """A draft over a vocabulary map learns the target restricted to it (items_loss's path): gradient steps on any
+    loss raise the draft's probability of the target's first in-map token, whatever the listed tokens outside the
+    map."""
+    from osd.learn.compact import CompactDist
+    from osd.models.vocab_map import restrict_compact, target_to_draft
+
+    vocab, vocab_ids = 50, torch.tensor([0, 3, 4, 7, 10, 11, 20, 33, 41, 49])
+    target = CompactDist(torch.tensor([[5, 20, 3, 6], [4, 8, 41, 2]]), torch.tensor([[0.3, 0.4, 0.2, 0.05],
+                                                                                     [0.5, 0.2, 0.2, 0.05]]))
+    restricted = restrict_compact(target, target_to_draft(vocab_ids, vocab))
+    best = torch.tensor([6, 2])  # draft ids of target tokens 20 and 4
+    draft = torch.zeros(2, len(vocab_ids), requires_grad=True)
+    start = torch.softmax(draft, -1)[torch.arange(2), best].detach()
+    optimizer = torch.optim.SGD([draft], lr=1.0)
+    for _ in range(100):
+        optimizer.zero_grad()
+        distill_loss(draft, restricted, loss).backward()
+        optimizer.step()
+    after = torch.softmax(draft, -1)[torch.arange(2), best]
+    assert (after > start + 0.1).all() and (torch.softmax(draft, -1).argmax(-1) == best).all()

@@ -10,8 +10,6 @@ cross-entropy), reverse_kl = KL(draft || target) (mode seeking).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from osd.learn.compact import CompactDist, tempered_log_buckets
@@ -20,9 +18,12 @@ LOSSES = ("forward_kl", "reverse_kl", "jsd", "tv", "reference_mix")
 
 
 def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """KL(a || b) over the last dim from log-probabilities; 0 * log 0 = 0. (..., B) -> (...)."""
-    a = log_a.exp()
-    return torch.where(a > 0, a * (log_a - log_b), torch.zeros_like(a)).sum(-1)
+    """KL(a || b) over the last dim from log-probabilities; 0 * log 0 = 0. (..., B) -> (...).
+
+    The empty buckets of a (log_a = -inf) are left out before the product, not after: 0 * (-inf - -inf) is NaN,
+    and autograd carries that NaN through a `where` that drops the term (reverse KL's empty draft buckets)."""
+    live = log_a > float("-inf")
+    return (log_a.exp() * torch.where(live, log_a - log_b, torch.zeros_like(log_a))).sum(-1)
     # note: F.kl_div(input, target) computes KL(target || input): its argument order is the trap avoided here
 
 
@@ -48,7 +49,8 @@ def jsd(target_logp: torch.Tensor, draft_logp: torch.Tensor, beta: float = 0.5) 
         return forward_kl(target_logp, draft_logp)
     if beta == 1.0:
         return reverse_kl(target_logp, draft_logp)
-    log_m = torch.logsumexp(torch.stack([target_logp + math.log(beta), draft_logp + math.log(1 - beta)]), dim=0)
+    m = beta * target_logp.exp() + (1 - beta) * draft_logp.exp()  # (log-sum-exp's gradient is NaN where both are 0)
+    log_m = torch.where(m > 0, m.clamp_min(1e-30).log(), torch.full_like(m, float("-inf")))
     return beta * _kl(target_logp, log_m) + (1 - beta) * _kl(draft_logp, log_m)
 
 
@@ -74,15 +76,33 @@ def bucket_log_probs(draft_logits: torch.Tensor, target: torch.Tensor | CompactD
         v = min(draft_logp.shape[-1], target.shape[-1])
         target_logp = torch.log_softmax(target.float()[:, :v] / temperature, dim=-1)
         return target_logp, torch.log_softmax(draft_logp[:, :v], dim=-1)
-    top = draft_logp.gather(-1, target.ids)  # (N, K)
+    repeats = repeated_ids(target.ids, target.probs)
+    top = draft_logp.gather(-1, target.ids).masked_fill(repeats, float("-inf"))  # (N, K)
     draft_tail = draft_logp.scatter(-1, target.ids, float("-inf")).logsumexp(-1)  # (N,) exact rest of the draft
     draft_buckets = torch.cat([top, draft_tail[:, None]], -1)  # (N, K+1)
     if temperature != 1.0:
         return tempered_log_buckets(target, temperature, draft_logp.shape[-1]), draft_buckets
     covers_vocab = target.ids.shape[-1] >= draft_logp.shape[-1]
     target_tail = torch.zeros_like(draft_tail) if covers_vocab else target.tail.clamp_min(1e-10)  # floor: finite KL
-    target_buckets = torch.cat([target.probs, target_tail[:, None]], -1)  # (N, K+1)
-    return torch.log(target_buckets), draft_buckets  # log 0 = -inf: an empty bucket
+    listed = target.probs.clamp_min(1e-10).masked_fill(repeats, 0.0)  # the floor as the tail's: reverse KL finite
+    target_buckets = torch.cat([listed, target_tail[:, None]], -1)  # (N, K+1)
+    return torch.log(target_buckets), draft_buckets  # log 0 = -inf: an empty bucket (a repeat's, both sides)
+
+
+def repeated_ids(ids: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, K) -> bool (N, K): the columns that list an id another column of the row lists already and with no less
+    probability (the first of equals kept). A target restricted to a draft's vocabulary (models/vocab_map.py
+    restrict_compact) fills the places of tokens outside the map with the first in-map token at probability 0, and
+    CompactDist.cat pads with token 0: such a column's draft bucket must be empty, or the draft's probability of the
+    token counts once per repeat (the distances other than forward KL, which reads only the target's non-empty
+    buckets, then push the draft off the very token the target lists, and reverse KL is infinite)."""
+    k = ids.shape[-1]
+    same = (ids[:, :, None] == ids[:, None, :]) & ~torch.eye(k, dtype=torch.bool)  # (N, K, K): column j lists i's id
+    if probs is None:
+        return torch.tril(same, diagonal=-1).any(-1)
+    p_i, p_j = probs[:, :, None], probs[:, None, :]
+    earlier = torch.ones(k, k, dtype=torch.bool).tril(diagonal=-1)  # [i, j]: j < i
+    return (same & ((p_j > p_i) | ((p_j == p_i) & earlier))).any(-1)
 
 
 def mapped_bucket_log_probs(draft_logits: torch.Tensor, target: CompactDist, lut: torch.Tensor | None):
@@ -98,7 +118,7 @@ def mapped_bucket_log_probs(draft_logits: torch.Tensor, target: CompactDist, lut
     none = draft_logp.shape[-1]  # an extra column of -inf: where a listed token is outside the map
     padded = torch.cat([draft_logp, draft_logp.new_full((draft_logp.shape[0], 1), float("-inf"))], -1)
     index = torch.where(ids >= 0, ids, torch.full_like(ids, none))
-    top = padded.gather(-1, index)  # (N, K): -inf outside the map
+    top = padded.gather(-1, index).masked_fill(repeated_ids(index, target.probs), float("-inf"))  # (N, K): -inf outside the map
     draft_tail = padded.scatter(-1, index, float("-inf")).logsumexp(-1)  # (N,) the draft's mass on unlisted tokens
     target_tail = target.tail.clamp_min(1e-10)  # (the floor of bucket_log_probs: finite KL)
     target_buckets = torch.cat([target.probs, target_tail[:, None]], -1)
