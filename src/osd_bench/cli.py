@@ -55,6 +55,15 @@ def cmd_bench_evidence(args) -> None:
     report_evidence(args.results, args.out, args.markdown)
 
 
+def cmd_bench_observe(args) -> None:
+    from osd_bench.observe import run_observe
+    from osd_bench.report import report_observe
+
+    result = run_observe(tuple(args.proposals), args.context, args.vocab, args.top_k, repeats=args.repeats,
+                         seed=args.seed)
+    report_observe(result, args.out, args.markdown)
+
+
 def cmd_bench_train_step(args) -> None:
     from tqdm import tqdm
 
@@ -347,6 +356,17 @@ def register(sub) -> None:
     p.add_argument("--out", default="benchmarks/learning/evidence.json")
     p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=cmd_bench_evidence)
+    p = bench.add_parser("observe", help="what a learning server's serving thread spends per sequence-step handing the "
+                                         "learner the verified rows (top-k of the target's logits), by proposals")
+    p.add_argument("--proposals", type=int, nargs="+", default=[0, 1, 2, 4])
+    p.add_argument("--context", type=int, default=300, help="committed tokens before the step")
+    p.add_argument("--vocab", type=int, default=151936, help="the target's vocabulary (the bundled Qwen2.5's)")
+    p.add_argument("--top-k", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/learning/bench-observe.json")
+    p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
+    p.set_defaults(func=cmd_bench_observe)
     p = bench.add_parser("train-step", help="seconds per draft distillation step: whole last layer vs rows only")
     p.add_argument("--dataset", default="spider")
     p.add_argument("--split", default="train")

@@ -247,6 +247,19 @@ def report_train_step(result: dict, out: str, markdown: str) -> None:
                 [t, notes], path, markdown)
 
 
+def report_observe(result: dict, out: str, markdown: str) -> None:
+    path = write_result(result, out)
+    cfg = result["config"]
+    rows = [[k, r["rows"], r["observe_ms"], r["top_k_ms"], r["positions_per_step"]]
+            for k, r in result["per_sequence_step"].items()]
+    t = table(rows, ["proposals", "rows", "observe ms / sequence-step", "of which top-k ms", "positions learnt"])
+    m = machine()
+    emit_report("A learning server's observation of each step (`osd bench observe`)",
+                f"`{redacted_command(sys.argv[1:])}`; {cfg['context']} cached tokens, vocabulary {cfg['vocab']}, top "
+                f"{cfg['top_k']}, median of {cfg['repeats']} after a warm-up; machine: {m['cpu']}, {m['cores']} cores, "
+                f"torch threads {cfg['torch_threads']}", [t], path, markdown)
+
+
 def report_rows(result: dict, out: str, markdown: str) -> None:
     path = write_result(result, out)
     rows = []
