@@ -21,8 +21,7 @@ def window_table(entry: dict) -> str:
                          ratios.get(w["first"]) if arm == "on" else None])
     header = ["learning", "requests", "decode tok/s", "TTFT p50 s", "agg tok/s", "acceptance", "tok/step", "k",
               "version", "opt steps", "learner CPU", "learner busy share", "rows/pass", "prompt rows/pass", "pass ms",
-              "draft share",
-              "on/off"]
+              "draft share", "on/off"]
     return table(rows, header)
 
 

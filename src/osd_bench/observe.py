@@ -41,7 +41,7 @@ def run_observe(proposals: tuple[int, ...] = (0, 1, 2, 4), context: int = 300, v
         positions = 0
         for r in records:
             t0 = time.perf_counter()
-            item, every = items_of_step(r, "all", top_k, max_context, True, 0.0)
+            item, _ = items_of_step(r, "all", top_k, max_context, True, 0.0)
             t1 = time.perf_counter()
             compress(r.target_logits, top_k)
             t2 = time.perf_counter()

@@ -89,20 +89,17 @@ def bucket_log_probs(draft_logits: torch.Tensor, target: torch.Tensor | CompactD
     return torch.log(target_buckets), draft_buckets  # log 0 = -inf: an empty bucket (a repeat's, both sides)
 
 
-def repeated_ids(ids: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+def repeated_ids(ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """(N, K) -> bool (N, K): the columns that list an id another column of the row lists already and with no less
     probability (the first of equals kept). A target restricted to a draft's vocabulary (models/vocab_map.py
     restrict_compact) fills the places of tokens outside the map with the first in-map token at probability 0, and
     CompactDist.cat pads with token 0: such a column's draft bucket must be empty, or the draft's probability of the
     token counts once per repeat (the distances other than forward KL, which reads only the target's non-empty
     buckets, then push the draft off the very token the target lists, and reverse KL is infinite)."""
-    k = ids.shape[-1]
-    same = (ids[:, :, None] == ids[:, None, :]) & ~torch.eye(k, dtype=torch.bool)  # (N, K, K): column j lists i's id
-    if probs is None:
-        return torch.tril(same, diagonal=-1).any(-1)
+    same = ids[:, :, None] == ids[:, None, :]  # (N, K, K): [i, j] column j lists column i's id
     p_i, p_j = probs[:, :, None], probs[:, None, :]
-    earlier = torch.ones(k, k, dtype=torch.bool).tril(diagonal=-1)  # [i, j]: j < i
-    return (same & ((p_j > p_i) | ((p_j == p_i) & earlier))).any(-1)
+    earlier = torch.ones(ids.shape[-1], ids.shape[-1], dtype=torch.bool).tril(diagonal=-1)  # [i, j]: j < i
+    return (same & ((p_j > p_i) | ((p_j == p_i) & earlier))).any(-1)  # (a column is never its own repeat)
 
 
 def mapped_bucket_log_probs(draft_logits: torch.Tensor, target: CompactDist, lut: torch.Tensor | None):
@@ -118,7 +115,8 @@ def mapped_bucket_log_probs(draft_logits: torch.Tensor, target: CompactDist, lut
     none = draft_logp.shape[-1]  # an extra column of -inf: where a listed token is outside the map
     padded = torch.cat([draft_logp, draft_logp.new_full((draft_logp.shape[0], 1), float("-inf"))], -1)
     index = torch.where(ids >= 0, ids, torch.full_like(ids, none))
-    top = padded.gather(-1, index).masked_fill(repeated_ids(index, target.probs), float("-inf"))  # (N, K): -inf outside the map
+    repeats = repeated_ids(index, target.probs)  # (several tokens outside the map share the -inf column: empty)
+    top = padded.gather(-1, index).masked_fill(repeats, float("-inf"))  # (N, K): -inf outside the map
     draft_tail = padded.scatter(-1, index, float("-inf")).logsumexp(-1)  # (N,) the draft's mass on unlisted tokens
     target_tail = target.tail.clamp_min(1e-10)  # (the floor of bucket_log_probs: finite KL)
     target_buckets = torch.cat([target.probs, target_tail[:, None]], -1)

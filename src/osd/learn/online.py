@@ -324,6 +324,11 @@ class OnlineLearner:
         return self
 
     # --- updating -------------------------------------------------------------------------------
+    @property
+    def update_every_requests(self) -> int:
+        """Requests between updates at the pace now (the trigger's interval times the pace's factor)."""
+        return self.config.every_requests * self.pace.factor
+
     def maybe_update(self) -> dict | None:
         if self.paused:
             return None
@@ -375,7 +380,7 @@ class OnlineLearner:
                          sum(report["work_seconds"].values()),
                          ", ".join(f"{k} {v:.2f}" for k, v in report["work_seconds"].items()),
                          {True: "yes", False: "no"}.get(report.get("learning_pays"), "not judged"),
-                         self.config.every_requests * self.pace.factor)
+                         self.update_every_requests)
             losses = report.get("losses") or []
             self.history = (self.history + [{**{k: v for k, v in report.items() if k != "losses"},
                                              "mean_loss": sum(losses) / len(losses) if losses else None,
@@ -755,5 +760,5 @@ class OnlineLearner:
                 "rehearsal_items": len(self.reservoir) if self.reservoir is not None else 0,
                 "training": int(self.training), "paused": int(self.paused),
                 "parked": int(self._parked.is_set()), **self.counters,
-                "update_every_requests": self.config.every_requests * self.pace.factor,
+                "update_every_requests": self.update_every_requests,
                 **self.heldout, **self.idle.stats()}  # background: the learner's seconds under load and idle, serving's (budget.py)
