@@ -34,6 +34,7 @@ import math
 import random
 import threading
 import time
+import zlib
 from collections import deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
@@ -97,6 +98,12 @@ class LearnConfig:
         "the serving version's tokens per step over the first version's gain less than the learner's share of the "
         "wall time; it halves when held-out agreement rose (z > 1); back to every_requests when the drift guard "
         "restores a version (learn/triggers.py Pace). 1 = a fixed pace"))
+    observe_with_pace: bool = option(True, (
+        "while the pace has spaced updates out (back_off: every_requests x a factor F > 1), observe 1 request in F "
+        "(whole requests, chosen by a hash of their id: the same ones at every F that divides it) instead of every "
+        "one: the learner then trains F times less often and its buffer ages out what it never reaches, while "
+        "observing costs the serving thread ~0.4-1.1 ms a sequence-step (osd bench observe). Back to every request "
+        "as soon as the factor returns to 1 (updates pay again, or the drift guard restored a version)"))
     rehearsal: float = option(0.5, (
         "share of each training batch drawn from a uniform sample of older traffic (what the buffer evicted; "
         "learn/rehearsal.py), against forgetting after a shift (cheap draft, gsm8k -> spider -> code: gsm8k held-out "
@@ -230,6 +237,12 @@ class LearnConfig:
             raise InvalidArgument(f"schedule must be sync or background, got {self.schedule!r}")
 
 
+def observed_at(request_id: str, factor: int) -> bool:
+    """1 request in `factor`, chosen by a hash of its id (stable across processes, unlike hash()): a request observed
+    at a factor is observed at every factor that divides it, so the sample only grows as the pace comes back."""
+    return factor <= 1 or zlib.crc32(str(request_id).encode()) % factor == 0
+
+
 class OnlineLearner:
     def __init__(self, master, publish, config: LearnConfig | None = None, engine_busy=lambda: False,
                  clock=time.monotonic, sleep=time.sleep):
@@ -270,7 +283,8 @@ class OnlineLearner:
                          "parked_seconds": 0.0,  # updates parked by pause() (train_seconds, their wall time, includes it)
                          # an update's work by phase, seconds (its wall time less its waits for a turn: _phase)
                          **{f"work_seconds_{p}": 0.0 for p in UPDATE_PHASES},
-                         "checkpoints_deferred": 0}  # updates not checkpointed: the last checkpoint was too recent
+                         "checkpoints_deferred": 0,  # updates not checkpointed: the last checkpoint was too recent
+                         "steps_not_observed": 0}  # observe_with_pace: steps of requests left out while backed off
         self._saved_at: float | None = None  # when the last checkpoint was written (clock)
         self._checkpoint_due: float | None = None  # background: since when a checkpoint waits for an idle engine
         self.last_update: dict = {}
@@ -292,8 +306,16 @@ class OnlineLearner:
 
     # --- seam 1: observing the engine ---------------------------------------------------------
     def observe(self, record) -> None:
-        cfg = self.config  # (the top-k is computed once per step: ~0.8 ms a sequence-step in the serving thread)
+        cfg = self.config  # (the top-k is computed once per step: ~0.4-1.1 ms a sequence-step in the serving thread)
+        if not self.observes(record.request_id):
+            self.counters["steps_not_observed"] += 1
+            return
         self.observe_item(*items_of_step(record, cfg.mode, cfg.top_k, cfg.max_context, cfg.guard, self.clock()))
+
+    def observes(self, request_id: str) -> bool:
+        """Whether this request's steps are observed now: every request at the pace's factor 1 (or without
+        observe_with_pace), 1 in `factor` of them while updates are spaced out (`observed_at`)."""
+        return not self.config.observe_with_pace or observed_at(request_id, self.pace.factor)
 
     def observe_item(self, item, every_position_item=None) -> None:
         """Items built elsewhere too (the greedy fast-path replay builds them from cached target outputs).
