@@ -127,7 +127,7 @@ class SpeculativeEngine:
         return f"calibrated: a target pass of 1 row {t[0] * 1e3:.1f} ms" + (f", {rows}" if rows else "") + \
             (f"; a draft token {drafts}" if drafts else "") + company
 
-    def _row_seconds(self, prefix: list[int], t_target: list[float], repeats: int) -> dict[int, float]:
+    def _row_seconds(self, prefix: list[int], measured: dict[int, float], repeats: int) -> dict[int, float]:
         """Seconds of one pass by rows for the scheduler's goodput (schedule/goodput.py), up to what a full step holds:
         every sequence at k_max plus a prefill chunk. Measured on one sequence (a pass's cost is its matrices' rows),
         every row with its logits as a decoding sequence's rows have (the LM head is ~15% of a row's weights here:
@@ -135,9 +135,9 @@ class SpeculativeEngine:
         most = self.scheduler.capacity * (self.k_max + 1) + self.spec.prefill_rows
         step = getattr(self.target, "rows_per_pass", 0)  # a kernel that runs rows in passes: one row more than a pass
         passes = {n for p in range(step, 5 * step, step) for n in (p, p + 1)} if step else set()  # is a pass more
-        counts = sorted({n for n in (12, 16, 24, 32, 48, 64, 96, 128, 192, 256, *passes) if len(t_target) < n <= most}
-                        | {most})
-        seconds = {n: t for n, t in enumerate(t_target, start=1)}
+        counts = sorted(({n for n in (12, 16, 24, 32, 48, 64, 96, 128, 192, 256, *passes) if n <= most} | {most})
+                        - set(measured))
+        seconds = dict(measured)  # the counts calibrate's rounds measured already
         self.target.reset()
         self.target.feed(prefix)
         for n in counts:
@@ -227,31 +227,39 @@ class SpeculativeEngine:
             )
 
     @torch.inference_mode()
-    def calibrate(self, context_len: int = 64, repeats: int = 2) -> dict:
+    def calibrate(self, context_len: int = 64, repeats: int = 6) -> dict:
         """Warm up and measure draft/target forward costs; feeds the k policy. Returns seconds.
 
-        Target: each row count n = 1..k_max+1 is fed after the same prefix and rolled back, in rounds that take
-        every n in turn (one untimed warm-up round, then `repeats` + 1 timed ones; the fastest per n). A slow spell
-        of the machine then falls on every row count alike instead of on one, whose ratios it would skew (seen: a
-        1-row timing 20% slow made 2-4 rows look 1.07-1.32x one row instead of 1.23-1.60x)."""
+        Target: each row count n = 1..k_max+1 (with company, also the kernel's pass of rows and one row past it, where
+        the curve bends) is fed after the same prefix and rolled back, in rounds that take every n in turn (one
+        untimed warm-up round, then `repeats` + 1 timed ones; the fastest per n). A slow spell of the machine then falls
+        on every row count alike instead of on one, whose ratios it would skew (seen: a 1-row timing 20% slow made 2-4
+        rows look 1.07-1.32x one row instead of 1.23-1.60x). These passes are cheap (~0.6 s a round on the bundled
+        1.5B), so they get more rounds than the larger counts and the pass model (min(repeats, 2) + 1 each): with 3
+        timed rounds the 7-row pass read 1.16x to 1.45x one row across servers started on the same machine
+        (`osd bench calibration`, benchmarks/kernel/bench-calibration-intel.json)."""
         dummy = [int(t) for t in torch.randint(0, min(self.vocab_size, 1000), (context_len,), generator=torch.Generator().manual_seed(0))]
-        rows = range(1, self.target_costs.k_max + 2)
-        prefix = max(1, context_len - rows[-1])
+        rows = list(range(1, self.target_costs.k_max + 2))
+        step = getattr(self.target, "rows_per_pass", 0) if self.scheduler.capacity > 1 else 0
+        near = sorted(set(rows) | ({step, step + 1} if step else set()))  # the bend of a kernel that runs rows in passes
+        prefix = max(1, context_len - near[-1])
         self.target.reset()
         self.target.feed(dummy[:prefix])
-        t_target = [float("inf")] * len(rows)
+        best = {n: float("inf") for n in near}
         for round_ in range(repeats + 2):  # round 0: warm-up
-            for n in rows:
+            for n in near:
                 t0 = self.clock()
                 self.target.feed(((dummy[prefix:] or dummy[-1:]) * n)[:n], n_logits=n)
                 seconds = self.clock() - t0
                 self.target.rollback(prefix)
                 if round_:
-                    t_target[n - 1] = min(t_target[n - 1], seconds)
+                    best[n] = min(best[n], seconds)
+        t_target = [best[n] for n in rows]
         drafts = [self._draft_seconds(proposer, dummy) for proposer in self.sources] if self.target_costs.k_max else []
-        row_seconds = self._row_seconds(dummy[:prefix], t_target, repeats) if self.scheduler.capacity > 1 else None
+        few = min(repeats, 2)  # the larger passes: up to a second each
+        row_seconds = self._row_seconds(dummy[:prefix], best, few) if self.scheduler.capacity > 1 else None
         self.target.reset()
-        pass_model = self._pass_model(prefix, row_seconds, repeats) if row_seconds else None
+        pass_model = self._pass_model(prefix, row_seconds, few) if row_seconds else None
         t_drafts = [t for t, _ in drafts]
         t_draft = max(t_drafts, default=0.0)
         calibration = {"t_draft": t_draft, "t_draft_by_source": t_drafts, "t_catch_up_by_source": [t for _, t in drafts],
