@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+KEEPALIVE_EXPIRY = 2.0  # seconds an idle connection is reused: below the servers' keep-alive (_client)
+
 
 @dataclass
 class Sample:
@@ -170,8 +172,10 @@ def summarise(samples: list[Sample], wall: float, concurrency: int) -> dict:
 
 def _client(url: str, api_key: str | None, timeout: float, connections: int) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    # idle connections dropped after 2 s, before any server closes them (uvicorn's default keep-alive is 5 s, httpx's
+    # expiry too: a request sent on a connection closed at that instant failed with a read error)
     return httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout,
-                             limits=httpx.Limits(max_connections=connections))
+                             limits=httpx.Limits(max_connections=connections, keepalive_expiry=KEEPALIVE_EXPIRY))
 
 
 async def _model_and_warm_up(client: httpx.AsyncClient, model: str | None, prompt: str, max_tokens: int,

@@ -85,12 +85,11 @@ def serve_cluster(models, spec, learn, settings, model_name: str, replicas: int,
     """`osd serve --replicas N`: the HTTP front on this (the main) thread, the model work in the replicas."""
     import uvicorn
 
-    from osd.logs import uvicorn_options
     from osd.models.loading import load_tokenizer
     from osd.serve.app import create_app
+    from osd.serve.settings import http_config
 
     tokenizer = load_tokenizer(models.target)
     cluster = start_cluster(models, spec, learn, replicas, address)
     app = create_app(None, tokenizer, model_name, learner=cluster.learner, settings=settings, pool=cluster.pool)
-    uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=30,
-                                  **uvicorn_options(settings.log_level))).run()
+    uvicorn.Server(http_config(app, settings)).run()

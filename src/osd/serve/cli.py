@@ -6,8 +6,8 @@ import logging
 import os
 
 from osd.flags import HELP_DEFAULT, add_config_flags, config_from
-from osd.logs import configure_logging, uvicorn_options
-from osd.serve.settings import ServeSettings
+from osd.logs import configure_logging
+from osd.serve.settings import ServeSettings, http_config
 
 
 def register(sub) -> None:
@@ -120,8 +120,7 @@ def serve(engine, tokenizer, model_name: str, settings: ServeSettings, learner=N
 
     app = create_app(engine, tokenizer, model_name, learner=learner, settings=settings, routing=routing,
                      worker_thread=False)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=30,
-                                           **uvicorn_options(settings.log_level)))
+    server = uvicorn.Server(http_config(app, settings))
     http = threading.Thread(target=server.run, name="osd-http", daemon=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: setattr(server, "should_exit", True))

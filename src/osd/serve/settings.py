@@ -33,6 +33,11 @@ class ServeSettings:
                                    "tokens/s, acceptance, k, draft version, learner) every this many seconds while "
                                    "it works; 0 = never")
 
+    keep_alive: int = option(30, (
+        "seconds an idle HTTP keep-alive connection stays open; longer than clients' own idle expiry (httpx and the "
+        "openai client: 5 s), so that a client never sends a request on a connection the server is closing at that "
+        "instant (uvicorn's default, 5 s, raced with them: a streamed request failed with a read error 4 ms after it "
+        "was sent, in osd bench live)"))
     calibration: str | None = option(None, "a JSON file of the engine's costs (a target pass by rows, each draft's "
                                      "token) that decide k: read when it exists, else measured at startup and written "
                                      "there; servers given one file choose k from the same costs (one engine: "
@@ -55,7 +60,19 @@ class ServeSettings:
             raise InvalidArgument("metrics_require_key needs an api_key (--api-key or $OSD_API_KEY)")
         if self.log_level not in LOG_LEVELS:
             raise InvalidArgument(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.keep_alive is None or self.keep_alive < 1:
+            raise InvalidArgument(f"keep_alive must be >= 1 second, got {self.keep_alive}")
         if self.stats_interval is None or self.stats_interval < 0:
             raise InvalidArgument(f"stats_interval must be >= 0 seconds (0 = off), got {self.stats_interval}")
         if self.chat_template == "":
             self.chat_template = None
+
+
+def http_config(app, settings: ServeSettings):
+    """The uvicorn.Config `osd serve` runs `app` under (one engine, or a --replicas front)."""
+    import uvicorn
+
+    from osd.logs import uvicorn_options
+
+    return uvicorn.Config(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=30,
+                          timeout_keep_alive=settings.keep_alive, **uvicorn_options(settings.log_level))
