@@ -27,7 +27,7 @@ from osd.schedule.goodput import RowCosts, fit_pass_model
 from osd.schedule.records import GenerationResult, StepRecord
 from osd.schedule.scheduler import Scheduler
 from osd.schedule.turns import Turns
-from osd.speed_model import KPolicy, TargetCosts
+from osd.speed_model import KPolicy, TargetCosts, curve_from_rounds
 
 PASS_CONTEXT = 448  # cached tokens of the long passes `_pass_model` times (about a code request's prompt + answer)
 
@@ -232,12 +232,12 @@ class SpeculativeEngine:
 
         Target: each row count n = 1..k_max+1 (with company, also the kernel's pass of rows and one row past it, where
         the curve bends) is fed after the same prefix and rolled back, in rounds that take every n in turn (one
-        untimed warm-up round, then `repeats` + 1 timed ones; the fastest per n). A slow spell of the machine then falls
-        on every row count alike instead of on one, whose ratios it would skew (seen: a 1-row timing 20% slow made 2-4
-        rows look 1.07-1.32x one row instead of 1.23-1.60x). These passes are cheap (~0.6 s a round on the bundled
-        1.5B), so they get more rounds than the larger counts and the pass model (min(repeats, 2) + 1 each): with 3
-        timed rounds the 7-row pass read 1.16x to 1.45x one row across servers started on the same machine
-        (`osd bench calibration`, benchmarks/kernel/bench-calibration-intel.json)."""
+        untimed warm-up round, then `repeats` + 1 timed ones); each count's cost is its ratio to the same round's one
+        row, the median over rounds, times the fastest one row (`curve_from_rounds`): the machine's speed drifts
+        between rounds, and the fastest time per count taken apart paired a fast round's one row with another round's
+        n rows (on the Intel VM the 5-row pass read 1.15x to 1.38x one row across calibrations that way; `osd bench
+        calibration`, benchmarks/kernel/bench-calibration-intel.json). These passes are cheap (~0.6 s a round on the
+        bundled 1.5B); the larger counts and the pass model take min(repeats, 2) + 1 timed passes each, the fastest."""
         dummy = [int(t) for t in torch.randint(0, min(self.vocab_size, 1000), (context_len,), generator=torch.Generator().manual_seed(0))]
         rows = list(range(1, self.target_costs.k_max + 2))
         step = getattr(self.target, "rows_per_pass", 0) if self.scheduler.capacity > 1 else 0
@@ -245,15 +245,16 @@ class SpeculativeEngine:
         prefix = max(1, context_len - near[-1])
         self.target.reset()
         self.target.feed(dummy[:prefix])
-        best = {n: float("inf") for n in near}
+        rounds = []
         for round_ in range(repeats + 2):  # round 0: warm-up
+            timed = {}
             for n in near:
                 t0 = self.clock()
                 self.target.feed(((dummy[prefix:] or dummy[-1:]) * n)[:n], n_logits=n)
-                seconds = self.clock() - t0
+                timed[n] = self.clock() - t0
                 self.target.rollback(prefix)
-                if round_:
-                    best[n] = min(best[n], seconds)
+            rounds += [timed] if round_ else []
+        best = curve_from_rounds(rounds)  # each round's ratios to its own one row, the median (speed_model.py)
         t_target = [best[n] for n in rows]
         drafts = [self._draft_seconds(proposer, dummy) for proposer in self.sources] if self.target_costs.k_max else []
         few = min(repeats, 2)  # the larger passes: up to a second each
@@ -265,7 +266,7 @@ class SpeculativeEngine:
         calibration = {"t_draft": t_draft, "t_draft_by_source": t_drafts, "t_catch_up_by_source": [t for _, t in drafts],
                        "t_target": t_target, "c": t_draft / t_target[0],
                        "verify_cost": [t / t_target[0] for t in t_target], "row_seconds": row_seconds,
-                       "pass_model": pass_model}
+                       "pass_model": pass_model, "rounds": rounds}  # (rounds: the timed passes, for osd bench calibration)
         self.apply_calibration(calibration)
         return calibration
 

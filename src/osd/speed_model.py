@@ -6,6 +6,7 @@ t_target(n): seconds for one target forward over n tokens (verification of k pro
 from __future__ import annotations
 
 import math
+import statistics
 
 from osd.schedule.confidence import ConfidenceBins
 
@@ -75,6 +76,19 @@ def bounded_by_larger(points: list[tuple[int, float]]) -> list[tuple[int, float]
         least = min(least, t)
         bounded.append((n, least))
     return bounded[::-1]
+
+
+def curve_from_rounds(rounds: list[dict[int, float]]) -> dict[int, float]:
+    """Seconds of a pass by rows from interleaved calibration rounds ({rows: seconds} each, every count timed once a
+    round): each count's cost against the same round's one row, the median over rounds, times the fastest one-row
+    time. The machine's speed drifts between rounds (a one-row pass 48-66 ms across calibrations a minute apart on the
+    Intel VM, `osd bench calibration`), and the fastest time per count taken apart pairs a fast round's one row with
+    another round's n rows; a round's ratio carries one speed, and the median drops the rounds a spell split."""
+    if not rounds:
+        return {}
+    one = min(r[1] for r in rounds)
+    counts = sorted({n for r in rounds for n in r})
+    return {n: one * statistics.median(r[n] / r[1] for r in rounds if n in r) for n in counts}
 
 
 class KPolicy:

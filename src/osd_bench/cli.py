@@ -53,8 +53,7 @@ def cmd_bench_calibration(args) -> None:
     from osd_bench.calibration import run_calibration
     from osd_bench.report import report_calibration
 
-    report_calibration(run_calibration(args.times, tuple(int(x) for x in args.repeats.split(",") if x), args.max_batch,
-                                       args.threads), args.out, args.markdown)
+    report_calibration(run_calibration(args.times, args.repeats, args.max_batch, args.threads), args.out, args.markdown)
 
 
 def cmd_bench_evidence(args) -> None:
@@ -359,9 +358,9 @@ def register(sub) -> None:
     p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=cmd_bench_passes)
     p = bench.add_parser("calibration", help="how repeatable a server's startup calibration is (a target pass by rows "
-                         "against one row, what the k decisions read), with each number of timed rounds")
-    p.add_argument("--times", type=int, default=5, help="calibrations per setting (alternating)")
-    p.add_argument("--repeats", default="2,6", help="comma list: engine.calibrate's repeats (timed rounds - 1)")
+                         "against one row, what the k decisions read), read by each estimator from the same rounds")
+    p.add_argument("--times", type=int, default=6, help="calibrations")
+    p.add_argument("--repeats", type=int, default=6, help="engine.calibrate's repeats (timed rounds - 1)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="benchmarks/kernel/bench-calibration.json")

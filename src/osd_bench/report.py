@@ -278,20 +278,17 @@ def report_rows(result: dict, out: str, markdown: str) -> None:
 
 def report_calibration(result: dict, out: str, markdown: str) -> None:
     path = write_result(result, out)
-    cfg, m, settings = result["config"], machine(), result["settings"]
-    names = list(settings)
-    rows = []
-    for n, ref in result["reference_vs_one_row"].items():
-        rows.append([n, f"{ref:.2f}"] + [
-            "{vs_one_row_min:.2f}-{vs_one_row_max:.2f}".format(**settings[r]["by_rows"][n]) for r in names])
-    t = table(rows, ["rows", "best estimate"] + [f"{settings[r]['timed_rounds']} timed rounds: range" for r in names])
-    notes = "; ".join(f"{settings[r]['timed_rounds']} timed rounds: mean |error| against the best estimate "
-                      f"{100 * settings[r]['mean_abs_error_vs_reference']:.1f}%, worst "
-                      f"{100 * settings[r]['max_abs_error_vs_reference']:.1f}%" for r in names)
+    cfg, m, est = result["config"], machine(), result["estimators"]
+    names = list(est)
+    rows = [[n] + ["{min:.2f}-{max:.2f}".format(**est[e]["by_rows"][n]) for e in names]
+            for n in est[names[0]]["by_rows"]]
+    t = table(rows, ["rows"] + [f"{e}: range over calibrations" for e in names])
+    notes = "; ".join(f"{e}: mean spread {est[e]['mean_spread']:.3f}" for e in names) + \
+        "; one row " + ", ".join(f"{x:.1f}" for x in result["one_row_ms"]) + " ms"
     emit_report("Startup calibration, repeated (`osd bench calibration`)",
-                f"`{redacted_command(sys.argv[1:])}`; a pass by rows against one row over {cfg['times']} calibrations "
-                f"each, k_max {cfg['k_max']}, {cfg['max_batch']} sequences; machine: {m['cpu']} ({m['cpu_flags']}), "
-                f"{m['cores']} cores", [t, notes], path, markdown)
+                f"`{redacted_command(sys.argv[1:])}`; a pass by rows against one row over {cfg['times']} calibrations of "
+                f"{cfg['timed_rounds']} timed rounds, k_max {cfg['k_max']}, {cfg['max_batch']} sequences; machine: "
+                f"{m['cpu']} ({m['cpu_flags']}), {m['cores']} cores", [t, notes], path, markdown)
 
 
 def report_passes(result: dict, out: str, markdown: str) -> None:
