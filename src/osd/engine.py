@@ -233,12 +233,8 @@ class SpeculativeEngine:
         Target: each row count n = 1..k_max+1 (with company, also the kernel's pass of rows and one row past it, where
         the curve bends) is fed after the same prefix and rolled back, in rounds that take every n in turn (one
         untimed warm-up round, then `repeats` + 1 timed ones); each count's cost is its ratio to the same round's one
-        row, the median over rounds, times the fastest one row (`curve_from_rounds`): the machine's speed drifts
-        between rounds (a one-row pass 62-68 ms across six calibrations a few seconds apart on the Intel VM), and the
-        fastest time per count taken apart pairs a fast round's one row with another round's n rows. Measured, the two
-        read the curve about as repeatably there (each count's range over six calibrations, mean 0.09x of one row
-        against 0.10x; `osd bench calibration`, benchmarks/kernel/bench-calibration-intel.json): the rest is the
-        machine's. These passes are cheap (~0.6 s a round on the bundled 1.5B); the larger counts and the pass model
+        row, the median over rounds, times the fastest one row (speed_model.py `curve_from_rounds`: why, and how
+        repeatable). These passes are cheap (~0.6 s a round on the bundled 1.5B); the larger counts and the pass model
         take min(repeats, 2) + 1 timed passes each, the fastest."""
         dummy = [int(t) for t in torch.randint(0, min(self.vocab_size, 1000), (context_len,), generator=torch.Generator().manual_seed(0))]
         rows = list(range(1, self.target_costs.k_max + 2))

@@ -81,9 +81,11 @@ def bounded_by_larger(points: list[tuple[int, float]]) -> list[tuple[int, float]
 def curve_from_rounds(rounds: list[dict[int, float]]) -> dict[int, float]:
     """Seconds of a pass by rows from interleaved calibration rounds ({rows: seconds} each, every count timed once a
     round): each count's cost against the same round's one row, the median over rounds, times the fastest one-row
-    time. The machine's speed drifts (a one-row pass 48-68 ms across calibrations on the Intel VM, `osd bench
+    time. The machine's speed drifts (a one-row pass 62-68 ms across six calibrations on the Intel VM, `osd bench
     calibration`), and the fastest time per count taken apart pairs a fast round's one row with another round's n
-    rows; a round's ratio carries one speed, and the median drops the rounds a spell split."""
+    rows; a round's ratio carries one speed, and the median drops the rounds a spell split. Measured, the two read the
+    curve about as repeatably there (each count's range over the six, mean 0.09x of one row against 0.10x,
+    benchmarks/kernel/bench-calibration-intel.json): the rest of the spread is the machine's."""
     if not rounds:
         return {}
     one = min(r[1] for r in rounds)
