@@ -56,6 +56,12 @@ def cmd_bench_calibration(args) -> None:
     report_calibration(run_calibration(args.times, args.repeats, args.max_batch, args.threads), args.out, args.markdown)
 
 
+def cmd_bench_pair(args) -> None:
+    from osd_bench.pair import report_pair
+
+    report_pair(args.a, args.b, args.out, args.markdown)
+
+
 def cmd_bench_evidence(args) -> None:
     from osd_bench.evidence import report_evidence
 
@@ -372,6 +378,13 @@ def register(sub) -> None:
     p.add_argument("--out", default="benchmarks/learning/evidence.json")
     p.add_argument("--markdown", default="", help="also append the tables to this markdown file (default: none)")
     p.set_defaults(func=cmd_bench_evidence)
+    p = bench.add_parser("pair", help="two finished fast replays of one stream (one learner setting apart), paired on "
+                         "the same held-out positions: B's online draft against A's, with the sign-test z")
+    p.add_argument("a", help="result JSON of `osd replay --fast --heldout N` (the reference)")
+    p.add_argument("b", help="the same replay with one setting changed")
+    p.add_argument("--out", default="benchmarks/learning/pair.json")
+    p.add_argument("--markdown", default="", help="also append the table to this markdown file (default: none)")
+    p.set_defaults(func=cmd_bench_pair)
     p = bench.add_parser("observe", help="what a learning server's serving thread spends per sequence-step handing the "
                                          "learner the verified rows (top-k of the target's logits), by proposals")
     p.add_argument("--proposals", type=int, nargs="+", default=[0, 1, 2, 4])

@@ -202,10 +202,11 @@ def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: 
                          for name, m in variants.items()}  # is an earlier domain forgotten?
                      for d, idx in segment_probes(domains, probe).items()}
     on_heldout, vs_control, online_vs = _heldout(variants, unseen, split)
+    matches = on_heldout.pop("matches", {})  # per held-out position, 1 = agreed: runs paired by `osd bench pair`
     trained = {n: r for n, r in (state.get("baselines_report") or {}).items() if n in variants}  # this run's recipes
     return {"requests": rows, "variants": list(variants), "end_of_stream_alpha_on_segment_probes": end_of_stream,
             "end_of_stream_alpha_on_heldout": on_heldout, "heldout_vs_control": vs_control,
-            "heldout_after_each_segment": forgetting,
+            "heldout_matches": matches, "heldout_after_each_segment": forgetting,
             "heldout_online_vs_offline_100pct": online_vs["offline_100pct"],
             **({"heldout_online_vs_offline_arrival": online_vs[ARRIVAL]} if ARRIVAL in variants else {}),
             "baselines": trained,
@@ -322,6 +323,7 @@ def _heldout(variants: dict, unseen: dict[str, tuple[list, list]], split: int) -
     for domain, (items, samples) in unseen.items():
         matches = {name: _matches(model, items, samples, split) for name, model in variants.items()}
         alphas[domain] = {name: sum(m) / max(1, len(m)) for name, m in matches.items()}
+        alphas.setdefault("matches", {})[domain] = {name: "".join("1" if x else "0" for x in m) for name, m in matches.items()}
         vs_control[domain] = {name: paired_difference(matches["original"], m) for name, m in matches.items()
                               if name != "original"}
         for name in set(online_vs) & set(matches):

@@ -53,7 +53,8 @@ class LearnerNode:
             kind = choose_copy(master, models.draft_vocab, self.special_ids, models.allow_kernel_fallback).quantize
             self.models = models = dataclasses.replace(models, draft_quantize=kind)
             trim()
-        self.learner = OnlineLearner(master, self._publish, dataclasses.replace(learn, schedule="background"),
+        # (vocab_swap 0: replicas receive the trained tensors only, cluster/weights.py, not a head and its map)
+        self.learner = OnlineLearner(master, self._publish, dataclasses.replace(learn, schedule="background", vocab_swap=0),
                                      engine_busy=lambda: time.monotonic() - self._last_traffic < TRAFFIC_WINDOW)
         self.learner.resume()  # the last checkpoint, published at its version (pushed to the replicas)
         self.learner.start()

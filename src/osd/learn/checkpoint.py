@@ -42,11 +42,13 @@ def swap_in(tmp: Path, final: Path, old: Path, between_renames=lambda: None) -> 
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(directory: str, master, optimizer, state: dict, extra: dict | None = None) -> Path:
+def save_checkpoint(directory: str, master, optimizer, state: dict, extra: dict | None = None,
+                    frozen: tuple[str, ...] = ()) -> Path:
     """Atomic: write every file into <dir>.partial and fsync it, then swap the directory in by renames (and fsync
     the parent). A crash at any point (kill -9, power loss) leaves the last complete checkpoint loadable: <dir>,
     or <dir>.old between the two renames (checkpoint_dir finds it). extra: name -> tensors (or dicts / lists of them), saved as <name>.pt
-    (load_extra reads one back)."""
+    (load_extra reads one back). frozen: names of frozen parameters saved beside the trainable ones (an LM head whose
+    map the learner swapped, learn/vocab.py: load_checkpoint puts it and the config's map back)."""
     final = Path(directory)
     tmp, old = final.with_name(final.name + ".partial"), final.with_name(final.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -55,7 +57,8 @@ def save_checkpoint(directory: str, master, optimizer, state: dict, extra: dict 
     if all(p.requires_grad for p in params.values()):
         save_model(master, str(tmp / "draft.safetensors"))  # handles tied weights
     else:
-        save_file({n: p.detach().contiguous() for n, p in params.items() if p.requires_grad}, str(tmp / "draft.safetensors"))
+        save_file({n: p.detach().contiguous() for n, p in params.items() if p.requires_grad or n in frozen},
+                  str(tmp / "draft.safetensors"))
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     for name, value in (extra or {}).items():
         torch.save(value, tmp / f"{name}.pt")
@@ -150,9 +153,22 @@ def load_checkpoint(directory: str, master, optimizer=None) -> dict | None:
         load_model(master, str(final / "draft.safetensors"), strict=False)  # the trainable subset, or everything
     except RuntimeError as e:  # other shapes: another architecture
         raise CheckpointMismatch(f"checkpoint {directory} does not fit the draft given: {e}") from e
+    _load_vocab_map(final, master)
     if optimizer is not None:  # None: weights only (evaluating a checkpointed draft)
         load_optimizer_state(optimizer, final / "optimizer.pt", state.get("config", {}))
     return state
+
+
+def _load_vocab_map(final: Path, master) -> None:
+    """A checkpoint that holds the LM head (its map was swapped, learn/vocab.py) gives the map its config saved."""
+    from osd.learn.vocab import head_name
+    from osd.models.vocab_map import CONFIG_KEY, set_vocab_ids, vocab_ids_of
+
+    if vocab_ids_of(master) is None or head_name(master) not in _names_in(final):
+        return
+    saved = json.loads((final / "config.json").read_text()).get(CONFIG_KEY)
+    if saved is not None:
+        set_vocab_ids(master, torch.as_tensor(saved, dtype=torch.long))
 
 
 def load_extra(directory: str, name: str):

@@ -58,6 +58,8 @@ from osd.learn.residual import add_difference
 from osd.learn.restore import RestorePoint
 from osd.learn.trainable import configure_trainable, split_index
 from osd.learn.triggers import Pace, UpdateTrigger, learning_pays
+from osd.learn.vocab import TokenCounts, choose_swap, head_name, special_ids_of, swap_head, swappable, undo
+from osd.models.vocab_map import vocab_ids_of
 from osd.metrics import learning_effect
 from osd.schedule.turns import end_thread_team
 
@@ -104,6 +106,12 @@ class LearnConfig:
         "one: the learner then trains F times less often and its buffer ages out what it never reaches, while "
         "observing costs the serving thread ~0.4-1.1 ms a sequence-step (osd bench observe). Back to every request "
         "as soon as the factor returns to 1 (updates pay again, or the drift guard restored a version)"))
+    vocab_swap: int = option(0, (
+        "a derived draft's map follows the traffic: at each update, swap up to N of the tokens the target emitted off "
+        "the draft's map (counted at the observed positions, decayed 0.9 an update) for the least counted ones on it; "
+        "the head keeps its size, new rows start from the input embedding (learn/vocab.py). Undone with a rejected "
+        "update. 0 = the map as built"))
+    vocab_swap_min_count: float = option(4.0, "... a token off the map is swapped in once counted this much")
     rehearsal: float = option(0.5, (
         "share of each training batch drawn from a uniform sample of older traffic (what the buffer evicted; "
         "learn/rehearsal.py), against forgetting after a shift (cheap draft, gsm8k -> spider -> code: gsm8k held-out "
@@ -230,6 +238,9 @@ class LearnConfig:
             raise InvalidArgument(f"busy_share must be in (0, 1], got {self.busy_share}")
         if self.back_off < 1:
             raise InvalidArgument(f"back_off must be >= 1 (1 = a fixed pace), got {self.back_off}")
+        if self.vocab_swap < 0 or self.vocab_swap_min_count <= 0:
+            raise InvalidArgument(f"vocab_swap must be >= 0 and vocab_swap_min_count > 0, got {self.vocab_swap}, "
+                                  f"{self.vocab_swap_min_count}")
         if self.keep_unused_seconds < 0:
             raise InvalidArgument(f"keep_unused_seconds must be >= 0, got {self.keep_unused_seconds}")
         training_dtype(self.precision)  # a clear error for an unknown precision
@@ -273,6 +284,13 @@ class OnlineLearner:
         reserve_optimizer_state(self.optimizer)  # the moments now, not at the first step (learn/memory.py)
         # the drift guard's base / best versions and the requests ever trained on (None: no drift guard)
         self.versions = VersionStore(self.params) if self.config.guard and self.config.drift_guard else None
+        # vocab_swap: the target's tokens at the observed positions, toward which the draft's map is swapped
+        self.token_counts = TokenCounts(int(master.config.vocab_size)) if self.config.vocab_swap and swappable(master) \
+            else None
+        if self.config.vocab_swap and self.token_counts is None:
+            log.info("vocab_swap off: the draft has no map of its own or no row to start a new token from (learn/vocab.py)")
+        self._keep_ids = special_ids_of(master.config)  # never swapped out of the map
+        self._head_before = None  # during an update: the head a swap replaced (a rejection or an error undoes it)
         self.rng = random.Random(self.config.seed)
         self.sweeps = (Sweeps(self.rng), Sweeps(self.rng)) if self.config.sweep else None  # recent, older
         self.version = 0
@@ -284,7 +302,8 @@ class OnlineLearner:
                          # an update's work by phase, seconds (its wall time less its waits for a turn: _phase)
                          **{f"work_seconds_{p}": 0.0 for p in UPDATE_PHASES},
                          "checkpoints_deferred": 0,  # updates not checkpointed: the last checkpoint was too recent
-                         "steps_not_observed": 0}  # observe_with_pace: steps of requests left out while backed off
+                         "steps_not_observed": 0,  # observe_with_pace: steps of requests left out while backed off
+                         "vocab_swapped": 0}  # vocab_swap: tokens swapped into the map by published updates  # observe_with_pace: steps of requests left out while backed off
         self._saved_at: float | None = None  # when the last checkpoint was written (clock)
         self._checkpoint_due: float | None = None  # background: since when a checkpoint waits for an idle engine
         self.last_update: dict = {}
@@ -323,6 +342,8 @@ class OnlineLearner:
         item: the training signal (None: nothing to learn here); every_position_item: the same step's
         every proposed position, for the guard.
         """
+        if self.token_counts is not None and (every_position_item or item) is not None:
+            self.token_counts.add((every_position_item or item).target.ids[:, 0])
         if item is not None:
             self.buffer.add(item)
         if every_position_item is not None and self.config.guard:
@@ -373,6 +394,7 @@ class OnlineLearner:
                 report = self._update(reason)
             except Exception as e:
                 self._restore_point.restore()
+                undo(self.master, self._head_before)
                 self.master.eval()
                 self.counters["update_errors"] += 1
                 self.last_update = {"reason": reason, "error": repr(e), "published": False}
@@ -381,6 +403,7 @@ class OnlineLearner:
                 self.idle.release()
                 self.training = False
                 self._restore_point = None
+                self._head_before = None
             self.counters["train_seconds"] += self.clock() - start
             # the requests that finished while it trained count toward the next one (background: an update under load
             # spans ~10-20 requests; reset to 0, an update "every 8 requests" came every ~25 and a code stream at 0.5
@@ -421,6 +444,7 @@ class OnlineLearner:
         phases: dict[str, float] = {}
         with self._phase(phases, "evaluate_serving"):
             before = self._serving_acceptance(holdout) if holdout else None
+        self._head_before, swapped = self._swap_vocab()
         self.master.train()
         losses = []
         with self._phase(phases, "train"), self.average.training() if self.average is not None else nullcontext():
@@ -459,8 +483,12 @@ class OnlineLearner:
                   # (gained, lost) against the serving draft on the same held-out positions (learn/triggers.py Pace)
                   "heldout_flips": paired_flips(before_correct, after_correct)[::-1] if before is not None else None,
                   "work_seconds": phases}
+        if swapped:
+            report["vocab_swapped"] = swapped
         if not losses or not finite or worse:
             self._restore_point.restore()  # moments too: a rejected update leaves no trace
+            undo(self.master, self._head_before)  # and the map as it served
+            self._head_before = None
             self.counters["updates_rejected"] += 1
             report["rejected_because"] = "no finite step" if not losses else "non-finite weights" if not finite else "guard"
             with self._phase(phases, "drift_guard"):
@@ -470,6 +498,7 @@ class OnlineLearner:
             return report
         with self._phase(phases, "publish"):
             self._publish()
+        self.counters["vocab_swapped"] += swapped
         if after_lists is not None:
             self._remember_serving(*after_lists)
         self.counters["updates_published"] += 1
@@ -571,6 +600,17 @@ class OnlineLearner:
         span = self.clock() - self._work[0][0]
         return learning_pays(effect["tokens_per_step_vs_first"], sum(w for _, w in self._work) / span if span > 0
                              else None)
+
+    def _swap_vocab(self):
+        """vocab_swap, before training: the map swapped toward the counted traffic (learn/vocab.py) -> (what undo
+        needs or None, tokens swapped in). The counts age by one update either way."""
+        if self.token_counts is None:
+            return None, 0
+        cfg = self.config
+        add, drop = choose_swap(self.token_counts.counts, vocab_ids_of(self.master), self._keep_ids, cfg.vocab_swap,
+                                cfg.vocab_swap_min_count)
+        self.token_counts.age()
+        return swap_head(self.master, add, drop), len(add)
 
     def _publish(self) -> None:
         """Publish the master; it now matches what serves, so a later failure in this update returns to it."""
@@ -749,7 +789,8 @@ class OnlineLearner:
         with self._lock:
             state = {"version": self.version, "counters": self.counters, "config": asdict(self.config)}
             extra = {TRAJECTORY: self.average.state_dict()} if self.average is not None else None
-            save_checkpoint(self.config.checkpoint_dir, self.master, self.optimizer, state, extra)
+            frozen = (head_name(self.master),) if self.counters["vocab_swapped"] else ()  # the swapped map's head
+            save_checkpoint(self.config.checkpoint_dir, self.master, self.optimizer, state, extra, frozen)
             self._saved_at, self._checkpoint_due = self.clock(), None
 
     def resume(self) -> bool:

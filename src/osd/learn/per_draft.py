@@ -39,7 +39,8 @@ class AdapterLearner(OnlineLearner):
                  clock=time.monotonic):
         config = config or LearnConfig()
         root = config.checkpoint_dir
-        config = replace(config, trainable="adapter", train_layers=drafts.config.train_layers,
+        # (vocab_swap 0: every adapter's serving copy shares one head and map, AdapterDrafts.vocab_ids)
+        config = replace(config, trainable="adapter", train_layers=drafts.config.train_layers, vocab_swap=0,
                          checkpoint_dir=str(Path(root) / name) if root else "")
         self.drafts, self.name = drafts, name
         publish = lambda master, version=None: drafts.publish(name, version)

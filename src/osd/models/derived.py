@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from osd.errors import InvalidArgument, ModelNotFound
-from osd.models.plain import load_plain_model, load_plain_tokenizer
+from osd.models.plain import load_plain_model, load_plain_tokenizer, resolve_model_dir
 from osd.models.vocab_map import set_vocab_ids
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "drafts"  # shipped derived drafts: derived:<name>
@@ -180,6 +180,8 @@ def derive_model(base, layers: list[int], vocab_ids: torch.Tensor, recipe: dict 
         config.layer_types = [config.layer_types[i] for i in layers]
     config.num_hidden_layers = len(layers)
     head = base.get_output_embeddings()
+    # a head tied to the input embedding: a token off the map has a row to start from (learn/vocab.py swaps the map)
+    from_embedding = bool(getattr(config, "tie_word_embeddings", False)) or head.weight is base.get_input_embeddings().weight
     small = nn.Linear(head.in_features, len(vocab_ids), bias=head.bias is not None, dtype=head.weight.dtype)
     with torch.no_grad():
         small.weight.copy_(head.weight[vocab_ids])
@@ -188,8 +190,40 @@ def derive_model(base, layers: list[int], vocab_ids: torch.Tensor, recipe: dict 
     config.tie_word_embeddings = False  # the head is its own (N, H) matrix now
     base.set_output_embeddings(small)
     set_vocab_ids(base, vocab_ids)
-    config.osd_derived = {**(recipe or {}), "layers": layers}
+    config.osd_derived = {**(recipe or {}), "layers": layers, "head_from_embedding": from_embedding}
     return base.eval().requires_grad_(False)
+
+
+def base_head_rows(model):
+    """For a derived draft: ids -> (n, H) rows of its base's full LM head, read from the base's safetensors files
+    (no full head in memory; what a swapped-in token starts from, learn/vocab.py), or the input embedding's rows where
+    the base's head was tied to it; None when neither is known."""
+    from safetensors import safe_open
+
+    derived = getattr(model.config, "osd_derived", None) or {}
+    base = (derived.get("derive") or {}).get("base")
+    files = []
+    if base:
+        try:
+            files = sorted(Path(resolve_model_dir(base)).glob("*.safetensors"))
+        except Exception:  # a base no longer on this machine: no rows from it
+            files = []
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            if "lm_head.weight" in f.keys():
+                return lambda ids, file=file: _rows_of(file, "lm_head.weight", ids)
+    if derived.get("head_from_embedding"):
+        embed = model.get_input_embeddings().weight
+        return lambda ids: embed.detach()[torch.as_tensor(ids, dtype=torch.long)]
+    return None
+
+
+def _rows_of(file: Path, name: str, ids) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        table = f.get_slice(name)
+        return torch.stack([table[int(i) : int(i) + 1][0] for i in ids]).float()
 
 
 def derive_copy(base, layers: list[int], vocab_ids: torch.Tensor, recipe: dict | None = None):
