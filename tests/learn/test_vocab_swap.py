@@ -66,6 +66,19 @@ def test_swap_head_keeps_kept_rows_starts_new_ones_from_the_embedding_and_undoes
     assert swap_head(draft, torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long)) is None
 
 
+def test_a_copy_sharing_the_head_keeps_it():
+    """A replay's never-trained control shares the frozen head with the learner's copy (frozen_trunk_copy)."""
+    from osd_bench.baselines import frozen_trunk_copy
+
+    control = derived()
+    learner_copy = frozen_trunk_copy(control, 1)
+    assert learner_copy.lm_head is control.lm_head
+    head_before = control.lm_head.weight.clone()
+    swap_head(learner_copy, torch.tensor([45]), torch.tensor([39]))
+    assert torch.equal(control.lm_head.weight, head_before) and torch.equal(vocab_ids_of(control), MAP)
+    assert OFF in vocab_ids_of(learner_copy).tolist()
+
+
 def step(request_id: str, position: int, token: int = OFF) -> StepRecord:
     """A step where the target's top token at both rows is `token` (the draft proposed 7; rejected)."""
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(position))

@@ -68,47 +68,43 @@ def choose_swap(counts: torch.Tensor, vocab_ids: torch.Tensor, keep: list[int], 
 
 @dataclass
 class HeadState:
-    """What `undo` puts back: the head's weight (and bias) and the map before a swap."""
-    weight: torch.Tensor
-    bias: torch.Tensor | None
+    """What `undo` puts back: the head module and the map before a swap."""
+    head: nn.Module
     vocab_ids: torch.Tensor
 
 
 def swap_head(model, add: torch.Tensor, drop: torch.Tensor, new_rows=None) -> HeadState | None:
-    """Rebuild `model`'s LM head over (map - drop) + add, sorted: kept tokens keep their rows, added ones take
+    """Give `model` a new LM head over (map - drop) + add, sorted: kept tokens keep their rows, added ones take
     `new_rows(ids)` (default `base_head_rows(model)`: the base's full LM head), bias 0. None (nothing changed) when
-    there is nothing to swap. The head stays frozen, in place of the old one's parameter."""
+    there is nothing to swap. A new frozen module, not the old one changed in place: a copy that shares the old head
+    (a replay's never-trained control, frozen_trunk_copy) keeps it."""
     vocab_ids = vocab_ids_of(model)
     if vocab_ids is None or len(add) == 0:
         return None
     if len(add) != len(drop):
         raise ValueError(f"a swap adds as many tokens as it drops ({len(add)} != {len(drop)})")
     head = model.get_output_embeddings()
-    before = HeadState(head.weight.detach().clone(), None if head.bias is None else head.bias.detach().clone(),
-                       vocab_ids.clone())
     new_ids = torch.cat([vocab_ids[~torch.isin(vocab_ids, drop)], add.long()]).sort().values
     row_of = {int(t): i for i, t in enumerate(vocab_ids)}
     new_rows = new_rows or base_head_rows(model)
     added = dict(zip(add.tolist(), new_rows(add.tolist()).to(head.weight.dtype)))
+    swapped = nn.Linear(head.in_features, len(new_ids), bias=head.bias is not None, dtype=head.weight.dtype)
     with torch.no_grad():
-        weight = torch.stack([head.weight[row_of[int(t)]] if int(t) in row_of else added[int(t)] for t in new_ids])
-        head.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        swapped.weight.copy_(torch.stack([head.weight[row_of[int(t)]] if int(t) in row_of else added[int(t)]
+                                          for t in new_ids]))
         if head.bias is not None:
-            bias = torch.stack([head.bias[row_of[int(t)]] if int(t) in row_of else head.bias.new_zeros(())
-                                for t in new_ids])
-            head.bias = nn.Parameter(bias, requires_grad=False)
+            swapped.bias.copy_(torch.stack([head.bias[row_of[int(t)]] if int(t) in row_of else head.bias.new_zeros(())
+                                            for t in new_ids]))
+    model.set_output_embeddings(swapped.requires_grad_(False))
     set_vocab_ids(model, new_ids)
-    return before
+    return HeadState(head, vocab_ids.clone())
 
 
 def undo(model, state: HeadState | None) -> None:
     """Put back the head and the map `swap_head` replaced (None: nothing to undo)."""
     if state is None:
         return
-    head = model.get_output_embeddings()
-    head.weight = nn.Parameter(state.weight, requires_grad=False)
-    if state.bias is not None:
-        head.bias = nn.Parameter(state.bias, requires_grad=False)
+    model.set_output_embeddings(state.head)
     set_vocab_ids(model, state.vocab_ids)
 
 
