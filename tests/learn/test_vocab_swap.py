@@ -119,7 +119,8 @@ def test_a_rejected_update_undoes_the_swap(monkeypatch):
     monkeypatch.setattr(online, "is_worse", lambda *a, **k: True)
     head = learn.master.lm_head.weight.clone()
     report = learn.update()
-    assert not report["published"] and report["rejected_because"] == "guard"
+    assert not report["published"] and report["rejected_because"] == "guard" and report["vocab_swap_undone"] == 1
+    assert "vocab_swapped" not in report
     assert torch.equal(vocab_ids_of(learn.master), MAP) and torch.equal(learn.master.lm_head.weight, head)
     assert learn.counters["vocab_swapped"] == 0 and learn.published == []
 

@@ -488,12 +488,12 @@ class OnlineLearner:
                   # (gained, lost) against the serving draft on the same held-out positions (learn/triggers.py Pace)
                   "heldout_flips": paired_flips(before_correct, after_correct)[::-1] if before is not None else None,
                   "work_seconds": phases}
-        if swapped:
-            report["vocab_swapped"] = swapped
         if not losses or not finite or worse:
             self._restore_point.restore()  # moments too: a rejected update leaves no trace
             undo(self.master, self._head_before)  # and the map as it served
             self._head_before = None
+            if swapped:
+                report["vocab_swap_undone"] = swapped
             self.counters["updates_rejected"] += 1
             report["rejected_because"] = "no finite step" if not losses else "non-finite weights" if not finite else "guard"
             with self._phase(phases, "drift_guard"):
@@ -504,6 +504,8 @@ class OnlineLearner:
         with self._phase(phases, "publish"):
             self._publish()
         self.counters["vocab_swapped"] += swapped
+        if swapped:
+            report["vocab_swapped"] = swapped
         if after_lists is not None:
             self._remember_serving(*after_lists)
         self.counters["updates_published"] += 1
