@@ -109,8 +109,8 @@ class LearnConfig:
     vocab_swap: int = option(0, (
         "a derived draft's map follows the traffic: at each update, swap up to N of the tokens the target emitted off "
         "the draft's map (counted at the observed positions, decayed 0.9 an update) for the least counted ones on it; "
-        "the head keeps its size, new rows start from the input embedding (learn/vocab.py). Undone with a rejected "
-        "update. 0 = the map as built"))
+        "the head keeps its size, a new row starts from the base's own LM head row (learn/vocab.py). Undone with a "
+        "rejected update. 0 = the map as built"))
     vocab_swap_min_count: float = option(4.0, "... a token off the map is swapped in once counted this much")
     rehearsal: float = option(0.5, (
         "share of each training batch drawn from a uniform sample of older traffic (what the buffer evicted; "
@@ -307,7 +307,7 @@ class OnlineLearner:
                          **{f"work_seconds_{p}": 0.0 for p in UPDATE_PHASES},
                          "checkpoints_deferred": 0,  # updates not checkpointed: the last checkpoint was too recent
                          "steps_not_observed": 0,  # observe_with_pace: steps of requests left out while backed off
-                         "vocab_swapped": 0}  # vocab_swap: tokens swapped into the map by published updates  # observe_with_pace: steps of requests left out while backed off
+                         "vocab_swapped": 0}  # vocab_swap: tokens swapped into the map by published updates
         self._saved_at: float | None = None  # when the last checkpoint was written (clock)
         self._checkpoint_due: float | None = None  # background: since when a checkpoint waits for an idle engine
         self.last_update: dict = {}

@@ -83,20 +83,23 @@ def swap_head(model, add: torch.Tensor, drop: torch.Tensor, new_rows=None) -> He
     vocab_ids = vocab_ids_of(model)
     if vocab_ids is None or len(add) == 0:
         return None
+    if bool((vocab_ids[1:] <= vocab_ids[:-1]).any()):
+        raise ValueError("a draft's map must be sorted (models/vocab_map.py)")
     if len(add) != len(drop):
         raise ValueError(f"a swap adds as many tokens as it drops ({len(add)} != {len(drop)})")
     head = model.get_output_embeddings()
     new_ids = torch.cat([vocab_ids[~torch.isin(vocab_ids, drop)], add.long()]).sort().values
-    row_of = {int(t): i for i, t in enumerate(vocab_ids)}
     new_rows = new_rows or base_head_rows(model)
-    added = dict(zip(add.tolist(), new_rows(add.tolist()).to(head.weight.dtype)))
+    kept = torch.isin(new_ids, vocab_ids)  # (both maps sorted: a kept token's old row is where searchsorted finds it)
+    old_row = torch.searchsorted(vocab_ids, new_ids[kept])
+    added = new_ids[~kept]  # sorted, as `new_rows` returns them in the order asked
     swapped = nn.Linear(head.in_features, len(new_ids), bias=head.bias is not None, dtype=head.weight.dtype)
     with torch.no_grad():
-        swapped.weight.copy_(torch.stack([head.weight[row_of[int(t)]] if int(t) in row_of else added[int(t)]
-                                          for t in new_ids]))
+        swapped.weight[kept] = head.weight[old_row]
+        swapped.weight[~kept] = new_rows(added.tolist()).to(head.weight.dtype)
         if head.bias is not None:
-            swapped.bias.copy_(torch.stack([head.bias[row_of[int(t)]] if int(t) in row_of else head.bias.new_zeros(())
-                                            for t in new_ids]))
+            swapped.bias.zero_()
+            swapped.bias[kept] = head.bias[old_row]
     model.set_output_embeddings(swapped.requires_grad_(False))
     set_vocab_ids(model, new_ids)
     return HeadState(head, vocab_ids.clone())
