@@ -164,7 +164,8 @@ def _load_vocab_map(final: Path, master) -> None:
     from osd.learn.vocab import head_name
     from osd.models.vocab_map import CONFIG_KEY, set_vocab_ids, vocab_ids_of
 
-    if vocab_ids_of(master) is None or head_name(master) not in _names_in(final):
+    name = head_name(master)
+    if vocab_ids_of(master) is None or name is None or name not in _names_in(final):
         return
     saved = json.loads((final / "config.json").read_text()).get(CONFIG_KEY)
     if saved is not None:

@@ -796,7 +796,7 @@ class OnlineLearner:
         with self._lock:
             state = {"version": self.version, "counters": self.counters, "config": asdict(self.config)}
             extra = {TRAJECTORY: self.average.state_dict()} if self.average is not None else None
-            frozen = (head_name(self.master),) if self.counters["vocab_swapped"] else ()  # the swapped map's head
+            frozen = (head_name(self.master) or "",) if self.counters["vocab_swapped"] else ()  # the swapped map's head
             save_checkpoint(self.config.checkpoint_dir, self.master, self.optimizer, state, extra, frozen)
             self._saved_at, self._checkpoint_due = self.clock(), None
 

@@ -129,6 +129,7 @@ def special_ids_of(config) -> list[int]:
 
 
 def head_name(model) -> str | None:
-    """The LM head weight's parameter name (what a checkpoint saves once the map was swapped)."""
-    weight = model.get_output_embeddings().weight
-    return next((name for name, p in model.named_parameters() if p is weight), None)
+    """The LM head weight's parameter name (what a checkpoint saves once the map was swapped); None for a head
+    without a plain weight (a LoRA-wrapped head while a derived draft heals, distill/heal.py)."""
+    weight = getattr(model.get_output_embeddings(), "weight", None)
+    return None if weight is None else next((name for name, p in model.named_parameters() if p is weight), None)
