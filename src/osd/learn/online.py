@@ -208,7 +208,7 @@ class LearnConfig:
         run [0.96, 1.05] against 0.976x [0.95, 1.00] (within noise; benchmarks/live/
         bench-live-code300-load05-il25{-chunk256,}-intel.json). A chunk under load then holds the cores ~0.25 s there
         (a step), still within busy_share of the busy time.
-        vocab_swap 64: the shipped draft's map lacks 12% of the bundled target's tokens on code (14% on chat); swapping
+        vocab_swap 64: the shipped draft's map lacks 10% of the bundled target's tokens on code (14% on chat); swapping
         up to 64 an update toward the target's own tokens raised held-out agreement after 300 requests from 0.520 to
         0.539 on code (z 3.8) and 0.264 to 0.275 on chat (z 2.8), at the same 288 steps and the same cost a proposal
         (benchmarks/learning/pair-vocab-swap-{code,chat}300-intel.json)."""

@@ -3,7 +3,7 @@ draft cannot propose (a derived draft's LM head covers N of the target's tokens,
 
 A derived draft's map is chosen when it is built, by counting dataset texts (prompts and reference answers). What
 the draft must propose is what the target says, and an instruct target says things no dataset holds: on code test
-requests 12% of the bundled target's tokens lie outside the shipped cheap draft's map ('```' alone 1%, 'Certainly',
+requests 10% of the bundled target's greedy tokens lie outside the shipped cheap draft's map ('```' alone 1%, 'Certainly',
 ' Below', 'Sure', '###', '**:'), 14% on chat. A position whose token is off the map can never be accepted, and
 the learner cannot learn it: its loss conditions the target on the map (`restrict_compact`).
 
