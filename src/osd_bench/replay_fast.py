@@ -201,8 +201,7 @@ def fast_replay(samples: list, domains: list[str], base, learn: LearnConfig, k: 
     end_of_stream = {d: {name: _mean_alpha(m, [items[j] for j in idx], [samples[j] for j in idx], split)
                          for name, m in variants.items()}  # is an earlier domain forgotten?
                      for d, idx in segment_probes(domains, probe).items()}
-    on_heldout, vs_control, online_vs = _heldout(variants, unseen, split)
-    matches = on_heldout.pop("matches", {})  # per held-out position, 1 = agreed: runs paired by `osd bench pair`
+    on_heldout, vs_control, online_vs, matches = _heldout(variants, unseen, split)
     trained = {n: r for n, r in (state.get("baselines_report") or {}).items() if n in variants}  # this run's recipes
     return {"requests": rows, "variants": list(variants), "end_of_stream_alpha_on_segment_probes": end_of_stream,
             "end_of_stream_alpha_on_heldout": on_heldout, "heldout_vs_control": vs_control,
@@ -316,19 +315,20 @@ def _heldout_point(i, domains, online, unseen, control, split) -> dict:
     return point
 
 
-def _heldout(variants: dict, unseen: dict[str, tuple[list, list]], split: int) -> tuple[dict, dict, dict]:
+def _heldout(variants: dict, unseen: dict[str, tuple[list, list]], split: int) -> tuple[dict, dict, dict, dict]:
     """Alpha of every draft on each domain's held-out requests, each paired with the control on the same positions;
-    and the online draft paired with each full-stream offline draft (name -> domain -> paired difference)."""
-    alphas, vs_control, online_vs = {}, {}, {"offline_100pct": {}, ARRIVAL: {}}
+    the online draft paired with each full-stream offline draft (name -> domain -> paired difference); and every
+    draft's per-position agreement as a string of 0/1 (domain -> name; `osd bench pair` pairs two runs on it)."""
+    alphas, vs_control, online_vs, bits = {}, {}, {"offline_100pct": {}, ARRIVAL: {}}, {}
     for domain, (items, samples) in unseen.items():
         matches = {name: _matches(model, items, samples, split) for name, model in variants.items()}
         alphas[domain] = {name: sum(m) / max(1, len(m)) for name, m in matches.items()}
-        alphas.setdefault("matches", {})[domain] = {name: "".join("1" if x else "0" for x in m) for name, m in matches.items()}
+        bits[domain] = {name: "".join("1" if x else "0" for x in m) for name, m in matches.items()}
         vs_control[domain] = {name: paired_difference(matches["original"], m) for name, m in matches.items()
                               if name != "original"}
         for name in set(online_vs) & set(matches):
             online_vs[name][domain] = paired_difference(matches[name], matches["online"])
-    return alphas, vs_control, online_vs
+    return alphas, vs_control, online_vs, bits
 
 
 def paired_difference(base: list[bool], other: list[bool]) -> dict:

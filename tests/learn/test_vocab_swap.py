@@ -6,8 +6,8 @@ from conftest import EOS, VOCAB, tiny_qwen2
 
 import osd.learn.online as online
 from osd.learn.online import LearnConfig, OnlineLearner
-from osd.learn.vocab import TokenCounts, choose_swap, swap_head, swappable, undo
-from osd.models.derived import derive_model
+from osd.learn.vocab import TokenCounts, choose_swap, special_ids_of, swap_head, undo
+from osd.models.derived import base_head_rows, derive_model
 from osd.models.vocab_map import vocab_ids_of
 from osd.schedule.records import StepRecord
 
@@ -36,6 +36,10 @@ def test_choose_swap_pairs_the_most_counted_off_the_map_with_the_least_counted_o
     assert [t.tolist() for t in choose_swap(counts, MAP, [EOS], max_swap=0, min_count=2.0)] == [[], []]
 
 
+def test_a_swap_never_drops_the_config_s_eos_bos_or_pad():
+    assert special_ids_of(derived().config) == [0, EOS]  # eos 1, pad 0, no bos
+
+
 def test_token_counts_count_and_age():
     counts = TokenCounts(VOCAB, decay=0.5)
     counts.add(torch.tensor([[3, 3], [5, VOCAB + 7]]))  # an id past the vocabulary is ignored
@@ -45,7 +49,7 @@ def test_token_counts_count_and_age():
 
 def test_swap_head_keeps_kept_rows_starts_new_ones_from_the_embedding_and_undoes():
     draft = derived()
-    assert swappable(draft) and not swappable(derived(tied=False))
+    assert base_head_rows(draft) is not None and base_head_rows(derived(tied=False)) is None
     head_before = draft.lm_head.weight.clone()
     ids = torch.tensor([[5, 9, 45, 12, 41]])
     logits_before = draft(ids).logits

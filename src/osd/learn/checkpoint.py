@@ -143,7 +143,8 @@ def load_checkpoint(directory: str, master, optimizer=None) -> dict | None:
     if final is None:
         return None
     state = json.loads((final / "state.json").read_text())
-    expected, found = state.get("base_fingerprint"), base_fingerprint(master, _names_in(final))
+    names = _names_in(final)
+    expected, found = state.get("base_fingerprint"), base_fingerprint(master, names)
     if expected is not None and expected != found:  # (checkpoints written before fingerprints: not checked)
         raise CheckpointMismatch(
             f"checkpoint {directory} holds only the trained part of a draft made on another base draft "
@@ -153,19 +154,19 @@ def load_checkpoint(directory: str, master, optimizer=None) -> dict | None:
         load_model(master, str(final / "draft.safetensors"), strict=False)  # the trainable subset, or everything
     except RuntimeError as e:  # other shapes: another architecture
         raise CheckpointMismatch(f"checkpoint {directory} does not fit the draft given: {e}") from e
-    _load_vocab_map(final, master)
+    _load_vocab_map(final, master, names)
     if optimizer is not None:  # None: weights only (evaluating a checkpointed draft)
         load_optimizer_state(optimizer, final / "optimizer.pt", state.get("config", {}))
     return state
 
 
-def _load_vocab_map(final: Path, master) -> None:
+def _load_vocab_map(final: Path, master, names: set[str]) -> None:
     """A checkpoint that holds the LM head (its map was swapped, learn/vocab.py) gives the map its config saved."""
     from osd.learn.vocab import head_name
     from osd.models.vocab_map import CONFIG_KEY, set_vocab_ids, vocab_ids_of
 
     name = head_name(master)
-    if vocab_ids_of(master) is None or name is None or name not in _names_in(final):
+    if vocab_ids_of(master) is None or name is None or name not in names:
         return
     saved = json.loads((final / "config.json").read_text()).get(CONFIG_KEY)
     if saved is not None:

@@ -58,7 +58,8 @@ from osd.learn.residual import add_difference
 from osd.learn.restore import RestorePoint
 from osd.learn.trainable import configure_trainable, split_index
 from osd.learn.triggers import Pace, UpdateTrigger, learning_pays
-from osd.learn.vocab import TokenCounts, choose_swap, head_name, special_ids_of, swap_head, swappable, undo
+from osd.learn.vocab import TokenCounts, choose_swap, head_name, special_ids_of, swap_head, undo
+from osd.models.derived import base_head_rows
 from osd.models.vocab_map import vocab_ids_of
 from osd.metrics import learning_effect
 from osd.schedule.turns import end_thread_team
@@ -289,8 +290,9 @@ class OnlineLearner:
         # the drift guard's base / best versions and the requests ever trained on (None: no drift guard)
         self.versions = VersionStore(self.params) if self.config.guard and self.config.drift_guard else None
         # vocab_swap: the target's tokens at the observed positions, toward which the draft's map is swapped
-        self.token_counts = TokenCounts(int(master.config.vocab_size)) if self.config.vocab_swap and swappable(master) \
-            else None
+        # (a derived draft with its own map, and a row to start a new token from: its base's LM head or tied embedding)
+        self._new_rows = base_head_rows(master) if self.config.vocab_swap and vocab_ids_of(master) is not None else None
+        self.token_counts = TokenCounts(int(master.config.vocab_size)) if self._new_rows is not None else None
         if self.config.vocab_swap and self.token_counts is None:
             log.info("vocab_swap off: the draft has no map of its own or no row to start a new token from (learn/vocab.py)")
         self._keep_ids = special_ids_of(master.config)  # never swapped out of the map
@@ -617,7 +619,7 @@ class OnlineLearner:
         add, drop = choose_swap(self.token_counts.counts, vocab_ids_of(self.master), self._keep_ids, cfg.vocab_swap,
                                 cfg.vocab_swap_min_count)
         self.token_counts.age()
-        return swap_head(self.master, add, drop), len(add)
+        return swap_head(self.master, add, drop, self._new_rows), len(add)
 
     def _publish(self) -> None:
         """Publish the master; it now matches what serves, so a later failure in this update returns to it."""
@@ -796,8 +798,9 @@ class OnlineLearner:
         with self._lock:
             state = {"version": self.version, "counters": self.counters, "config": asdict(self.config)}
             extra = {TRAJECTORY: self.average.state_dict()} if self.average is not None else None
-            frozen = (head_name(self.master) or "",) if self.counters["vocab_swapped"] else ()  # the swapped map's head
-            save_checkpoint(self.config.checkpoint_dir, self.master, self.optimizer, state, extra, frozen)
+            head = head_name(self.master) if self.counters["vocab_swapped"] else None  # the swapped map's head
+            save_checkpoint(self.config.checkpoint_dir, self.master, self.optimizer, state, extra,
+                            (head,) if head else ())
             self._saved_at, self._checkpoint_due = self.clock(), None
 
     def resume(self) -> bool:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from osd.models.derived import base_head_rows
+from osd.models.eos import token_ids_of
 from osd.models.vocab_map import set_vocab_ids, vocab_ids_of
 
 
@@ -113,19 +114,9 @@ def undo(model, state: HeadState | None) -> None:
     set_vocab_ids(model, state.vocab_ids)
 
 
-def swappable(model) -> bool:
-    """A derived draft with its own map and a row to start a new token from: its base's full LM head on this machine,
-    or a base head tied to the input embedding (models/derived.py `base_head_rows`)."""
-    return vocab_ids_of(model) is not None and base_head_rows(model) is not None
-
-
 def special_ids_of(config) -> list[int]:
     """The config's eos / bos / pad ids (each an int or a list): tokens a swap never drops."""
-    out = []
-    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        value = getattr(config, key, None)
-        out += [value] if isinstance(value, int) else list(value or [])
-    return sorted({int(i) for i in out})
+    return sorted(token_ids_of(config, keys=("eos_token_id", "bos_token_id", "pad_token_id")))
 
 
 def head_name(model) -> str | None:

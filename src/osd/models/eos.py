@@ -2,16 +2,22 @@
 from __future__ import annotations
 
 
-def eos_ids_of(*sources) -> set[int]:
-    """End-of-sequence ids named by configs / tokenizers (an int or a list each)."""
+def token_ids_of(*sources, keys: tuple[str, ...] = ("eos_token_id",)) -> set[int]:
+    """The ids configs / tokenizers name under `keys` (an int or a list each)."""
     ids = set()
     for source in sources:
-        eos = getattr(source, "eos_token_id", None)
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos:
-            ids.update(int(e) for e in eos)
+        for key in keys:
+            value = getattr(source, key, None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(int(e) for e in value)
     return ids
+
+
+def eos_ids_of(*sources) -> set[int]:
+    """End-of-sequence ids named by configs / tokenizers (an int or a list each)."""
+    return token_ids_of(*sources)
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
