@@ -307,47 +307,67 @@ def test_pace_backs_off_while_pooled_updates_stop_paying_and_comes_back_when_the
     assert trigger.due(11, 5, 0.0, factor=4) is None and trigger.due(12, 5, 0.0, factor=4) == "requests"
 
 
-def test_the_pace_backs_off_where_learning_does_not_pay_for_the_learners_cores_whatever_held_out_says():
-    from osd.learn.triggers import Pace, learning_pays
-    assert learning_pays(1.30, 0.12) is True and learning_pays(1.04, 0.09) is False
-    assert learning_pays(None, 0.1) is None and learning_pays(1.3, None) is None
+def test_learning_pays_when_the_speed_its_held_out_gain_buys_covers_its_work_over_the_horizon():
+    from osd.learn.triggers import Pace, learning_pays, speed_at
+    assert speed_at(0.0) == 1.0  # nothing accepted: the target alone (k = 0)
+    assert 1.0 < speed_at(0.3) < speed_at(0.45) < speed_at(0.8)
+    assert speed_at(0.5) == pytest.approx(max((1 - 0.5 ** (k + 1)) / 0.5 / (1 + 0.1 * k) for k in range(5)))
+    assert learning_pays(0.30, 0.45, 28.0, 600.0) is True  # code's first updates: +17% speed for 28 s of work
+    assert learning_pays(0.21, 0.25, 28.0, 600.0) is False  # chat's: +3%, 18 s of serving saved in 600
+    assert learning_pays(0.21, 0.25, 28.0, 1200.0) is True  # ... which a longer horizon pays for
+    assert learning_pays(0.50, 0.51, 28.0, 900.0) is False  # a point at 0.5: +1.4%
+    assert learning_pays(0.45, 0.40, 1.0, 600.0) is False  # agreement fell
+    assert learning_pays(None, 0.4, 1.0, 600.0) is None and learning_pays(0.4, None, 1.0, 600.0) is None
     pace = Pace(max_factor=8, window=1)
-    assert pace.after_update(True, (9, 0), pays=False) == 2  # held-out agreement rose, but the server lost by it
+    assert pace.after_update(True, (9, 0), pays=False) == 2  # held-out agreement rose, but not by enough to pay
     assert pace.after_update(True, (9, 0), pays=True) == 1  # it pays: held-out decides (z > keep_z: halves)
     assert pace.after_update(True, (9, 0), pays=None) == 1
 
 
-def test_a_learner_judges_whether_learning_pays_from_what_each_version_served_and_its_own_work():
-    """The learner's share of the wall time over its last pace.window updates, against the serving version's tokens
-    per step over the first version's: on the same updates, a gain below the share backs the pace off, one above
-    it does not; before the window is full, or while the first version is the newest that served, no judgement."""
-    from osd.metrics import SpecCounters
+def test_a_learner_judges_its_last_updates_by_their_held_out_gain_and_work_amortised_over_the_horizon():
+    """The last pace.window updates' work against the speed their held-out gain buys over pace_horizon (or the
+    learner's lifetime if longer): a gain of 2 points an update at 0.3 pays for 7 s an update, a third of a point does
+    not; before the window is full, no judgement; a rejected update adds work and no gain."""
+    from osd.learn.online import update_outcome
 
-    def run(emitted_by_v1):
+    def run(gained_each, horizon=600.0, rejected=()):
         now = [0.0]
         learner = OnlineLearner(tiny_qwen2(seed=1, layers=1), lambda m, version=None: SimpleNamespace(version=1, name="d"),
-                                LearnConfig(guard=False, every_requests=8, back_off=8), clock=lambda: now[0])
-        counters = {("d", 0): SpecCounters(steps=100, emitted=110)}
-        learner.live_counters = lambda: counters
-        learner.draft_name = "d"
+                                LearnConfig(guard=False, every_requests=8, back_off=8, pace_horizon=horizon),
+                                clock=lambda: now[0])
+        agreement = [0.30]
 
-        def training(reason):  # 1 s of work in every 10 s of wall time: a share of 0.1
-            now[0] += 10.0
-            return {"reason": reason, "train_items": 4, "published": True, "version": 1, "heldout_flips": (3, 2),
-                    "losses": [0.1],
-                    "work_seconds": {"train": 1.0}}
+        def training(reason):  # 7 s of work in every 26 s of wall time, held-out agreement + gained_each
+            now[0] += 26.0
+            published = len(judged) not in rejected
+            before = {"greedy_agreement": agreement[0], "positions": 400}
+            if published:
+                agreement[0] += gained_each
+            flips = (round(400 * gained_each) + 10, 10)
+            return {"reason": reason, "train_items": 4, "published": published, "version": 1, "heldout_flips": flips,
+                    "holdout_before": before, "holdout_after": {"greedy_agreement": agreement[0], "positions": 400},
+                    "losses": [0.1], "work_seconds": {"train": 6.0, "publish": 1.0}}
 
         learner._update = training
         judged = []
-        for i in range(6):
-            if i == 2:  # a second version served from here
-                counters[("d", 1)] = SpecCounters(steps=100, emitted=emitted_by_v1)
+        for _ in range(6):
             learner.update()
             judged.append(learner.last_update["learning_pays"])
         return judged, learner.pace.factor
 
-    assert run(115) == ([None, None, None, False, False, False], 8)  # 115/110: +4.5% a step, for 10% of the time
-    assert run(150) == ([None, None, None, True, True, True], 1)  # +36% a step
+    assert run(0.02) == ([None, None, None, True, True, True], 1)  # +8 points in 4: ~+9% speed x 600 s >= 28 s
+    assert run(0.0025) == ([None, None, None, False, False, False], 8)  # +1 point in 4: 6 s saved < 28 s
+    assert run(0.0025, horizon=7200.0)[0][3:] == [True, True, True]  # +0.8% x 7200 s: 55 s saved
+    # the last update rejected: its work counts, its gain does not (3 of 4 still pay), and the pace doubles
+    assert run(0.02, rejected=(5,)) == ([None, None, None, True, True, True], 2)
+    assert update_outcome({"published": False, "heldout_flips": (40, 0), "holdout_before": {"greedy_agreement": 0.3,
+                           "positions": 400}, "work_seconds": {"train": 2.0}}) == \
+        {"work": 2.0, "agreement": 0.3, "gained": 0.0}
+    assert update_outcome({"published": True, "heldout_flips": (50, 10), "holdout_after": {"greedy_agreement": 0.4,
+                           "positions": 400}, "work_seconds": {"train": 2.0, "publish": 1.0}}) == \
+        {"work": 3.0, "agreement": 0.4, "gained": 0.1}
+    assert update_outcome({"published": True, "heldout_flips": None, "work_seconds": {}}) == \
+        {"work": 0, "agreement": None, "gained": 0.0}
 
 
 def test_a_learner_whose_updates_change_nothing_spaces_them_out(target_model, tokenizer):

@@ -61,7 +61,6 @@ from osd.learn.triggers import Pace, UpdateTrigger, learning_pays
 from osd.learn.vocab import TokenCounts, choose_swap, head_name, special_ids_of, swap_head, undo
 from osd.models.derived import base_head_rows
 from osd.models.vocab_map import vocab_ids_of
-from osd.metrics import learning_effect
 from osd.schedule.turns import end_thread_team
 
 log = logging.getLogger("osd.learn")
@@ -98,9 +97,13 @@ class LearnConfig:
     back_off: int = option(1, (
         "space updates up to this many times every_requests while they stop paying: the interval doubles after an "
         "update that was rejected, when the last 4 published ones together did not raise held-out agreement, or when "
-        "the serving version's tokens per step over the first version's gain less than the learner's share of the "
-        "wall time; it halves when held-out agreement rose (z > 1); back to every_requests when the drift guard "
+        "the speed their held-out gain buys over the next pace_horizon seconds does not cover their work; it halves "
+        "when held-out agreement rose (z > 1); back to every_requests when the drift guard "
         "restores a version (learn/triggers.py Pace). 1 = a fixed pace"))
+    pace_horizon: float = option(600.0, (
+        "seconds of serving over which the pace amortises an update's work (learn/triggers.py learning_pays): the "
+        "last 4 updates pay when the speed their held-out gain buys, over this many seconds or the learner's lifetime "
+        "if longer, covers the seconds they took"))
     observe_with_pace: bool = option(True, (
         "while the pace has spaced updates out (back_off: every_requests x a factor F > 1), observe 1 request in F "
         "(whole requests, chosen by a hash of their id: the same ones at every F that divides it) instead of every "
@@ -259,6 +262,18 @@ def observed_at(request_id: str, factor: int) -> bool:
     return factor <= 1 or zlib.crc32(str(request_id).encode()) % factor == 0
 
 
+def update_outcome(report: dict) -> dict:
+    """What the pace weighs of one update's report: its work seconds, the serving version's held-out greedy
+    agreement after it (the candidate's if published, else the version that kept serving; None without held-out
+    positions), and the agreement it changed (its held-out flips over the positions; 0 unless published)."""
+    key = "holdout_after" if report.get("published") else "holdout_before"
+    measured = report.get(key) or {}
+    flips, positions = report.get("heldout_flips"), measured.get("positions") or 0
+    gained = (flips[0] - flips[1]) / positions if report.get("published") and flips and positions else 0.0
+    return {"work": sum(report.get("work_seconds", {}).values()), "agreement": measured.get("greedy_agreement"),
+            "gained": gained}
+
+
 class OnlineLearner:
     def __init__(self, master, publish, config: LearnConfig | None = None, engine_busy=lambda: False,
                  clock=time.monotonic, sleep=time.sleep):
@@ -274,9 +289,11 @@ class OnlineLearner:
         self.guard_buffer = ReplayBuffer(self.config.guard_capacity, clock)
         self.trigger = UpdateTrigger(self.config.every_requests, self.config.min_positions, self.config.max_age_seconds)
         self.pace = Pace(self.config.back_off)  # every_requests' factor while updates stop paying
-        self.live_counters = None  # attached: the engine's SpecMetrics.counters (what each draft version served)
         self.draft_name: str | None = None  # the name it publishes under (known from the first publish)
-        self._work = deque(maxlen=self.pace.window)  # (start, work seconds) of the last updates: the learner's share
+        # the last updates' work seconds, and the serving version's held-out agreement after each and what the update
+        # changed of it: what learning_pays weighs (learn/triggers.py)
+        self._work = deque(maxlen=self.pace.window)
+        self._first_update: float | None = None  # when the first update started: the learner's lifetime
         self.params = configure_trainable(master, self.config.trainable, self.config.train_layers, self.config.lora_rank)
         self.split = split_index(master, self.config.train_layers)
         self.dtype = training_dtype(self.config.precision)  # of the step's matrix products (learn/precision.py)
@@ -367,7 +384,6 @@ class OnlineLearner:
         engine.observers.append(self.observe)
         engine.request_observers.append(self.after_request)
         self.engine_busy = engine.busy
-        self.live_counters = engine.metrics.counters
         self.idle.turns = getattr(engine, "turns", None)  # chunks between steps, never beside one
         self.idle.pressure = getattr(engine, "pressure", lambda: False)  # none while a request waits to start
         return self
@@ -418,8 +434,8 @@ class OnlineLearner:
             if "restored_version" in report.get("vs_base", {}):
                 self.pace.reset()  # the drift guard acted: the traffic moved, learn at full pace again
             elif "train_items" in report:  # (not "nothing to train on": that says nothing of the pace)
-                self._work.append((start, sum(report.get("work_seconds", {}).values())))
-                report["learning_pays"] = self._learning_pays()
+                self._work.append(update_outcome(report))
+                report["learning_pays"] = self._learning_pays(start)
                 self.pace.after_update(report["published"], report.get("heldout_flips"), report["learning_pays"])
             self.last_update = report
             for phase, seconds in report.get("work_seconds", {}).items():
@@ -597,18 +613,18 @@ class OnlineLearner:
         report["vs_base"]["published_version"] = self.version
         return True
 
-    def _learning_pays(self) -> bool | None:
-        """learn/triggers.py `learning_pays` on what the server saw: the serving draft's newest version with enough
-        steps against its first version, tokens per step, and the work of the last `pace.window` updates over the wall
-        time since the first of them started. None before that many updates, or while the newest is the first."""
-        if self.live_counters is None or self.draft_name is None or len(self._work) < self._work.maxlen:
+    def _learning_pays(self, start: float) -> bool | None:
+        """learn/triggers.py `learning_pays` on the last `pace.window` updates: the serving version's held-out
+        agreement now and before them (now less what each published one gained), their work, over pace_horizon or
+        the learner's lifetime if longer. None before that many updates or without a held-out measure."""
+        if self._first_update is None:
+            self._first_update = start
+        if len(self._work) < self._work.maxlen:
             return None
-        effect = learning_effect(self.live_counters()).get(self.draft_name)
-        if not effect or effect["latest"] == effect["first"]:
-            return None
-        span = self.clock() - self._work[0][0]
-        return learning_pays(effect["tokens_per_step_vs_first"], sum(w for _, w in self._work) / span if span > 0
-                             else None)
+        now = self._work[-1]["agreement"]
+        before = None if now is None else now - sum(w["gained"] for w in self._work)
+        horizon = max(self.config.pace_horizon, self.clock() - self._first_update)
+        return learning_pays(before, now, sum(w["work"] for w in self._work), horizon)
 
     def _swap_vocab(self):
         """vocab_swap, before training: the map swapped toward the counted traffic (learn/vocab.py) -> (what undo

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from osd.learn.guard import flips_z
+from osd.speed_model import expected_tokens
 
 
 @dataclass
@@ -31,8 +32,8 @@ class Pace:
     """Updates spaced out while they stop paying: the request interval's factor doubles when the last `window`
     published updates together did not raise held-out agreement (their held-out flips pooled, McNemar's z,
     guard.flips_z, <= `back_z`) or an update was rejected, halves when they did (z > `keep_z`),
-    and stays between; within [1, max_factor]. It also doubles when learning's live gain does not pay for the
-    learner's cores (`learning_pays`), however held-out agreement moves. `reset` (the drift guard restored a version: the traffic moved) brings
+    and stays between; within [1, max_factor]. It also doubles when the speed the last updates bought does not pay
+    for their work (`learning_pays`), however significant their held-out gain. `reset` (the drift guard restored a version: the traffic moved) brings
     it back to 1 and forgets the window.
 
     Pooled, not per update: one update of the serving recipe (8 steps of 2 items) moves held-out agreement by a few
@@ -49,8 +50,8 @@ class Pace:
 
     def after_update(self, published: bool, flips: tuple[int, int] | None, pays: bool | None = None) -> int:
         """One update's outcome (flips: its (gained, lost) on held-out positions against the serving draft; None:
-        no held-out measure, the pace stays; pays: whether learning's live gain covers what the learner costs the
-        server, `learning_pays`; False doubles the factor whatever held-out agreement says) -> the factor now."""
+        no held-out measure, the pace stays; pays: whether the speed the last updates' held-out gain buys covers
+        their work, `learning_pays`; False doubles the factor whatever the held-out z says) -> the factor now."""
         if not published:
             self.factor = min(self.max_factor, 2 * self.factor)
             return self.factor
@@ -73,13 +74,30 @@ class Pace:
         self.factor, self.recent = 1, []
 
 
-def learning_pays(tokens_per_step_vs_first: float | None, learner_share: float | None) -> bool | None:
-    """Whether learning pays for the cores it takes: the serving version's tokens per verification step over the
-    first version's, less 1 (what learning bought each step; an upper bound on the speed it bought, since more
-    accepted tokens also mean dearer passes), against the learner's share of the wall time. None while either is
-    unknown. On chat (Intel, benchmarks/live/bench-live-chat300-load05-il25-intel-clean.json) tokens per step
-    1.03-1.11 against 1.04-1.06 learning off, for 0.05-0.10 of the wall time: it does not; on code (0.5 of capacity)
-    1.30-1.43 against 1.13-1.23 for 0.10-0.13: it does."""
-    if tokens_per_step_vs_first is None or learner_share is None:
+def speed_at(agreement: float, draft_cost: float = 0.04, row_cost: float = 0.06, k_max: int = 4) -> float:
+    """Speculation's speed over the target alone at the draft's greedy agreement (PAPER.md section 2, i.i.d.
+    acceptance): the best k's expected tokens a step over its cost, k draft tokens at `draft_cost` of a one-row target
+    pass each and k more rows verified at `row_cost` each (the bundled Q4 target's calibration on the Xeon and on Zen 4:
+    a draft token 1.3-1.9 ms against a one-row pass of 48-53 ms, each row to 7 +5-7% of it; k = 0 is the target alone)."""
+    return max(expected_tokens(agreement, k) / (1.0 + k * (draft_cost + row_cost)) for k in range(k_max + 1))
+
+
+def learning_pays(agreement_before: float | None, agreement_now: float | None, work_seconds: float,
+                  horizon_seconds: float) -> bool | None:
+    """Whether the learner's last updates paid for their work, amortised: the speed their held-out agreement gain
+    buys (`speed_at`, now over before, less 1: a share of serving time saved) over the next `horizon_seconds` of
+    serving, against the seconds they took. None while either agreement is unknown.
+
+    Marginal and amortised, because an update's work is paid once and what it bought serves from then on. The rule it
+    replaces judged the gain so far (the serving version's tokens per live step over the first version's) against the
+    learner's share of the recent wall time: on code (Intel, 600 requests at 0.5 of capacity) it doubled the interval
+    three times by request ~150 while held-out agreement still rose 0.32 -> 0.53 (a live step's tokens also follow the
+    load, so that gain read 0.96-1.22x between neighbouring stats lines), and went on paying for updates whose
+    agreement had stopped rising as soon as the gain so far exceeded the share
+    (benchmarks/live/bench-live-code600-load05-il25-vocabswap-intel.json). Here the first updates on code (agreement
+    0.30 -> 0.45: +17% speed) pay for their ~28 s many times over 600 s, chat's (0.21 -> 0.25: +3%) do not, and
+    neither do updates that move agreement by a point at 0.5 (+2%)."""
+    if agreement_before is None or agreement_now is None:
         return None
-    return tokens_per_step_vs_first - 1.0 >= learner_share
+    gain = speed_at(agreement_now) / speed_at(agreement_before) - 1.0
+    return gain * horizon_seconds >= work_seconds
