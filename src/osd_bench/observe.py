@@ -3,7 +3,7 @@
 Every verification step of a learning server hands the learner the target's logits at the rows it verified; the
 serving thread keeps their top-k and the tail's mass (learn/buffer.py `items_of_step`: the training item and, with the
 guard, the every-position one) before the next step can start. A server learning off pays nothing of it, so this is
-part of what a learning server's step costs beyond its draft's extra rows (docs/live-learning.md).
+part of what a learning server's step costs beyond its draft's extra rows (docs/archive/LIVE-LEARNING-2026.md).
 
 Measured per sequence-step, by proposals verified (k + 1 rows of logits over the target's vocabulary, from a seeded
 normal draw scaled like logits), at a given context: the whole observation (`items_of_step`) and its top-k alone

@@ -318,6 +318,12 @@ def test_learning_pays_when_the_speed_its_held_out_gain_buys_covers_its_work_ove
     assert learning_pays(0.50, 0.51, 28.0, 900.0) is False  # a point at 0.5: +1.4%
     assert learning_pays(0.45, 0.40, 1.0, 600.0) is False  # agreement fell
     assert learning_pays(None, 0.4, 1.0, 600.0) is None and learning_pays(0.4, None, 1.0, 600.0) is None
+    from osd.learn.online import describe_value
+    from osd.learn.triggers import learning_value
+    assert describe_value(learning_value(0.30, 0.45, 28.0, 600.0)) == \
+        "yes (held-out agreement 0.300 -> 0.450: +16.5% speed, 99 s saved over 600 s against 28 s of work)"
+    assert describe_value(learning_value(0.21, 0.25, 28.0, 600.0)).startswith("no (") and describe_value(None) == \
+        "not judged"
     pace = Pace(max_factor=8, window=1)
     assert pace.after_update(True, (9, 0), pays=False) == 2  # held-out agreement rose, but not by enough to pay
     assert pace.after_update(True, (9, 0), pays=True) == 1  # it pays: held-out decides (z > keep_z: halves)
@@ -330,7 +336,7 @@ def test_a_learner_judges_its_last_updates_by_their_held_out_gain_and_work_amort
     not; before the window is full, no judgement; a rejected update adds work and no gain."""
     from osd.learn.online import update_outcome
 
-    def run(gained_each, horizon=600.0, rejected=()):
+    def run(gained_each, horizon=600.0, rejected=(), live=True):
         now = [0.0]
         learner = OnlineLearner(tiny_qwen2(seed=1, layers=1), lambda m, version=None: SimpleNamespace(version=1, name="d"),
                                 LearnConfig(guard=False, every_requests=8, back_off=8, pace_horizon=horizon),
@@ -349,6 +355,7 @@ def test_a_learner_judges_its_last_updates_by_their_held_out_gain_and_work_amort
                     "losses": [0.1], "work_seconds": {"train": 6.0, "publish": 1.0}}
 
         learner._update = training
+        learner.live = live  # (attach() sets it: a learner beside a serving engine)
         judged = []
         for _ in range(6):
             learner.update()
@@ -357,6 +364,7 @@ def test_a_learner_judges_its_last_updates_by_their_held_out_gain_and_work_amort
 
     assert run(0.02) == ([None, None, None, True, True, True], 1)  # +8 points in 4: ~+9% speed x 600 s >= 28 s
     assert run(0.0025) == ([None, None, None, False, False, False], 8)  # +1 point in 4: 6 s saved < 28 s
+    assert run(0.0025, live=False) == ([None] * 6, 1)  # no serving engine (a fast replay): the held-out z alone
     assert run(0.0025, horizon=7200.0)[0][3:] == [True, True, True]  # +0.8% x 7200 s: 55 s saved
     # the last update rejected: its work counts, its gain does not (3 of 4 still pay), and the pace doubles
     assert run(0.02, rejected=(5,)) == ([None, None, None, True, True, True], 2)

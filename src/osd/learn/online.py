@@ -57,7 +57,7 @@ from osd.learn.rehearsal import Reservoir, Sweeps, history_share, mixed_batch
 from osd.learn.residual import add_difference
 from osd.learn.restore import RestorePoint
 from osd.learn.trainable import configure_trainable, split_index
-from osd.learn.triggers import Pace, UpdateTrigger, learning_pays
+from osd.learn.triggers import Pace, UpdateTrigger, learning_value
 from osd.learn.vocab import TokenCounts, choose_swap, head_name, special_ids_of, swap_head, undo
 from osd.models.derived import base_head_rows
 from osd.models.vocab_map import vocab_ids_of
@@ -274,6 +274,16 @@ def update_outcome(report: dict) -> dict:
             "gained": gained}
 
 
+def describe_value(value: dict | None) -> str:
+    """The update log line's verdict on the last updates (learn/triggers.py learning_value)."""
+    if value is None:
+        return "not judged"
+    return (f"{'yes' if value['saved_seconds'] >= value['work_seconds'] else 'no'} (held-out agreement "
+            f"{value['agreement_before']:.3f} -> {value['agreement_now']:.3f}: {100 * value['speed_gain']:+.1f}% speed, "
+            f"{value['saved_seconds']:.0f} s saved over {value['horizon_seconds']:.0f} s against "
+            f"{value['work_seconds']:.0f} s of work)")
+
+
 class OnlineLearner:
     def __init__(self, master, publish, config: LearnConfig | None = None, engine_busy=lambda: False,
                  clock=time.monotonic, sleep=time.sleep):
@@ -294,6 +304,7 @@ class OnlineLearner:
         # changed of it: what learning_pays weighs (learn/triggers.py)
         self._work = deque(maxlen=self.pace.window)
         self._first_update: float | None = None  # when the first update started: the learner's lifetime
+        self.live = False  # attached to a serving engine: only then is work weighed against serving time saved
         self.params = configure_trainable(master, self.config.trainable, self.config.train_layers, self.config.lora_rank)
         self.split = split_index(master, self.config.train_layers)
         self.dtype = training_dtype(self.config.precision)  # of the step's matrix products (learn/precision.py)
@@ -384,6 +395,7 @@ class OnlineLearner:
         engine.observers.append(self.observe)
         engine.request_observers.append(self.after_request)
         self.engine_busy = engine.busy
+        self.live = True
         self.idle.turns = getattr(engine, "turns", None)  # chunks between steps, never beside one
         self.idle.pressure = getattr(engine, "pressure", lambda: False)  # none while a request waits to start
         return self
@@ -435,7 +447,8 @@ class OnlineLearner:
                 self.pace.reset()  # the drift guard acted: the traffic moved, learn at full pace again
             elif "train_items" in report:  # (not "nothing to train on": that says nothing of the pace)
                 self._work.append(update_outcome(report))
-                report["learning_pays"] = self._learning_pays(start)
+                report["learning_value"] = value = self._learning_value(start)
+                report["learning_pays"] = None if value is None else value["saved_seconds"] >= value["work_seconds"]
                 self.pace.after_update(report["published"], report.get("heldout_flips"), report["learning_pays"])
             self.last_update = report
             for phase, seconds in report.get("work_seconds", {}).items():
@@ -447,7 +460,7 @@ class OnlineLearner:
                          f", {report['vocab_swapped']} tokens swapped into the map" if report.get("vocab_swapped") else "",
                          sum(report["work_seconds"].values()),
                          ", ".join(f"{k} {v:.2f}" for k, v in report["work_seconds"].items()),
-                         {True: "yes", False: "no"}.get(report.get("learning_pays"), "not judged"),
+                         describe_value(report.get("learning_value")),
                          self.update_every_requests)
             losses = report.get("losses") or []
             self.history = (self.history + [{**{k: v for k, v in report.items() if k != "losses"},
@@ -613,10 +626,13 @@ class OnlineLearner:
         report["vs_base"]["published_version"] = self.version
         return True
 
-    def _learning_pays(self, start: float) -> bool | None:
-        """learn/triggers.py `learning_pays` on the last `pace.window` updates: the serving version's held-out
+    def _learning_value(self, start: float) -> dict | None:
+        """learn/triggers.py `learning_value` (what `learning_pays` weighs) on the last `pace.window` updates: the serving version's held-out
         agreement now and before them (now less what each published one gained), their work, over pace_horizon or
-        the learner's lifetime if longer. None before that many updates or without a held-out measure."""
+        the learner's lifetime if longer. None before that many updates, without a held-out measure, or not attached
+        to a serving engine (a fast replay: its seconds are not a server's, and a resumed replay repeats an uncut one)."""
+        if not self.live:
+            return None
         if self._first_update is None:
             self._first_update = start
         if len(self._work) < self._work.maxlen:
@@ -624,7 +640,7 @@ class OnlineLearner:
         now = self._work[-1]["agreement"]
         before = None if now is None else now - sum(w["gained"] for w in self._work)
         horizon = max(self.config.pace_horizon, self.clock() - self._first_update)
-        return learning_pays(before, now, sum(w["work"] for w in self._work), horizon)
+        return learning_value(before, now, sum(w["work"] for w in self._work), horizon)
 
     def _swap_vocab(self):
         """vocab_swap, before training: the map swapped toward the counted traffic (learn/vocab.py) -> (what undo

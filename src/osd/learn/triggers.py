@@ -97,7 +97,16 @@ def learning_pays(agreement_before: float | None, agreement_now: float | None, w
     (benchmarks/live/bench-live-code600-load05-il25-vocabswap-intel.json). Here the first updates on code (agreement
     0.30 -> 0.45: +17% speed) pay for their ~28 s many times over 600 s, chat's (0.21 -> 0.25: +3%) do not, and
     neither do updates that move agreement by a point at 0.5 (+2%)."""
+    value = learning_value(agreement_before, agreement_now, work_seconds, horizon_seconds)
+    return None if value is None else value["saved_seconds"] >= value["work_seconds"]
+
+
+def learning_value(agreement_before: float | None, agreement_now: float | None, work_seconds: float,
+                   horizon_seconds: float) -> dict | None:
+    """What `learning_pays` weighs, for the update's log line and report: the agreements, the speed gain (a share),
+    the serving seconds it saves over the horizon and the work it took. None while either agreement is unknown."""
     if agreement_before is None or agreement_now is None:
         return None
     gain = speed_at(agreement_now) / speed_at(agreement_before) - 1.0
-    return gain * horizon_seconds >= work_seconds
+    return {"agreement_before": agreement_before, "agreement_now": agreement_now, "speed_gain": gain,
+            "saved_seconds": gain * horizon_seconds, "work_seconds": work_seconds, "horizon_seconds": horizon_seconds}
