@@ -278,10 +278,9 @@ def describe_value(value: dict | None) -> str:
     """The update log line's verdict on the last updates (learn/triggers.py learning_value)."""
     if value is None:
         return "not judged"
-    return (f"{'yes' if value['saved_seconds'] >= value['work_seconds'] else 'no'} (held-out agreement "
-            f"{value['agreement_before']:.3f} -> {value['agreement_now']:.3f}: {100 * value['speed_gain']:+.1f}% speed, "
-            f"{value['saved_seconds']:.0f} s saved over {value['horizon_seconds']:.0f} s against "
-            f"{value['work_seconds']:.0f} s of work)")
+    return (f"{'yes' if value['pays'] else 'no'} (held-out agreement {value['agreement_before']:.3f} -> "
+            f"{value['agreement_now']:.3f}: {100 * value['speed_gain']:+.1f}% speed, {value['saved_seconds']:.0f} s "
+            f"saved over {value['horizon_seconds']:.0f} s against {value['work_seconds']:.0f} s of work)")
 
 
 class OnlineLearner:
@@ -299,7 +298,6 @@ class OnlineLearner:
         self.guard_buffer = ReplayBuffer(self.config.guard_capacity, clock)
         self.trigger = UpdateTrigger(self.config.every_requests, self.config.min_positions, self.config.max_age_seconds)
         self.pace = Pace(self.config.back_off)  # every_requests' factor while updates stop paying
-        self.draft_name: str | None = None  # the name it publishes under (known from the first publish)
         # the last updates' work seconds, and the serving version's held-out agreement after each and what the update
         # changed of it: what learning_pays weighs (learn/triggers.py)
         self._work = deque(maxlen=self.pace.window)
@@ -447,8 +445,9 @@ class OnlineLearner:
                 self.pace.reset()  # the drift guard acted: the traffic moved, learn at full pace again
             elif "train_items" in report:  # (not "nothing to train on": that says nothing of the pace)
                 self._work.append(update_outcome(report))
-                report["learning_value"] = value = self._learning_value(start)
-                report["learning_pays"] = None if value is None else value["saved_seconds"] >= value["work_seconds"]
+                self._first_update = start if self._first_update is None else self._first_update
+                report["learning_value"] = value = self._learning_value()
+                report["learning_pays"] = None if value is None else value["pays"]
                 self.pace.after_update(report["published"], report.get("heldout_flips"), report["learning_pays"])
             self.last_update = report
             for phase, seconds in report.get("work_seconds", {}).items():
@@ -626,16 +625,13 @@ class OnlineLearner:
         report["vs_base"]["published_version"] = self.version
         return True
 
-    def _learning_value(self, start: float) -> dict | None:
-        """learn/triggers.py `learning_value` (what `learning_pays` weighs) on the last `pace.window` updates: the serving version's held-out
-        agreement now and before them (now less what each published one gained), their work, over pace_horizon or
-        the learner's lifetime if longer. None before that many updates, without a held-out measure, or not attached
-        to a serving engine (a fast replay: its seconds are not a server's, and a resumed replay repeats an uncut one)."""
-        if not self.live:
-            return None
-        if self._first_update is None:
-            self._first_update = start
-        if len(self._work) < self._work.maxlen:
+    def _learning_value(self) -> dict | None:
+        """learn/triggers.py `learning_value` (what `learning_pays` weighs) on the last `pace.window` updates: the
+        serving version's held-out agreement now and before them (now less what each published one gained), their
+        work, over pace_horizon or the learner's lifetime if longer. None before that many updates, without a
+        held-out measure, or not attached to a serving engine (a fast replay: its seconds are not a server's, and a
+        resumed replay repeats an uncut one)."""
+        if not self.live or len(self._work) < self._work.maxlen:
             return None
         now = self._work[-1]["agreement"]
         before = None if now is None else now - sum(w["gained"] for w in self._work)
@@ -656,7 +652,7 @@ class OnlineLearner:
     def _publish(self) -> None:
         """Publish the master; it now matches what serves, so a later failure in this update returns to it."""
         snapshot = self.publish(self.master)
-        self.version, self.draft_name = snapshot.version, getattr(snapshot, "name", self.draft_name)
+        self.version = snapshot.version
         self._restore_point = None  # (never two restore points in memory at once)
         self._restore_point = RestorePoint(self.weights(), self.optimizer)
 
@@ -842,7 +838,7 @@ class OnlineLearner:
             return False
         self.counters.update(state["counters"])
         snapshot = self.publish(self.master, version=state["version"])
-        self.version, self.draft_name = snapshot.version, getattr(snapshot, "name", self.draft_name)
+        self.version = snapshot.version
         if self.average is not None:  # the trajectory as saved, or (a checkpoint without one) from the average
             saved = load_extra(self.config.checkpoint_dir, TRAJECTORY)
             self.average.load_state_dict(saved or {"trajectory": self.params, "steps": 0})

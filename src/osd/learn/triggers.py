@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from osd.learn.guard import flips_z
-from osd.speed_model import expected_tokens
+from osd.speed_model import expected_speedup
 
 
 @dataclass
@@ -33,8 +33,8 @@ class Pace:
     published updates together did not raise held-out agreement (their held-out flips pooled, McNemar's z,
     guard.flips_z, <= `back_z`) or an update was rejected, halves when they did (z > `keep_z`),
     and stays between; within [1, max_factor]. It also doubles when the speed the last updates bought does not pay
-    for their work (`learning_pays`), however significant their held-out gain. `reset` (the drift guard restored a version: the traffic moved) brings
-    it back to 1 and forgets the window.
+    for their work (`learning_pays`), however significant their held-out gain. `reset` (the drift guard restored a
+    version: the traffic moved) brings it back to 1 and forgets the window.
 
     Pooled, not per update: one update of the serving recipe (8 steps of 2 items) moves held-out agreement by a few
     positions of ~400, within one update's noise, while 300 code requests of them lift it from 0.30 to 0.53
@@ -79,7 +79,7 @@ def speed_at(agreement: float, draft_cost: float = 0.04, row_cost: float = 0.06,
     acceptance): the best k's expected tokens a step over its cost, k draft tokens at `draft_cost` of a one-row target
     pass each and k more rows verified at `row_cost` each (the bundled Q4 target's calibration on the Xeon and on Zen 4:
     a draft token 1.3-1.9 ms against a one-row pass of 48-53 ms, each row to 7 +5-7% of it; k = 0 is the target alone)."""
-    return max(expected_tokens(agreement, k) / (1.0 + k * (draft_cost + row_cost)) for k in range(k_max + 1))
+    return max(expected_speedup(agreement, k, draft_cost, 1.0 + k * row_cost) for k in range(k_max + 1))
 
 
 def learning_pays(agreement_before: float | None, agreement_now: float | None, work_seconds: float,
@@ -98,15 +98,17 @@ def learning_pays(agreement_before: float | None, agreement_now: float | None, w
     0.30 -> 0.45: +17% speed) pay for their ~28 s many times over 600 s, chat's (0.21 -> 0.25: +3%) do not, and
     neither do updates that move agreement by a point at 0.5 (+2%)."""
     value = learning_value(agreement_before, agreement_now, work_seconds, horizon_seconds)
-    return None if value is None else value["saved_seconds"] >= value["work_seconds"]
+    return None if value is None else value["pays"]
 
 
 def learning_value(agreement_before: float | None, agreement_now: float | None, work_seconds: float,
                    horizon_seconds: float) -> dict | None:
     """What `learning_pays` weighs, for the update's log line and report: the agreements, the speed gain (a share),
-    the serving seconds it saves over the horizon and the work it took. None while either agreement is unknown."""
+    the serving seconds it saves over the horizon, the work it took, and whether the one covers the other ("pays").
+    None while either agreement is unknown."""
     if agreement_before is None or agreement_now is None:
         return None
     gain = speed_at(agreement_now) / speed_at(agreement_before) - 1.0
     return {"agreement_before": agreement_before, "agreement_now": agreement_now, "speed_gain": gain,
-            "saved_seconds": gain * horizon_seconds, "work_seconds": work_seconds, "horizon_seconds": horizon_seconds}
+            "saved_seconds": gain * horizon_seconds, "work_seconds": work_seconds, "horizon_seconds": horizon_seconds,
+            "pays": gain * horizon_seconds >= work_seconds}
