@@ -318,7 +318,7 @@ def test_learning_pays_when_the_speed_its_held_out_gain_buys_covers_its_work_ove
     assert learning_pays(0.50, 0.51, 28.0, 900.0) is False  # a point at 0.5: +1.4%
     assert learning_pays(0.45, 0.40, 1.0, 600.0) is False  # agreement fell
     assert learning_pays(None, 0.4, 1.0, 600.0) is None and learning_pays(0.4, None, 1.0, 600.0) is None
-    from osd.learn.online import describe_value
+    from osd.learn.triggers import describe_value
     from osd.learn.triggers import learning_value
     assert describe_value(learning_value(0.30, 0.45, 28.0, 600.0)) == \
         "yes (held-out agreement 0.300 -> 0.450: +16.5% speed, 99 s saved over 600 s against 28 s of work)"
@@ -334,7 +334,7 @@ def test_a_learner_judges_its_last_updates_by_their_held_out_gain_and_work_amort
     """The last pace.window updates' work against the speed their held-out gain buys over pace_horizon (or the
     learner's lifetime if longer): a gain of 2 points an update at 0.3 pays for 7 s an update, a third of a point does
     not; before the window is full, no judgement; a rejected update adds work and no gain."""
-    from osd.learn.online import update_outcome
+    from osd.learn.triggers import update_outcome
 
     def run(gained_each, horizon=600.0, rejected=(), live=True):
         now = [0.0]

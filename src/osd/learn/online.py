@@ -57,7 +57,7 @@ from osd.learn.rehearsal import Reservoir, Sweeps, history_share, mixed_batch
 from osd.learn.residual import add_difference
 from osd.learn.restore import RestorePoint
 from osd.learn.trainable import configure_trainable, split_index
-from osd.learn.triggers import Pace, UpdateTrigger, learning_value
+from osd.learn.triggers import Pace, UpdateTrigger, describe_value, learning_value, update_outcome
 from osd.learn.vocab import TokenCounts, choose_swap, head_name, special_ids_of, swap_head, undo
 from osd.models.derived import base_head_rows
 from osd.models.vocab_map import vocab_ids_of
@@ -260,27 +260,6 @@ def observed_at(request_id: str, factor: int) -> bool:
     """1 request in `factor`, chosen by a hash of its id (stable across processes, unlike hash()): a request observed
     at a factor is observed at every factor that divides it, so the sample only grows as the pace comes back."""
     return factor <= 1 or zlib.crc32(str(request_id).encode()) % factor == 0
-
-
-def update_outcome(report: dict) -> dict:
-    """What the pace weighs of one update's report: its work seconds, the serving version's held-out greedy
-    agreement after it (the candidate's if published, else the version that kept serving; None without held-out
-    positions), and the agreement it changed (its held-out flips over the positions; 0 unless published)."""
-    key = "holdout_after" if report.get("published") else "holdout_before"
-    measured = report.get(key) or {}
-    flips, positions = report.get("heldout_flips"), measured.get("positions") or 0
-    gained = (flips[0] - flips[1]) / positions if report.get("published") and flips and positions else 0.0
-    return {"work": sum(report.get("work_seconds", {}).values()), "agreement": measured.get("greedy_agreement"),
-            "gained": gained}
-
-
-def describe_value(value: dict | None) -> str:
-    """The update log line's verdict on the last updates (learn/triggers.py learning_value)."""
-    if value is None:
-        return "not judged"
-    return (f"{'yes' if value['pays'] else 'no'} (held-out agreement {value['agreement_before']:.3f} -> "
-            f"{value['agreement_now']:.3f}: {100 * value['speed_gain']:+.1f}% speed, {value['saved_seconds']:.0f} s "
-            f"saved over {value['horizon_seconds']:.0f} s against {value['work_seconds']:.0f} s of work)")
 
 
 class OnlineLearner:

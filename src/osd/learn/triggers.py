@@ -112,3 +112,24 @@ def learning_value(agreement_before: float | None, agreement_now: float | None, 
     return {"agreement_before": agreement_before, "agreement_now": agreement_now, "speed_gain": gain,
             "saved_seconds": gain * horizon_seconds, "work_seconds": work_seconds, "horizon_seconds": horizon_seconds,
             "pays": gain * horizon_seconds >= work_seconds}
+
+
+def update_outcome(report: dict) -> dict:
+    """What the pace weighs of one update's report: its work seconds, the serving version's held-out greedy
+    agreement after it (the candidate's if published, else the version that kept serving; None without held-out
+    positions), and the agreement it changed (its held-out flips over the positions; 0 unless published)."""
+    key = "holdout_after" if report.get("published") else "holdout_before"
+    measured = report.get(key) or {}
+    flips, positions = report.get("heldout_flips"), measured.get("positions") or 0
+    gained = (flips[0] - flips[1]) / positions if report.get("published") and flips and positions else 0.0
+    return {"work": sum(report.get("work_seconds", {}).values()), "agreement": measured.get("greedy_agreement"),
+            "gained": gained}
+
+
+def describe_value(value: dict | None) -> str:
+    """The update log line's verdict on the last updates (learn/triggers.py learning_value)."""
+    if value is None:
+        return "not judged"
+    return (f"{'yes' if value['pays'] else 'no'} (held-out agreement {value['agreement_before']:.3f} -> "
+            f"{value['agreement_now']:.3f}: {100 * value['speed_gain']:+.1f}% speed, {value['saved_seconds']:.0f} s "
+            f"saved over {value['horizon_seconds']:.0f} s against {value['work_seconds']:.0f} s of work)")
