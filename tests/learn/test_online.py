@@ -318,8 +318,7 @@ def test_learning_pays_when_the_speed_its_held_out_gain_buys_covers_its_work_ove
     assert learning_pays(0.50, 0.51, 28.0, 900.0) is False  # a point at 0.5: +1.4%
     assert learning_pays(0.45, 0.40, 1.0, 600.0) is False  # agreement fell
     assert learning_pays(None, 0.4, 1.0, 600.0) is None and learning_pays(0.4, None, 1.0, 600.0) is None
-    from osd.learn.triggers import describe_value
-    from osd.learn.triggers import learning_value
+    from osd.learn.triggers import describe_value, learning_value
     assert describe_value(learning_value(0.30, 0.45, 28.0, 600.0)) == \
         "yes (held-out agreement 0.300 -> 0.450: +16.5% speed, 99 s saved over 600 s against 28 s of work)"
     assert describe_value(learning_value(0.21, 0.25, 28.0, 600.0)).startswith("no (") and describe_value(None) == \

@@ -127,7 +127,7 @@ def update_outcome(report: dict) -> dict:
 
 
 def describe_value(value: dict | None) -> str:
-    """The update log line's verdict on the last updates (learn/triggers.py learning_value)."""
+    """The update log line's verdict on the last updates (`learning_value` above)."""
     if value is None:
         return "not judged"
     return (f"{'yes' if value['pays'] else 'no'} (held-out agreement {value['agreement_before']:.3f} -> "
