@@ -79,6 +79,9 @@ class SpeculationConfig:
                               "average acceptance alone")
     lookup: bool = option(False, "propose by n-gram lookup in the request and earlier traffic first, the draft "
                           "model after (propose/ngram.py)")
+    # the lookup's traffic index learns from what is served: `osd serve` derives this from --learn / --no-learn
+    lookup_traffic: bool = option(True, "with --lookup: also look up continuations in earlier requests' prompts and "
+                                  "outputs (the traffic index); off: the request's own tokens only")
     # schedule/scheduler.py; serving() raises it to 8
     max_batch: int = option(1, "sequences decoded together, one target pass per step (continuous batching), "
                             "in [1, 256]")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from dataclasses import replace
 
 from osd.flags import HELP_DEFAULT, add_config_flags, config_from
 from osd.logs import configure_logging
@@ -34,10 +35,12 @@ def register(sub) -> None:
                    help="with --replicas: join this Ray cluster (`auto`, or <head>:6379) instead of starting a local "
                         "one; its actors then outlive this front (default: %(default)s)")
     learn = p.add_argument("--learn", action=argparse.BooleanOptionalAction, default=True)
-    learn.help = "distill the draft online from served traffic (the --learn-* flags)" + HELP_DEFAULT  # set after:
+    learn.help = ("learn from the traffic served: distill the draft online (the --learn-* flags) and, with --lookup, "
+                  "index finished requests for the n-gram lookup; --no-learn: what is served never changes how the "
+                  "server drafts" + HELP_DEFAULT)  # set after:
     #   BooleanOptionalAction (Python 3.11) appends a default of its own
     add_config_flags(p, ModelConfig, title="models")
-    add_config_flags(p, SpeculationConfig.serving(), title="speculative decoding")
+    add_config_flags(p, SpeculationConfig.serving(), skip=("lookup_traffic",), title="speculative decoding")  # --learn
     add_config_flags(p, LearnConfig.serving(), prefix="learn-", title="online learning, with --learn")  # the bare
     #   names (--top-k, ...) stay as hidden aliases
     add_config_flags(p, RouteConfig.serving(), title="several drafts routed per request, with --drafts")
@@ -52,9 +55,16 @@ def default_model_name(target: str) -> str:
     return target.removeprefix("bundled:")
 
 
+def serving_spec(args):
+    """The speculation flags, the lookup's traffic index following --learn (it learns from what is served)."""
+    from osd.config import SpeculationConfig
+
+    return replace(config_from(args, SpeculationConfig), lookup_traffic=args.learn)
+
+
 def cmd_serve(args) -> None:
     from osd.build import attach_learner, build_system
-    from osd.config import ModelConfig, SpeculationConfig
+    from osd.config import ModelConfig
     from osd.engine import calibrate_or_load
     from osd.learn.online import LearnConfig
     from osd.memory import return_freed_memory_to_the_system
@@ -70,7 +80,7 @@ def cmd_serve(args) -> None:
     if args.replicas:
         cmd_serve_cluster(args, settings, models)
         return
-    spec = config_from(args, SpeculationConfig)
+    spec = serving_spec(args)
     system = build_system(models, spec, with_draft=spec.k > 0 or args.learn, route=config_from(args, RouteConfig))
     calibration, source = calibrate_or_load(system.engine, settings.calibration)
     logging.getLogger("osd.serve").info("%s (%s)", system.engine.describe_calibration(calibration), source)
@@ -87,7 +97,6 @@ def cmd_serve(args) -> None:
 
 
 def cmd_serve_cluster(args, settings, models) -> None:
-    from osd.config import SpeculationConfig
     from osd.errors import BackendUnavailable, InvalidArgument
     from osd.learn.online import LearnConfig
     from osd.route.config import RouteConfig
@@ -102,7 +111,7 @@ def cmd_serve_cluster(args, settings, models) -> None:
         raise BackendUnavailable(f"--replicas needs Ray: pip install 'osd[ray]' ({e})") from e
     from osd.build import resolve_draft
 
-    models, spec = resolve_draft(models, config_from(args, SpeculationConfig))  # once, before the replicas start
+    models, spec = resolve_draft(models, serving_spec(args))  # once, before the replicas start
     learn = config_from(args, LearnConfig) if args.learn and models.draft else None  # no draft model: nothing to learn
     name = settings.model_name or default_model_name(models.target)
     serve_cluster(models, spec, learn, settings, name, args.replicas, args.ray_address)
