@@ -323,6 +323,10 @@ def test_learning_pays_when_the_speed_its_held_out_gain_buys_covers_its_work_ove
         "yes (held-out agreement 0.300 -> 0.450: +16.5% speed, 99 s saved over 600 s against 28 s of work)"
     assert describe_value(learning_value(0.21, 0.25, 28.0, 600.0)).startswith("no (") and describe_value(None) == \
         "not judged"
+    assert describe_value(learning_value(0.30, 0.45, 28.0, 600.0, speculable=0.4)) == \
+        "yes (held-out agreement 0.300 -> 0.450: +16.5% speed where it speculates, 0.40 of decoding: +6.6%, 40 s " \
+        "saved over 600 s against 28 s of work)"
+    assert learning_pays(0.30, 0.45, 28.0, 600.0, speculable=0.25) is False  # +4.1%: 25 s saved
     pace = Pace(max_factor=8, window=1)
     assert pace.after_update(True, (9, 0), pays=False) == 2  # held-out agreement rose, but not by enough to pay
     assert pace.after_update(True, (9, 0), pays=True) == 1  # it pays: held-out decides (z > keep_z: halves)
@@ -335,7 +339,7 @@ def test_a_learner_judges_its_last_updates_by_their_held_out_gain_and_work_amort
     not; before the window is full, no judgement; a rejected update adds work and no gain."""
     from osd.learn.triggers import update_outcome
 
-    def run(gained_each, horizon=600.0, rejected=(), live=True):
+    def run(gained_each, horizon=600.0, rejected=(), live=True, speculable=None):
         now = [0.0]
         learner = OnlineLearner(tiny_qwen2(seed=1, layers=1), lambda m, version=None: SimpleNamespace(version=1, name="d"),
                                 LearnConfig(guard=False, every_requests=8, back_off=8, pace_horizon=horizon),
@@ -344,6 +348,9 @@ def test_a_learner_judges_its_last_updates_by_their_held_out_gain_and_work_amort
 
         def training(reason):  # 7 s of work in every 26 s of wall time, held-out agreement + gained_each
             now[0] += 26.0
+            if speculable is not None:  # 19 s of it decoding, that share in passes where a sequence may propose
+                learner.step_stats.decode_seconds += 19.0
+                learner.step_stats.speculable_seconds += 19.0 * speculable
             published = len(judged) not in rejected
             before = {"greedy_agreement": agreement[0], "positions": 400}
             if published:
@@ -354,7 +361,9 @@ def test_a_learner_judges_its_last_updates_by_their_held_out_gain_and_work_amort
                     "losses": [0.1], "work_seconds": {"train": 6.0, "publish": 1.0}}
 
         learner._update = training
-        learner.live = live  # (attach() sets it: a learner beside a serving engine)
+        learner.live = live  # (attach() sets it: a learner beside a serving engine, and its scheduler's stats)
+        if speculable is not None:
+            learner.step_stats = SimpleNamespace(decode_seconds=0.0, speculable_seconds=0.0)
         judged = []
         for _ in range(6):
             learner.update()
@@ -365,6 +374,10 @@ def test_a_learner_judges_its_last_updates_by_their_held_out_gain_and_work_amort
     assert run(0.0025) == ([None, None, None, False, False, False], 8)  # +1 point in 4: 6 s saved < 28 s
     assert run(0.0025, live=False) == ([None] * 6, 1)  # no serving engine (a fast replay): the held-out z alone
     assert run(0.0025, horizon=7200.0)[0][3:] == [True, True, True]  # +0.8% x 7200 s: 55 s saved
+    # prompt chunks fill 3/4 of the decoding seconds (no proposals there): +9% where it speculates is +2% in all
+    assert run(0.02, speculable=0.25) == ([None, None, None, False, False, False], 8)
+    assert run(0.02, speculable=1.0) == ([None, None, None, True, True, True], 1)
+    assert run(0.04, speculable=0.5)[0][3:] == [True, True, True]  # +16 points: +17% where it speculates, +8.5%
     # the last update rejected: its work counts, its gain does not (3 of 4 still pay), and the pace doubles
     assert run(0.02, rejected=(5,)) == ([None, None, None, True, True, True], 2)
     assert update_outcome({"published": False, "heldout_flips": (40, 0), "holdout_before": {"greedy_agreement": 0.3,

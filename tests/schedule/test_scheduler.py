@@ -524,7 +524,8 @@ def test_the_allocation_charges_a_lagging_draft_its_catch_up(target, draft):
 def test_with_company_no_sequence_proposes_in_a_step_that_feeds_prompt_rows(target, draft):
     """Beside prompt rows a step is compute-bound: a proposal row would take a prompt row's place for less than a
     row's worth, so an adaptive batch proposes only in steps of decoding rows alone (while proposals cost nothing,
-    there it does). Fixed k (adaptive off) still proposes at its cap in every step."""
+    there it does). Fixed k (adaptive off) still proposes at its cap in every step. The stats count each step's
+    seconds as decoding, and as speculable where a sequence may propose (what the learner's pace reads)."""
     for adaptive in (True, False):
         engine, _ = engine_over(target, draft, k=3, adaptive=adaptive, max_batch=3, prefill_rows=4)
         engine.row_costs = _Flat()
@@ -537,17 +538,24 @@ def test_with_company_no_sequence_proposes_in_a_step_that_feeds_prompt_rows(targ
             if pending and len(sched.running) < sched.capacity:
                 sched.add(pending.pop(0), SamplingConfig(max_new_tokens=10))
             before = (stats.proposed, stats.prefill_rows, stats.decode_rows)
+            seconds_before = (stats.decode_seconds, stats.speculable_seconds, stats.seconds)
             company = len(sched.running) > 1
             for seq in sched.step():
                 assert seq.error is None, seq.error
             proposed = stats.proposed - before[0]
+            decoding, speculable, step = (now - then for now, then in zip(
+                (stats.decode_seconds, stats.speculable_seconds, stats.seconds), seconds_before))
+            assert decoding == (step if stats.decode_rows > before[2] else 0.0)
             if company and stats.prefill_rows > before[1] and stats.decode_rows > before[2]:
                 beside_prompts.append(proposed)
+                assert speculable == (0.0 if adaptive else decoding)
             elif company and stats.decode_rows > before[2]:
                 alone_decoding.append(proposed)
+                assert speculable == decoding > 0
         assert beside_prompts and alone_decoding
         if adaptive:
             assert sum(beside_prompts) == 0 and sum(alone_decoding) > 0
+            assert 0 < stats.speculable_seconds < stats.decode_seconds
         else:
             assert sum(beside_prompts) > 0
 

@@ -282,6 +282,7 @@ class OnlineLearner:
         self._work = deque(maxlen=self.pace.window)
         self._first_update: float | None = None  # when the first update started: the learner's lifetime
         self.live = False  # attached to a serving engine: only then is work weighed against serving time saved
+        self.step_stats = None  # the serving scheduler's StepStats, once attached (the pace reads its decoding seconds)
         self.params = configure_trainable(master, self.config.trainable, self.config.train_layers, self.config.lora_rank)
         self.split = split_index(master, self.config.train_layers)
         self.dtype = training_dtype(self.config.precision)  # of the step's matrix products (learn/precision.py)
@@ -375,6 +376,7 @@ class OnlineLearner:
         self.live = True
         self.idle.turns = getattr(engine, "turns", None)  # chunks between steps, never beside one
         self.idle.pressure = getattr(engine, "pressure", lambda: False)  # none while a request waits to start
+        self.step_stats = getattr(getattr(engine, "scheduler", None), "stats", None)  # what the pace reads of serving
         return self
 
     # --- updating -------------------------------------------------------------------------------
@@ -423,7 +425,7 @@ class OnlineLearner:
             if "restored_version" in report.get("vs_base", {}):
                 self.pace.reset()  # the drift guard acted: the traffic moved, learn at full pace again
             elif "train_items" in report:  # (not "nothing to train on": that says nothing of the pace)
-                self._work.append(update_outcome(report))
+                self._work.append({**update_outcome(report), **self._decoding_seconds()})
                 self._first_update = start if self._first_update is None else self._first_update
                 report["learning_value"] = value = self._learning_value()
                 report["learning_pays"] = None if value is None else value["pays"]
@@ -615,7 +617,23 @@ class OnlineLearner:
         now = self._work[-1]["agreement"]
         before = None if now is None else now - sum(w["gained"] for w in self._work)
         horizon = max(self.config.pace_horizon, self.clock() - self._first_update)
-        return learning_value(before, now, sum(w["work"] for w in self._work), horizon)
+        return learning_value(before, now, sum(w["work"] for w in self._work), horizon, self._speculable())
+
+    def _decoding_seconds(self) -> dict:
+        """The serving scheduler's decoding seconds so far, and those in passes where a sequence may propose."""
+        stats = self.step_stats
+        return {} if stats is None else {"decode_seconds": stats.decode_seconds,
+                                         "speculable_seconds": stats.speculable_seconds}
+
+    def _speculable(self) -> float:
+        """The share of the decoding seconds since the first of the judged updates spent in passes where a sequence
+        may propose (schedule/scheduler.py: none beside prompt rows): the share a better draft speeds up. 1.0 when
+        unknown (no scheduler, or under a second of decoding)."""
+        then, now = self._work[0], self._decoding_seconds()
+        decoding = now.get("decode_seconds", 0.0) - then.get("decode_seconds", 0.0)
+        if "decode_seconds" not in then or decoding < 1.0:
+            return 1.0
+        return min(1.0, (now["speculable_seconds"] - then["speculable_seconds"]) / decoding)
 
     def _swap_vocab(self):
         """vocab_swap, before training: the map swapped toward the counted traffic (learn/vocab.py) -> (what undo

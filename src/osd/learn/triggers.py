@@ -83,7 +83,7 @@ def speed_at(agreement: float, draft_cost: float = 0.04, row_cost: float = 0.06,
 
 
 def learning_pays(agreement_before: float | None, agreement_now: float | None, work_seconds: float,
-                  horizon_seconds: float) -> bool | None:
+                  horizon_seconds: float, speculable: float = 1.0) -> bool | None:
     """Whether the learner's last updates paid for their work, amortised: the speed their held-out agreement gain
     buys (`speed_at`, now over before, less 1: a share of serving time saved) over the next `horizon_seconds` of
     serving, against the seconds they took. None while either agreement is unknown.
@@ -96,20 +96,28 @@ def learning_pays(agreement_before: float | None, agreement_now: float | None, w
     agreement had stopped rising as soon as the gain so far exceeded the share
     (benchmarks/live/bench-live-code600-load05-il25-vocabswap-intel.json). Here the first updates on code (agreement
     0.30 -> 0.45: +17% speed) pay for their ~28 s many times over 600 s, chat's (0.21 -> 0.25: +3%) do not, and
-    neither do updates that move agreement by a point at 0.5 (+2%)."""
-    value = learning_value(agreement_before, agreement_now, work_seconds, horizon_seconds)
+    neither do updates that move agreement by a point at 0.5 (+2%).
+
+    speculable: the share of the server's decoding seconds spent in passes where a sequence may propose (the
+    scheduler proposes nothing beside prompt rows, schedule/scheduler.py), so the only share a better draft speeds
+    up: chat's long prompts fill many passes with prompt chunks (Zen 4, 0.5 of capacity: 5.4 of 8.3 rows a pass),
+    where agreement buys nothing."""
+    value = learning_value(agreement_before, agreement_now, work_seconds, horizon_seconds, speculable)
     return None if value is None else value["pays"]
 
 
 def learning_value(agreement_before: float | None, agreement_now: float | None, work_seconds: float,
-                   horizon_seconds: float) -> dict | None:
-    """What `learning_pays` weighs, for the update's log line and report: the agreements, the speed gain (a share),
-    the serving seconds it saves over the horizon, the work it took, and whether the one covers the other ("pays").
-    None while either agreement is unknown."""
+                   horizon_seconds: float, speculable: float = 1.0) -> dict | None:
+    """What `learning_pays` weighs, for the update's log line and report: the agreements, the speed gain where the
+    server speculates and over all its decoding (a share: that gain times `speculable`), the serving seconds it saves
+    over the horizon, the work it took, and whether the one covers the other ("pays"). None while either agreement
+    is unknown."""
     if agreement_before is None or agreement_now is None:
         return None
-    gain = speed_at(agreement_now) / speed_at(agreement_before) - 1.0
-    return {"agreement_before": agreement_before, "agreement_now": agreement_now, "speed_gain": gain,
+    speculating_gain = speed_at(agreement_now) / speed_at(agreement_before) - 1.0
+    gain = speculable * speculating_gain
+    return {"agreement_before": agreement_before, "agreement_now": agreement_now,
+            "speculating_gain": speculating_gain, "speculable": speculable, "speed_gain": gain,
             "saved_seconds": gain * horizon_seconds, "work_seconds": work_seconds, "horizon_seconds": horizon_seconds,
             "pays": gain * horizon_seconds >= work_seconds}
 
@@ -130,6 +138,9 @@ def describe_value(value: dict | None) -> str:
     """The update log line's verdict on the last updates (`learning_value` above)."""
     if value is None:
         return "not judged"
+    where = "" if value["speculable"] >= 1.0 else \
+        f" where it speculates, {value['speculable']:.2f} of decoding: {100 * value['speed_gain']:+.1f}%"
     return (f"{'yes' if value['pays'] else 'no'} (held-out agreement {value['agreement_before']:.3f} -> "
-            f"{value['agreement_now']:.3f}: {100 * value['speed_gain']:+.1f}% speed, {value['saved_seconds']:.0f} s "
+            f"{value['agreement_now']:.3f}: {100 * value['speculating_gain']:+.1f}% speed"
+            f"{where}, {value['saved_seconds']:.0f} s "
             f"saved over {value['horizon_seconds']:.0f} s against {value['work_seconds']:.0f} s of work)")

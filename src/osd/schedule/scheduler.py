@@ -92,6 +92,8 @@ class StepStats:
     last_rows: int = 0
     last_seconds: float = 0.0
     reused_rows: int = 0  # prompt tokens whose keys/values a slot held already (prefix reuse)
+    decode_seconds: float = 0.0  # passes with decoding rows
+    speculable_seconds: float = 0.0  # ... of them, those where a sequence may propose (no prompt rows beside it)
     tree_shapes: Counter = field(default_factory=Counter)  # nodes per depth of each verified tree -> steps
 
 
@@ -228,7 +230,8 @@ class Scheduler:
         t2 = e.clock()
         features = self.slots.features if self.keeps_features else [None] * len(logits)  # per feed (n_logits, H)
         rows = sum(len(f.tokens) for f in feeds)
-        self._record(rows, decode_rows, t2 - t1, alone=len(self.running) == 1, plans=plans, contexts=contexts)
+        self._record(rows, decode_rows, t2 - t1, alone=len(self.running) == 1, plans=plans, contexts=contexts,
+                     speculable=not (prefilling and decoding and e.spec.adaptive))
         for s in prefilling:
             s.prefill_seconds += t2 - t0
         done = failed
@@ -556,7 +559,8 @@ class Scheduler:
             target_probs[:on_path], proposal.draft_probs[:on_path]).tolist() if tree.chain else []
         return VerifyOutcome(agreed, emitted[agreed]), betas, emitted, [0] + [1 + j for j in path]
 
-    def _record(self, rows: int, decode_rows: int, seconds: float, alone: bool, plans, contexts: list[int]) -> None:
+    def _record(self, rows: int, decode_rows: int, seconds: float, alone: bool, plans, contexts: list[int],
+                speculable: bool = True) -> None:
         e, st = self.engine, self.stats
         if alone and plans and rows == decode_rows:  # one sequence decoding: the per-rows costs the policies read
             e.target_costs.observe(rows - 1, seconds)
@@ -567,6 +571,9 @@ class Scheduler:
         st.decode_rows += decode_rows
         st.prefill_rows += rows - decode_rows
         st.seconds += seconds
+        if decode_rows:
+            st.decode_seconds += seconds
+            st.speculable_seconds += seconds if speculable else 0.0
         st.sequence_steps += len(plans)
         st.proposed += sum(p.k for _, p, _, _ in plans)
         st.last_rows, st.last_seconds = rows, seconds
