@@ -195,11 +195,12 @@ def speculative_engine(system: System, target, spec: SpeculationConfig, draft: s
         else None
     head = FeatureHeadProposer(system.registry, HEAD, as_runner(target).embed, vocab_size) \
         if HEAD in system.registry.names() and spec.k > 0 else None
+    lookup = NgramProposer(vocab_size, traffic=spec.lookup_traffic) if spec.lookup else None
     if head is not None:  # the lookup first where asked, then the head (no draft model: build_system loads none)
-        sources = ([NgramProposer(vocab_size, traffic=spec.lookup_traffic)] if spec.lookup else []) + [head] + ([proposer] if proposer else [])
+        sources = ([lookup] if lookup else []) + [head] + ([proposer] if proposer else [])
         proposer = Sources(sources, versioned=sources.index(head))
-    elif spec.lookup and spec.k > 0:
-        proposer = LookupThenDraft(NgramProposer(vocab_size, traffic=spec.lookup_traffic), proposer)
+    elif lookup and spec.k > 0:
+        proposer = LookupThenDraft(lookup, proposer)
     engine = SpeculativeEngine(target, system.tokenizer, proposer, spec)
     if getattr(engine.target, "greedy_identity", "exact") != "exact" and proposer is not None:
         from osd.models.llama_cpp_runner import IDENTITY_NOTE

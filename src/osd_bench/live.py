@@ -52,6 +52,7 @@ LEARNER_SERIES = {  # /metrics sample -> short name (learn/online.py stats, lear
     # where a step's seconds go, for both arms (a learning server's passes, rows and drafting against the other's)
     "osd_schedule_steps_total": "passes", "osd_schedule_rows_total": "rows",
     "osd_schedule_prefill_rows_total": "prompt_rows",
+    "osd_schedule_decode_seconds_total": "decode_seconds", "osd_schedule_speculable_seconds_total": "speculable_seconds",
     "osd_spec_draft_seconds_total": "draft_seconds"}
 # an update's work by phase (learn/online.py UPDATE_PHASES), matched by name: the bench's client never loads torch
 WORK_PREFIX, WORK_SUFFIX = "osd_learner_work_seconds_", "_total"
@@ -225,6 +226,7 @@ def summarise_rows(rows: list[dict], scrapes: list[dict]) -> dict:
     passes, pass_seconds = _delta(scrapes, t0, t1, "passes"), _delta(scrapes, t0, t1, "step_seconds")
     rows_fed, draft_seconds = _delta(scrapes, t0, t1, "rows"), _delta(scrapes, t0, t1, "draft_seconds")
     prompt_rows = _delta(scrapes, t0, t1, "prompt_rows")
+    decoding, speculable = _delta(scrapes, t0, t1, "decode_seconds"), _delta(scrapes, t0, t1, "speculable_seconds")
     return {"requests": len(rows), "errors": len(rows) - len(ok),
             "decode_tps_mean": sum(tps) / len(tps) if tps else None, "decode_tps_p50": percentile(tps, 50),
             "ttft_p50": percentile([r["ttft"] for r in ok if r["ttft"] is not None], 50),
@@ -242,6 +244,8 @@ def summarise_rows(rows: list[dict], scrapes: list[dict]) -> dict:
             "rows_per_pass": rows_fed / passes if passes and rows_fed is not None else None,
             "prompt_rows_per_pass": prompt_rows / passes if passes and prompt_rows is not None else None,
             "pass_ms": 1e3 * pass_seconds / passes if passes and pass_seconds is not None else None,
+            # of the passes' decoding seconds, the share where a sequence may propose (none beside prompt rows)
+            "speculable_share": speculable / decoding if decoding and speculable is not None else None,
             "draft_share": draft_seconds / span if draft_seconds is not None and span > 0 else None}
 
 

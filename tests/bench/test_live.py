@@ -32,10 +32,10 @@ def _rows(tps: list[float], texts=None, version_from=None):
 def test_windows_the_headline_ratios_and_greedy_identity():
     scrapes = [{"t": 0.0, "optimizer_steps": 0, "published": 0, "learner_busy_seconds": 0.0,
                 "learner_idle_seconds": 0.0, "serving_seconds": 0.0, "passes": 0, "rows": 0, "step_seconds": 0.0,
-                "draft_seconds": 0.0, "prompt_rows": 0},
+                "draft_seconds": 0.0, "prompt_rows": 0, "decode_seconds": 0.0, "speculable_seconds": 0.0},
                {"t": 8.0, "optimizer_steps": 16, "published": 1, "learner_busy_seconds": 0.8,
                 "learner_idle_seconds": 0.0, "serving_seconds": 7.2, "passes": 80, "rows": 240, "step_seconds": 6.4,
-                "draft_seconds": 0.4, "prompt_rows": 96}]
+                "draft_seconds": 0.4, "prompt_rows": 96, "decode_seconds": 6.0, "speculable_seconds": 4.5}]
     on_rows = _rows([9.0] * 4 + [12.0] * 4, texts={7: "different"}, version_from=4)
     off_rows = _rows([10.0] * 8)
     on = {"rows": on_rows, "scrapes": scrapes, "windows": windows(on_rows, scrapes, 4)}
@@ -47,6 +47,7 @@ def test_windows_the_headline_ratios_and_greedy_identity():
     assert w["rows_per_pass"] == pytest.approx(3.0) and w["pass_ms"] == pytest.approx(80.0)
     assert w["prompt_rows_per_pass"] == pytest.approx(1.2)  # 96 of the 240 rows were prompt rows
     assert w["draft_share"] == pytest.approx(0.05)  # 0.2 s of drafting over the window's 4 s
+    assert w["speculable_share"] == pytest.approx(0.75)  # 4.5 of the 6 s of decoding passes had no prompt rows
     assert off["windows"][0]["optimizer_steps"] is None  # no learner series scraped
     assert off["windows"][0]["pass_ms"] is None
     c = compare(on, off, 4)

@@ -28,6 +28,8 @@ scraper's to derive:
   osd_sequences_running, osd_sequence_capacity      gauges: sequences in the scheduler now, and its room
   osd_schedule_{steps,rows,prefill_rows,reused_rows,sequence_steps,proposed,accepted,emitted}_total, and
   osd_schedule_step_seconds_total                   (reused_rows: prompt tokens a slot's cache held already)
+  osd_schedule_{decode,speculable}_seconds_total    seconds of passes with decoding rows, and of those where a
+                                                    sequence may propose (what the learner's pace weighs)
                                                     the scheduler's steps (schedule/scheduler.py StepStats): rows per
                                                     step = rows / steps, mean k = proposed / sequence_steps, goodput =
                                                     accepted / step_seconds, tokens/s = emitted / step_seconds
@@ -223,6 +225,11 @@ def schedule_families(stats) -> list:
                                             value=getattr(stats, name)))
     families.append(CounterMetricFamily("osd_schedule_step_seconds", "Seconds in the scheduler's target passes.",
                                         value=stats.seconds))
+    families.append(CounterMetricFamily("osd_schedule_decode_seconds", "Seconds of the target passes with decoding "
+                                        "rows.", value=stats.decode_seconds))
+    families.append(CounterMetricFamily("osd_schedule_speculable_seconds", "Seconds of the target passes with "
+                                        "decoding rows where a sequence may propose (no prompt rows beside them).",
+                                        value=stats.speculable_seconds))
     families.append(GaugeMetricFamily("osd_schedule_last_rows", "Rows of the latest step.", value=stats.last_rows))
     families.append(GaugeMetricFamily("osd_schedule_last_step_seconds", "Seconds of the latest step's target pass.",
                                       value=stats.last_seconds))
