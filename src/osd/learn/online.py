@@ -282,8 +282,8 @@ class OnlineLearner:
         self._work = deque(maxlen=self.pace.window)
         self._first_update: float | None = None  # when the first update started: the learner's lifetime
         self.live = False  # attached to a serving engine: only then is work weighed against serving time saved
-        self.step_stats = None  # the serving scheduler's StepStats, once attached (the pace reads its decoding seconds)
         self.step_stats = None  # the serving scheduler's StepStats once attached: the pace reads its seconds
+        self.params = configure_trainable(master, self.config.trainable, self.config.train_layers, self.config.lora_rank)
         self.split = split_index(master, self.config.train_layers)
         self.dtype = training_dtype(self.config.precision)  # of the step's matrix products (learn/precision.py)
         # fused: one kernel over all the parameters (15 ms a step against 49 ms for the per-tensor loop, Zen 4:
