@@ -630,8 +630,10 @@ class OnlineLearner:
         may propose (schedule/scheduler.py: none beside prompt rows): the share a better draft speeds up. 1.0 when
         unknown (no scheduler, or under a second of decoding)."""
         then, now = self._work[0], self._decoding_seconds()
-        decoding = now.get("decode_seconds", 0.0) - then.get("decode_seconds", 0.0)
-        if "decode_seconds" not in then or decoding < 1.0:
+        if "decode_seconds" not in then:
+            return 1.0
+        decoding = now["decode_seconds"] - then["decode_seconds"]
+        if decoding < 1.0:
             return 1.0
         return min(1.0, (now["speculable_seconds"] - then["speculable_seconds"]) / decoding)
 

@@ -231,7 +231,7 @@ class Scheduler:
         features = self.slots.features if self.keeps_features else [None] * len(logits)  # per feed (n_logits, H)
         rows = sum(len(f.tokens) for f in feeds)
         self._record(rows, decode_rows, t2 - t1, alone=len(self.running) == 1, plans=plans, contexts=contexts,
-                     speculable=not (prefilling and decoding and e.spec.adaptive))
+                     speculable=not self._quiet_beside_prompts(prefilling))
         for s in prefilling:
             s.prefill_seconds += t2 - t0
         done = failed
@@ -243,6 +243,10 @@ class Scheduler:
                 done.append(self._end(seq, err))
         return done
 
+    def _quiet_beside_prompts(self, prefilling) -> bool:
+        """No sequence proposes in this step: it feeds prompt rows and k is adaptive (the module's docstring)."""
+        return bool(prefilling) and self.engine.spec.adaptive
+
     def _propose(self, decoding: list[Sequence], prefilling: bool):
         plans, failed = [], []
         if len(decoding) == 1 and not prefilling and len(self.running) == 1:
@@ -252,7 +256,7 @@ class Scheduler:
             except Exception as err:  # noqa: BLE001
                 failed.append(self._end(seq, err))
             return plans, failed
-        if prefilling and self.engine.spec.adaptive:  # prompt rows fill this step (the module's docstring says why)
+        if self._quiet_beside_prompts(prefilling):  # prompt rows fill this step (the module's docstring says why)
             return [(seq, Proposal([]), None, 0.0) for seq in decoding], failed
         asked: list[tuple[Sequence, Ask]] = []
         for seq in decoding:
