@@ -249,3 +249,91 @@ def test_the_engine_gives_the_policy_the_catch_up_of_the_draft_it_would_ask():
     engine.generate(prompt, GREEDY)
     assert seen and seen[0] == pytest.approx(0.002 * (len(prompt) - 1))
     assert seen == sorted(seen)  # the lag grows with every token committed without the draft
+
+
+def test_traffic_lookup_proposes_from_earlier_requests_only_and_its_forks_share_the_index():
+    from osd.propose.ngram import TrafficLookup
+    traffic = TrafficLookup(vocab_size=20, min_n=2, max_n=2)
+    twin = traffic.fork()
+    assert traffic.propose([3, 4, 3, 4], 2, GREEDY).tokens == []  # the request's own repeat is not its business
+    twin.observe_request([1, 2, 7, 8, 9])  # one sequence's finished request teaches the others
+    assert traffic.propose([5, 1, 2], 3, GREEDY).tokens == [7, 8, 9]
+    sampled = traffic.propose([5, 1, 2], 2, SamplingConfig(temperature=1.0, max_new_tokens=8))
+    assert torch.equal(sampled.draft_probs, torch.eye(20)[[7, 8]])
+    chained = LookupThenDraft(NgramProposer(20, traffic=False), FixedDraft(), traffic)
+    assert chained.name == "ngram+traffic+fixed" and chained.sources[1] is traffic
+    chained.begin([5, 1, 2, 9, 1, 2])
+    assert chained.propose([5, 1, 2, 9, 1, 2], 2, GREEDY).tokens == [9, 1]  # the request's own match first
+
+
+class Scripted:
+    """Proposes the target's greedy continuation (`wants`, by prompt), right for its first `right` tokens of a
+    proposal and wrong after; `seconds` per draft token (None: a free source). Forks share the wants and the calls."""
+
+    runner, version = None, 0
+
+    def __init__(self, name, wants, right, seconds, calls=None):
+        self.name, self.wants, self.right, self.seconds = name, wants, right, seconds
+        self.calls = calls if calls is not None else [0]
+
+    def fork(self):
+        return Scripted(self.name, self.wants, self.right, self.seconds, self.calls)
+
+    def begin(self, prompt_ids, prefill=True):
+        self.prompt = tuple(prompt_ids)
+
+    def propose(self, tokens, k, sampling, generator=None):
+        self.calls[0] += 1
+        want = self.wants[self.prompt]
+        out = want[len(tokens) - len(self.prompt):][:k]
+        out = out[: self.right] + [(t + 1) % VOCAB for t in out[self.right:]]
+        return Proposal(out, single_token_seconds=[self.seconds] * len(out) if self.seconds else None)
+
+    def rollback(self, length):
+        pass
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_a_free_lookup_leaves_its_turn_to_a_draft_that_is_accepted_more_often(together):
+    """A free source right on 1 token of each proposal (acceptance ~0.5, which pays at zero cost) before a draft right
+    on all of them: the draft proposes, and the lookup is asked again only as a probe, alone and beside another
+    sequence; the answers stay the target's. Without the rule (`_outranked` never true) the lookup takes every turn."""
+    from osd.propose.chain import Sources
+    target = tiny_qwen2(0)
+    prompts = [[5, 6, 7, 8, 9, 10] * 3, [11, 3, 9, 4, 12, 2]]
+    sampling = SamplingConfig(max_new_tokens=64)
+    plain = SpeculativeEngine(target, ToyTokenizer(), None, SpeculationConfig(k=0))
+    wants = {tuple(p): plain.generate(p, sampling).token_ids for p in prompts}
+
+    def run(rule: bool):
+        lookup, draft = Scripted("lookup", wants, 1, None), Scripted("draft", wants, 99, 0.001)
+        engine = SpeculativeEngine(target, ToyTokenizer(), Sources([lookup, draft]),
+                                   SpeculationConfig(k=4, adaptive=True, max_batch=2), clock=TickClock())
+        engine.target_costs.calibrate([0.030, 0.031, 0.032, 0.033, 0.034])  # verification ~free: any k > 0 pays
+        engine.row_costs.calibrate({n: 0.030 + 0.001 * n for n in range(1, 16)})
+        for policy, t in zip(engine.policies, [0.0, 0.001]):
+            policy.calibrate(t)
+        if not rule:
+            engine.scheduler._outranked = lambda *args: False
+        if together:
+            sched = engine.scheduler
+            seqs = [sched.add(p, sampling) for p in prompts]
+            while sched.running:
+                sched.step()
+            results = [s.result for s in seqs]
+        else:
+            results = [engine.generate(p, sampling) for p in prompts]
+        assert [r.token_ids for r in results] == [wants[tuple(p)] for p in prompts]
+        return lookup.calls[0], draft.calls[0], sum(len(r.steps) for r in results)
+
+    asked, drafted, steps = run(rule=True)
+    assert drafted >= steps // 2 and asked <= 4 + steps // 8  # the first asks, then a probe in PROBE_EVERY asks
+    asked_before, drafted_before, steps_before = run(rule=False)
+    assert asked_before >= steps_before - 2 and drafted_before <= 2 and steps < steps_before
+
+
+def test_a_traffic_lookup_that_does_not_learn_keeps_its_index_empty():
+    from osd.propose.ngram import TrafficLookup
+    still = TrafficLookup(vocab_size=20, min_n=2, max_n=2, learns=False)
+    still.fork().observe_request([1, 2, 7, 8, 9])
+    assert not still.index.table and still.propose([5, 1, 2], 3, GREEDY).tokens == []

@@ -21,7 +21,7 @@ from osd.propose import DraftModelProposer
 from osd.propose.chain import Sources
 from osd.propose.copy_choice import serving_copy
 from osd.propose.feature_head import FeatureHeadProposer
-from osd.propose.ngram import LookupThenDraft, NgramProposer
+from osd.propose.ngram import LookupThenDraft, NgramProposer, TrafficLookup
 
 DEFAULT_DRAFT = "default"
 HEAD = "head"  # the feature head's name in the draft registry
@@ -195,12 +195,15 @@ def speculative_engine(system: System, target, spec: SpeculationConfig, draft: s
         else None
     head = FeatureHeadProposer(system.registry, HEAD, as_runner(target).embed, vocab_size) \
         if HEAD in system.registry.names() and spec.k > 0 else None
-    lookup = NgramProposer(vocab_size, traffic=spec.lookup_traffic) if spec.lookup else None
+    # the request's lookup, then the traffic's as a source of its own, its acceptance apart (ngram.py); learning off,
+    # its index stays empty (the same sources, so one calibration fits both)
+    lookup = NgramProposer(vocab_size, traffic=False) if spec.lookup else None
+    traffic = TrafficLookup(vocab_size, learns=spec.lookup_traffic) if spec.lookup else None
     if head is not None:  # the lookup first where asked, then the head (no draft model: build_system loads none)
-        sources = ([lookup] if lookup else []) + [head] + ([proposer] if proposer else [])
+        sources = [s for s in (lookup, traffic) if s] + [head] + ([proposer] if proposer else [])
         proposer = Sources(sources, versioned=sources.index(head))
     elif lookup and spec.k > 0:
-        proposer = LookupThenDraft(lookup, proposer)
+        proposer = LookupThenDraft(lookup, proposer, traffic)
     engine = SpeculativeEngine(target, system.tokenizer, proposer, spec)
     if getattr(engine.target, "greedy_identity", "exact") != "exact" and proposer is not None:
         from osd.models.llama_cpp_runner import IDENTITY_NOTE

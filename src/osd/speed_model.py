@@ -177,6 +177,10 @@ class KPolicy:
             return None
         return best_k(self.alpha if alpha is None else alpha, self.t_draft, costs[: cap + 1], cap)
 
+    def would_speculate(self, cap: int) -> bool:
+        """Whether k > 0 pays at the estimated acceptance and one-row costs (costs measured; nothing changes)."""
+        return bool(self._best(cap))
+
     def could_pay(self) -> bool:
         """Whether speculation would pay at one-row costs if every token were accepted (costs measured)."""
         return bool(self._best(self.k_max, alpha=1.0))

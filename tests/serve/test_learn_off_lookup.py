@@ -1,5 +1,5 @@
 """`osd serve --no-learn` learns nothing from the traffic it serves: with --lookup, the n-gram lookup reads the
-request's own tokens only (no traffic index); learning on (the default), every finished request enters the lookup's
+request's own tokens only (the traffic's lookup keeps an empty index); learning on (the default), every finished request enters the lookup's
 traffic index, so a later request that repeats an earlier answer's words is proposed its continuation."""
 from __future__ import annotations
 
@@ -33,13 +33,15 @@ def test_a_server_that_does_not_learn_keeps_no_traffic_and_answers_the_same(tmp_
         system = build_system(models, SpeculationConfig(k=3, adaptive=False, lookup=True, lookup_traffic=learn))
         prompt = system.tokenizer.encode("hello world")
         first = system.engine.generate(prompt, SamplingConfig(max_new_tokens=12)).token_ids
-        traffic = system.engine.proposer.lookup.traffic
+        assert system.engine.proposer.lookup.traffic is None  # the request's lookup reads the request only
+        traffic = system.engine.proposer.traffic.index  # the traffic's lookup, a source of its own (propose/ngram.py)
+        assert [s.name for s in system.engine.sources][:2] == ["ngram", "traffic"]  # learning on or off
         if learn:  # the finished request's prompt and answer, indexed
             expected = TrafficIndex(traffic.min_n, traffic.max_n)
             expected.add(prompt + first)
             assert traffic.table and list(traffic.table.items()) == list(expected.table.items())
         else:
-            assert traffic is None
+            assert not traffic.table
         second = system.engine.generate(prompt + first[:4], SamplingConfig(max_new_tokens=8)).token_ids
         answers[learn] = (first, second)
     assert answers[True] == answers[False]  # learning changes how fast, never what

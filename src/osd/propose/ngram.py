@@ -5,6 +5,11 @@ prompt and output or in recent requests' outputs, proposes the tokens that follo
 deterministic, so its draft distribution is one-hot: rejection sampling stays lossless (accept with the
 target's probability of the token, else draw from the target with that token removed).
 It learns online for free: every finished request's tokens enter the traffic index (`observe_request`).
+Served (build.py), the traffic index is a source of its own (`TrafficLookup`), after the request's lookup and before
+the draft: its acceptance is measured apart from the request's, and the scheduler lets a free source's proposal go
+first only where that source is accepted at least as often as the draft behind it (schedule/scheduler.py
+`_outranked`). On chat's varied answers, a match in another request's answer proposed worse than the draft proposal it
+displaced: 0.93x live with the index learning (`bench-live-chat300-lookup-load05-il25-zen4.json`).
 """
 from __future__ import annotations
 
@@ -121,17 +126,52 @@ class NgramProposer:
             self.traffic.add(token_ids)
 
 
+class TrafficLookup:
+    """Proposes what followed the longest matching suffix in earlier requests only (a shared `TrafficIndex`): the
+    traffic as a source of its own, its acceptance measured apart from the request's own lookup (module docstring).
+    learns=False (a server that does not learn): the index stays empty, so the source proposes nothing, and the
+    engine's sources (and the calibration it measures or reads, one cost per source) are the same either way."""
+
+    version = 0
+
+    def __init__(self, vocab_size: int, min_n: int = 2, max_n: int = 4, index: TrafficIndex | None = None,
+                 name: str = "traffic", learns: bool = True):
+        self.vocab_size, self.name, self.learns = vocab_size, name, learns
+        self.index = index if index is not None else TrafficIndex(min_n, max_n)
+
+    def fork(self) -> "TrafficLookup":
+        """Another sequence's: the same index (what one request teaches serves the next)."""
+        return TrafficLookup(self.vocab_size, index=self.index, name=self.name, learns=self.learns)
+
+    def begin(self, prompt_ids: list[int], prefill: bool = True) -> None:
+        """Nothing per sequence."""
+
+    def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator=None) -> Proposal:
+        proposed = self.index.lookup(tokens, k)
+        return Proposal(proposed, None if sampling.greedy else one_hot_rows(proposed, self.vocab_size),
+                        single_token_seconds=None)
+
+    def rollback(self, length: int) -> None:
+        """Nothing cached."""
+
+    def observe_request(self, token_ids: list[int]) -> None:
+        if self.learns:
+            self.index.add(token_ids)
+
+
 class LookupThenDraft(Sources):
-    """The n-gram lookup first; where it finds nothing, the draft model (if any) proposes (propose/chain.py Sources).
+    """The n-gram lookup first (the request's, then the traffic's where given); where it finds nothing, the draft model
+    (if any) proposes (propose/chain.py Sources).
 
     The engine tries `sources` in order, each under its own k policy (lookup proposals cost ~nothing, model
     proposals cost draft forwards). The draft model's cache catches up on the tokens committed without it
     the next time it drafts.
     """
 
-    def __init__(self, lookup: NgramProposer, draft=None):
-        super().__init__([lookup] + ([draft] if draft is not None else []))
-        self.lookup, self.draft = lookup, draft
+    def __init__(self, lookup: NgramProposer, draft=None, traffic: TrafficLookup | None = None):
+        super().__init__([lookup] + ([traffic] if traffic is not None else []) + ([draft] if draft is not None else []))
+        self.lookup, self.traffic, self.draft = lookup, traffic, draft
 
     def fork(self) -> "LookupThenDraft":
-        return LookupThenDraft(self.lookup.fork(), self.draft.fork() if self.draft is not None else None)
+        return LookupThenDraft(self.lookup.fork(), self.draft.fork() if self.draft is not None else None,
+                               self.traffic.fork() if self.traffic is not None else None)

@@ -8,7 +8,8 @@ finished ones leave (continuous batching); a cancelled or failed sequence leaves
 k per sequence: alone, the engine's per-source policies choose exactly as they do for one request (speed_model.py
 KPolicy: probes, refreshes); with company, `allocate_k` (schedule/goodput.py) maximises the step's goodput from each
 sequence's live acceptance and the measured cost of a pass by rows, so speculation backs off where the machine is
-saturated. Sources that cost nothing to ask (the n-gram lookup) propose first; a draft model proposes after the
+saturated. Sources that cost nothing to ask (the n-gram lookup) propose first, where this sequence accepts their
+tokens at least as often as the draft model's behind them (`_outranked`); a draft model proposes after the
 allocation, with the k it was given. With company, no sequence proposes in a step that feeds prompt rows: such a step
 is compute-bound (16-256 prompt rows), where a proposal row costs a full row's share and takes a prompt row's place,
 and a prompt row is one row of work done where a proposal row is worth its acceptance (< 1). (`osd bench serve-vs` on
@@ -61,6 +62,11 @@ CAUGHT_UP = 2  # a draft whose cache lags by at most this many tokens drafts ahe
 DRAFT_AHEAD_CHANCE = 0.3  # drafting ahead goes on while the chance of the tokens so far all accepted stays >= this
 
 
+def _free(policy) -> bool:
+    """A source whose proposals cost (next to) nothing: asked before the allocation (the n-gram lookups)."""
+    return policy.t_draft is not None and policy.t_draft < FREE_SECONDS
+
+
 def catch_up_seconds(source, policy, tokens: list[int]) -> float:
     """What a proposal from `source` would first feed: the tokens its draft cache lags by, at the policy's calibrated
     seconds per token (0 for a source without a cache, the lookup)."""
@@ -107,6 +113,7 @@ class Scheduler:
         self.stats = StepStats()
         self.capacity = self.slots.n_slots if engine.proposer is None or forkable(engine.proposer) else 1
         self._free = list(range(self.capacity))
+        self._outranked_asks = Counter()  # source index -> times a free source left its turn to a draft (`_outranked`)
         self._proposers = {0: engine.proposer}  # slot -> its proposer: slot 0 the engine's own, the others forks
         self._held: dict[int, list[int]] = {}  # slot -> the tokens its cache holds (exclusive slots only)
         self.keeps_features = any(getattr(s, "reads_target_features", False) for s in engine.sources)
@@ -364,9 +371,12 @@ class Scheduler:
         """One sequence alone: the first source whose policy asks for k > 0 and that finds tokens (the engine's
         single-request rule, policies and all), grown into a token tree where trees are on."""
         e = self.engine
+        cap = max(0, min(e.k_max, seq.remaining - 1))
         for j, (source, policy) in enumerate(zip(seq.sources, e.policies)):
             if self._drafts_ahead_alone(seq, source, policy):
                 return self._propose_ahead_alone(seq, j)
+            if self._outranked(seq, j, cap):
+                continue
             k = policy.choose_k(seq.remaining, catch_up_seconds(source, policy, seq.tokens))
             if k:
                 t0 = e.clock()
@@ -427,6 +437,8 @@ class Scheduler:
             t_draft = policy.t_draft if policy.t_draft is not None else float("inf")
             alpha = seq.alphas[j].value(policy.alpha)
             if t_draft < FREE_SECONDS:
+                if self._outranked(seq, j, cap):
+                    continue
                 proposal = source.propose(seq.tokens, cap, seq.sampling, seq.generator)
                 if proposal.k:
                     return Ask(j, proposal, alpha, 0.0, 0.0, proposal.k)
@@ -434,6 +446,23 @@ class Scheduler:
             catch_up = amortized_catch_up(catch_up_seconds(source, policy, seq.tokens), seq.remaining, alpha)
             return Ask(j, None, alpha, t_draft, catch_up, cap)
         return Ask(None, None, 0.0, 0.0, 0.0, 0)
+
+    def _outranked(self, seq: Sequence, j: int, cap: int) -> bool:
+        """Whether free source j leaves its turn to the first draft model behind it: k is adaptive, that draft would
+        speculate (its policy's k at its acceptance, one-row costs) and this sequence accepts its tokens more often than
+        j's (live acceptance, each shrunk towards its source's). A lookup match from another request's answer that
+        proposes worse than the draft it displaces costs a row the draft's tokens would have earned more from (chat,
+        propose/ngram.py). Every PROBE_EVERY-th time it goes ahead anyway: j's acceptance moves only when it proposes."""
+        e = self.engine
+        if not e.spec.adaptive or not _free(e.policies[j]):
+            return False
+        behind = next((m for m in range(j + 1, len(seq.sources)) if not _free(e.policies[m])), None)
+        if behind is None or not e.policies[behind].would_speculate(cap):
+            return False
+        if seq.alphas[j].value(e.policies[j].alpha) >= seq.alphas[behind].value(e.policies[behind].alpha):
+            return False
+        self._outranked_asks[j] += 1
+        return self._outranked_asks[j] % PROBE_EVERY != 0
 
     def _probe(self, seq: Sequence, k: int, source: int | None, decoding: int) -> int:
         """k, or 1 where the sequence has sat at k = 0 for PROBE_EVERY steps per decoding sequence with a source to ask:
