@@ -77,8 +77,8 @@ class SpeculationConfig:
     confidence: bool = option(True, "draft first, then verify each sequence's drafted tokens as far as the draft's "
                               "confidence in them says it pays (adaptive k; schedule/confidence.py); off: k from the "
                               "average acceptance alone")
-    lookup: bool = option(False, "propose by n-gram lookup in the request and earlier traffic first, the draft "
-                          "model after (propose/ngram.py)")
+    lookup: bool = option(False, "propose by n-gram lookup in the request and earlier traffic first, where accepted "
+                          "at least as often as the draft; the draft model after (propose/ngram.py)")
     # the lookup's traffic index learns from what is served: `osd serve` derives this from --learn / --no-learn
     lookup_traffic: bool = option(True, "with --lookup: also look up continuations in earlier requests' prompts and "
                                   "outputs (the traffic index); off: the request's own tokens only")
