@@ -62,7 +62,7 @@ CAUGHT_UP = 2  # a draft whose cache lags by at most this many tokens drafts ahe
 DRAFT_AHEAD_CHANCE = 0.3  # drafting ahead goes on while the chance of the tokens so far all accepted stays >= this
 
 
-def _free(policy) -> bool:
+def _costs_nothing(policy) -> bool:
     """A source whose proposals cost (next to) nothing: asked before the allocation (the n-gram lookups)."""
     return policy.t_draft is not None and policy.t_draft < FREE_SECONDS
 
@@ -454,9 +454,9 @@ class Scheduler:
         proposes worse than the draft it displaces costs a row the draft's tokens would have earned more from (chat,
         propose/ngram.py). Every PROBE_EVERY-th time it goes ahead anyway: j's acceptance moves only when it proposes."""
         e = self.engine
-        if not e.spec.adaptive or not _free(e.policies[j]):
+        if not e.spec.adaptive or not _costs_nothing(e.policies[j]):
             return False
-        behind = next((m for m in range(j + 1, len(seq.sources)) if not _free(e.policies[m])), None)
+        behind = next((m for m in range(j + 1, len(seq.sources)) if not _costs_nothing(e.policies[m])), None)
         if behind is None or not e.policies[behind].would_speculate(cap):
             return False
         if seq.alphas[j].value(e.policies[j].alpha) >= seq.alphas[behind].value(e.policies[behind].alpha):
