@@ -1,6 +1,7 @@
 """`osd serve --no-learn` learns nothing from the traffic it serves: with --lookup, the n-gram lookup reads the
-request's own tokens only (the traffic's lookup keeps an empty index); learning on (the default), every finished request enters the lookup's
-traffic index, so a later request that repeats an earlier answer's words is proposed its continuation."""
+request's own tokens only (the traffic's lookup keeps an empty index); learning on (the default), every finished
+request enters the lookup's traffic index, so a later request that repeats an earlier answer's words is proposed its
+continuation."""
 from __future__ import annotations
 
 import pytest

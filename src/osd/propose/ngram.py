@@ -90,6 +90,11 @@ def one_hot_rows(tokens: list[int], vocab_size: int) -> torch.Tensor:
     return probs
 
 
+def lookup_proposal(tokens: list[int], vocab_size: int, sampling: SamplingConfig) -> Proposal:
+    """A lookup's tokens as a proposal: no draft forwards timed, one-hot draft rows where sampling."""
+    return Proposal(tokens, None if sampling.greedy else one_hot_rows(tokens, vocab_size), single_token_seconds=None)
+
+
 class NgramProposer:
     """Proposes by lookup in this request (prompt + output so far), then in earlier traffic."""
 
@@ -114,8 +119,7 @@ class NgramProposer:
         proposed = self.request.lookup(tokens, k)
         if not proposed and self.traffic is not None:
             proposed = self.traffic.lookup(tokens, k)
-        probs = None if sampling.greedy else one_hot_rows(proposed, self.vocab_size)
-        return Proposal(proposed, probs, single_token_seconds=None)
+        return lookup_proposal(proposed, self.vocab_size, sampling)
 
     def rollback(self, length: int) -> None:
         """Only committed tokens are indexed: nothing to discard."""
@@ -147,9 +151,7 @@ class TrafficLookup:
         """Nothing per sequence."""
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingConfig, generator=None) -> Proposal:
-        proposed = self.index.lookup(tokens, k)
-        return Proposal(proposed, None if sampling.greedy else one_hot_rows(proposed, self.vocab_size),
-                        single_token_seconds=None)
+        return lookup_proposal(self.index.lookup(tokens, k), self.vocab_size, sampling)
 
     def rollback(self, length: int) -> None:
         """Nothing cached."""

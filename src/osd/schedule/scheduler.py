@@ -452,7 +452,8 @@ class Scheduler:
         speculate (its policy's k at its acceptance, one-row costs) and this sequence accepts its tokens more often than
         j's (live acceptance, each shrunk towards its source's). A lookup match from another request's answer that
         proposes worse than the draft it displaces costs a row the draft's tokens would have earned more from (chat,
-        propose/ngram.py). Every PROBE_EVERY-th time it goes ahead anyway: j's acceptance moves only when it proposes."""
+        propose/ngram.py). Every PROBE_EVERY-th time it goes ahead anyway: j's acceptance moves only when it
+        proposes."""
         e = self.engine
         if not e.spec.adaptive or not _costs_nothing(e.policies[j]):
             return False
